@@ -1,0 +1,53 @@
+# Two commands for a fresh machine (see README.md):
+#   make demo   - build .venv if needed, then a real 2-rank CPU training run
+#   make test   - build .venv if needed, then the test suite
+# Both build the virtual environment from a Python 3.12 interpreter; a second run with nothing
+# changed reuses it (the stamp file records the hash of pyproject.toml).
+
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.nemo_lw_fp8-installed
+PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
+
+# A Python 3.12: $(PYTHON312) if given, else python3.12 on PATH, else the newest pyenv 3.12.x.
+PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || \
+	ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12.*/bin/python3.12 2>/dev/null | sort -V | tail -n 1)
+
+.PHONY: env demo test lint clean-env doctor
+
+env: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@if [ ! -x "$(PY)" ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then \
+		if [ -z "$(PYTHON312)" ]; then \
+			echo "error: no Python 3.12 found (megatron-core 0.19.2 needs it)." >&2; \
+			echo "  Install one, e.g. 'pyenv install 3.12' or your OS package python3.12," >&2; \
+			echo "  or point to it: make PYTHON312=/path/to/python3.12 $(MAKECMDGOALS)" >&2; \
+			exit 1; \
+		fi; \
+		echo ">> creating $(VENV) from $(PYTHON312)"; \
+		rm -rf $(VENV) && "$(PYTHON312)" -m venv $(VENV); \
+	fi
+	@if [ -f "$(STAMP)" ] && [ "$$(cat $(STAMP))" = "$(PYPROJECT_HASH)" ]; then exit 0; fi; \
+	echo ">> installing nemo_lw_fp8 with its test extra into $(VENV) (first time: several minutes)"; \
+	$(PY) -m pip install --quiet --upgrade pip && \
+	$(PY) -m pip install --quiet -e '.[test]' && \
+	echo "$(PYPROJECT_HASH)" > $(STAMP)
+
+demo: env
+	$(VENV)/bin/nemo-lw-fp8 demo
+
+test: env
+	@$(PY) -m pytest; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; \
+	exit $$rc
+
+lint: env
+	$(VENV)/bin/ruff check nemo_lw_fp8 tests benchmarks
+
+doctor: env
+	$(VENV)/bin/nemo-lw-fp8 doctor
+
+clean-env:
+	rm -rf $(VENV)

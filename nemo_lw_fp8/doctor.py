@@ -1,0 +1,135 @@
+"""``nemo-lw-fp8 doctor``: what is installed, which FP8 backend is in use, what upstream has.
+
+For each tracked upstream change the status is one of:
+
+``native``       the installed megatron-core already behaves as wanted (detected, not assumed);
+``patched``      megatron-core lacks it and the plugin's patch is applied in this process;
+``patchable``    megatron-core lacks it and the plugin has a patch for it (``nemo_lw_fp8.apply()``);
+``unavailable``  megatron-core lacks it and this version of the plugin cannot bring it (reason given).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+PACKAGES = (
+    ("torch", "torch"),
+    ("megatron-core", "megatron-core"),
+    ("transformer-engine", "transformer-engine"),
+    ("megatron-bridge", "megatron-bridge"),
+    ("nemo-run", "nemo-run"),
+    ("emerging-optimizers", "emerging-optimizers"),
+)
+
+
+@dataclass
+class ChangeStatus:
+    pr: int
+    title: str
+    status: str
+    reason: str
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def accelerator() -> dict[str, object]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"kind": "cpu", "name": platform.processor() or platform.machine()}
+    index = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    return {
+        "kind": "cuda",
+        "name": torch.cuda.get_device_name(index),
+        "compute_capability": f"{major}.{minor}",
+        "mxfp8_kernels": major == 10,
+    }
+
+
+def fp8_backend() -> dict[str, str]:
+    """Which FP8 implementation this process would use, without changing anything."""
+    try:
+        from .emulation import te_backend
+    except ImportError:
+        te_backend = None
+    if te_backend is not None and te_backend.active_backend() is not None:
+        return {"backend": te_backend.active_backend(), "reason": "activated in this process"}
+    if _package_version("transformer-engine") is None:
+        return {"backend": "none", "reason": "Transformer Engine is not installed"}
+    import torch
+
+    if torch.cuda.is_available():
+        return {"backend": "transformer_engine", "reason": "Transformer Engine with a CUDA device"}
+    return {
+        "backend": "emulated (on activation)",
+        "reason": "no CUDA device: TE's compiled kernels cannot load, the MXFP8 emulation stands in",
+    }
+
+
+def upstream_status() -> list[ChangeStatus]:
+    from . import patches
+    from .upstream import CHANGES
+
+    patches.load_all()
+    registered = patches.registry()
+    rows = []
+    for item in CHANGES:
+        try:
+            native, reason = item.detect()
+        except Exception as exc:  # noqa: BLE001 - a detector failure is itself a finding
+            rows.append(ChangeStatus(item.pr, item.title, "unavailable", f"detector failed: {exc}"))
+            continue
+        if native:
+            status = "native"
+        elif item.feature in registered:
+            status = "patched" if registered[item.feature].applied else "patchable"
+        else:
+            status = "unavailable"
+            reason = f"{reason}; the plugin's patch is planned in {item.planned_in}"
+        rows.append(ChangeStatus(item.pr, item.title, status, reason))
+    return rows
+
+
+def collect() -> dict[str, object]:
+    versions = {"python": platform.python_version()}
+    versions.update({label: _package_version(dist) for label, dist in PACKAGES})
+    return {
+        "versions": versions,
+        "accelerator": accelerator(),
+        "fp8_backend": fp8_backend(),
+        "upstream": [asdict(row) for row in upstream_status()],
+    }
+
+
+def render(report: dict[str, object]) -> str:
+    lines = ["nemo_lw_fp8 doctor", ""]
+    lines.append("versions:")
+    for name, value in report["versions"].items():
+        lines.append(f"  {name:<20} {value or 'not installed'}")
+    acc = report["accelerator"]
+    lines.append("")
+    detail = ", ".join(f"{k}={v}" for k, v in acc.items() if k != "kind")
+    lines.append(f"accelerator:           {acc['kind']} ({detail})")
+    backend = report["fp8_backend"]
+    lines.append(f"fp8 backend:           {backend['backend']} - {backend['reason']}")
+    lines.append("")
+    lines.append(f"{'upstream change':<8} {'status':<12} {'what':<52} reason")
+    for row in report["upstream"]:
+        lines.append(f"#{row['pr']:<7} {row['status']:<12} {row['title']:<52} {row['reason']}")
+    return "\n".join(lines)
+
+
+def main(as_json: bool = False) -> int:
+    report = collect()
+    sys.stdout.write((json.dumps(report, indent=2) if as_json else render(report)) + "\n")
+    return 0

@@ -1,0 +1,51 @@
+"""Patch modules for the installed megatron-core, one module per behaviour.
+
+Each module opens with a docstring: the behaviour it brings, the upstream change it mirrors (by
+PR number), what it patches, and how it detects that upstream already has it. Modules register a
+:class:`~nemo_lw_fp8.patches.framework.Patch` when they are imported; :data:`PATCH_MODULES` lists
+them so :func:`load_all` can import every one.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .framework import (
+    ALLOW_UNTESTED_ENV,
+    LateApplyWarning,
+    Override,
+    Patch,
+    UntestedMegatronVersion,
+    applied,
+    apply,
+    original,
+    register,
+    registry,
+    revert,
+)
+
+#: Patch modules shipped with the plugin (imported lazily: they import megatron-core).
+PATCH_MODULES: tuple[str, ...] = ()
+
+
+def load_all() -> None:
+    """Import every patch module so its patch is registered."""
+    for module in PATCH_MODULES:
+        importlib.import_module(f"{__name__}.{module}")
+
+
+__all__ = [
+    "ALLOW_UNTESTED_ENV",
+    "LateApplyWarning",
+    "Override",
+    "PATCH_MODULES",
+    "Patch",
+    "UntestedMegatronVersion",
+    "applied",
+    "apply",
+    "load_all",
+    "original",
+    "register",
+    "registry",
+    "revert",
+]

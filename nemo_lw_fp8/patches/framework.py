@@ -1,0 +1,221 @@
+"""The machinery every patch module uses: declare targets, detect upstream, apply, revert.
+
+A :class:`Patch` names the upstream change it mirrors, the megatron-core versions it was tested
+on, a detector that says whether the installed megatron-core already behaves as wanted, and a
+builder that returns its :class:`Override` s (owner object, attribute, replacement). Applying
+records the exact original objects (read from the owner's ``__dict__`` for classes, so inherited,
+static and class methods come back unchanged) and applying twice is a no-op. :func:`revert`
+puts back the very same objects. :func:`original` keeps every original reachable while patched.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Set to 1 to apply patches on a megatron-core version they were not tested on.
+ALLOW_UNTESTED_ENV = "NEMO_LW_FP8_ALLOW_UNTESTED_MEGATRON"
+
+_MISSING = object()
+
+
+class UntestedMegatronVersion(RuntimeError):
+    """The installed megatron-core is not one the patch was tested on."""
+
+
+class LateApplyWarning(UserWarning):
+    """Patches were applied after megatron DDP wrappers or optimizers already existed."""
+
+
+@dataclass
+class Override:
+    """Replace ``owner.attr`` with ``replacement`` while the patch is applied."""
+
+    owner: Any
+    attr: str
+    replacement: Any
+
+
+@dataclass
+class Patch:
+    """One behaviour the plugin brings to megatron-core, mirroring one upstream change."""
+
+    name: str
+    upstream_pr: int
+    summary: str
+    detect_native: Callable[[], tuple[bool, str]]
+    build_overrides: Callable[[], list[Override]]
+    tested_versions: tuple[str, ...] = ("0.19.2",)
+    requires: tuple[str, ...] = ()
+    _saved: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
+    applied: bool = False
+    native_reason: str | None = None
+
+
+_REGISTRY: dict[str, Patch] = {}
+
+
+def register(patch: Patch) -> Patch:
+    """Add a patch to the registry (patch modules call this at import time)."""
+    if patch.name in _REGISTRY and _REGISTRY[patch.name] is not patch:
+        raise ValueError(f"a patch named {patch.name!r} is already registered")
+    _REGISTRY[patch.name] = patch
+    return patch
+
+
+def unregister(name: str) -> None:
+    """Remove a patch from the registry, reverting it first (used by tests)."""
+    patch = _REGISTRY.get(name)
+    if patch is not None:
+        _revert_one(patch)
+        del _REGISTRY[name]
+
+
+def registry() -> dict[str, Patch]:
+    return dict(_REGISTRY)
+
+
+def megatron_core_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        from megatron.core import package_info
+
+        return package_info.__version__
+
+
+def _check_version(patch: Patch, allow_untested: bool) -> None:
+    installed = megatron_core_version()
+    if installed in patch.tested_versions:
+        return
+    if allow_untested or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        warnings.warn(
+            f"nemo_lw_fp8 patch {patch.name!r} was tested on megatron-core "
+            f"{', '.join(patch.tested_versions)}, not {installed}; applying anyway because "
+            f"{ALLOW_UNTESTED_ENV}=1 / allow_untested=True.",
+            stacklevel=4,
+        )
+        return
+    raise UntestedMegatronVersion(
+        f"nemo_lw_fp8 patch {patch.name!r} (mirrors Megatron-LM PR #{patch.upstream_pr}) was "
+        f"tested on megatron-core {', '.join(patch.tested_versions)}, but megatron-core "
+        f"{installed} is installed. Install megatron-core=={patch.tested_versions[-1]}, or set "
+        f"{ALLOW_UNTESTED_ENV}=1 (or apply(..., allow_untested=True)) to try it at your own risk."
+    )
+
+
+def _own_attr(owner: Any, attr: str) -> Any:
+    if isinstance(owner, type):
+        return owner.__dict__.get(attr, _MISSING)
+    return getattr(owner, attr, _MISSING)
+
+
+def _warn_if_late(names: list[str]) -> None:
+    """Say so when megatron DDP wrappers or optimizers were built before the patches."""
+    try:
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.optimizer import MegatronOptimizer
+    except ImportError:
+        return
+    kinds = (DistributedDataParallel, MegatronOptimizer)
+    late = sum(1 for obj in gc.get_objects() if isinstance(obj, kinds))
+    if late:
+        warnings.warn(
+            f"nemo_lw_fp8.apply({names}) ran after {late} megatron DDP wrapper(s) / optimizer(s) "
+            "were built; objects built before the patches may keep the unpatched behaviour. "
+            "Call nemo_lw_fp8.apply() before building models and optimizers.",
+            LateApplyWarning,
+            stacklevel=3,
+        )
+
+
+def _apply_one(patch: Patch, allow_untested: bool) -> str:
+    if patch.applied:
+        return "patched"
+    _check_version(patch, allow_untested)
+    native, reason = patch.detect_native()
+    if native:
+        patch.native_reason = reason
+        return "native"
+    overrides = patch.build_overrides()
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for override in overrides:
+            saved.append((override.owner, override.attr, _own_attr(override.owner, override.attr)))
+            setattr(override.owner, override.attr, override.replacement)
+    except BaseException:
+        _restore(saved)
+        raise
+    patch._saved = saved
+    patch.applied = True
+    return "patched"
+
+
+def _restore(saved: list[tuple[Any, str, Any]]) -> None:
+    for owner, attr, value in reversed(saved):
+        if value is _MISSING:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, value)
+
+
+def _revert_one(patch: Patch) -> None:
+    if patch.applied:
+        _restore(patch._saved)
+        patch._saved = []
+        patch.applied = False
+
+
+def _resolve(features: Iterable[str] | None) -> list[Patch]:
+    if features is None:
+        return list(_REGISTRY.values())
+    chosen: list[Patch] = []
+    for name in features:
+        if name not in _REGISTRY:
+            raise KeyError(f"unknown nemo_lw_fp8 feature {name!r}; known: {sorted(_REGISTRY)}")
+        for required in _REGISTRY[name].requires:
+            if _REGISTRY[required] not in chosen:
+                chosen.append(_REGISTRY[required])
+        if _REGISTRY[name] not in chosen:
+            chosen.append(_REGISTRY[name])
+    return chosen
+
+
+def apply(features: Iterable[str] | None = None, *, allow_untested: bool = False) -> dict[str, str]:
+    """Apply the named patches (all registered ones by default).
+
+    Returns ``{name: "patched" | "native"}``. Idempotent: a patch already applied stays as it is.
+    """
+    chosen = _resolve(features)
+    names = [patch.name for patch in chosen]
+    if any(not patch.applied for patch in chosen):
+        _warn_if_late(names)
+    return {patch.name: _apply_one(patch, allow_untested) for patch in chosen}
+
+
+def revert(features: Iterable[str] | None = None) -> None:
+    """Restore the original objects of the named patches (all by default), newest first."""
+    for patch in reversed(_resolve(features)):
+        _revert_one(patch)
+
+
+def applied() -> list[str]:
+    """Names of the patches currently applied."""
+    return [name for name, patch in _REGISTRY.items() if patch.applied]
+
+
+def original(owner: Any, attr: str) -> Any:
+    """The object ``owner.attr`` held before any applied patch replaced it."""
+    for patch in _REGISTRY.values():
+        for saved_owner, saved_attr, value in patch._saved:
+            if saved_owner is owner and saved_attr == attr:
+                if value is _MISSING:
+                    raise AttributeError(f"{owner!r} had no attribute {attr!r} before patching")
+                return value
+    return getattr(owner, attr)

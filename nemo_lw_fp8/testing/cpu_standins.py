@@ -1,0 +1,301 @@
+"""CPU stand-ins that let real megatron-core 0.19.2 distributed code run without a GPU.
+
+megatron-core's DDP buffers and optimizers are written for CUDA. None of their *logic* needs a GPU,
+but a handful of call sites touch the CUDA runtime directly. Each stand-in below exists because of
+a named call site (see ``docs/testing.md``); nothing else is changed, and megatron's source is never
+edited. The stand-ins are test and demo infrastructure: production modules of this package never
+import this file.
+
+Stand-ins (each can be installed and removed on its own):
+
+``cuda_runtime``
+    ``torch.cuda.current_device`` / ``Stream`` / ``current_stream`` / ``stream`` / ``Event`` /
+    ``synchronize`` / ``empty_cache``. Call sites: ``_ParamAndGradBuffer.__init__``
+    (``device=torch.cuda.current_device()``), ``DistributedDataParallel.__init__`` (communication
+    stream), ``_ParamAndGradBucketGroup.start_grad_sync`` / ``finish_grad_sync`` (stream waits),
+    ``free_overlap_buffers`` (synchronize / empty_cache).
+``cuda_device``
+    A ``TorchFunctionMode`` that maps every CUDA device argument (``device='cuda'``, ``device=0``,
+    ``.cuda()``, ``.to('cuda')``) to the CPU and reports CUDA type strings from ``Tensor.type()``.
+    Call sites: ``MixedPrecisionOptimizer.__init__`` (``torch.tensor(..., device='cuda')``),
+    ``clip_grads`` (``device='cuda'``), ``Float16OptimizerWithFloat16Params.__init__`` and
+    ``DistributedOptimizer`` (``param.type() == 'torch.cuda.BFloat16Tensor'``).
+``uneven_all_gather``
+    gloo's ``all_gather`` refuses tensors of unequal sizes (NCCL accepts them). Falls back to one
+    broadcast per source rank. Call sites: ``LayerWiseDistributedOptimizer.allgather_params``
+    (legacy layer-wise path) and ``_ParamAndGradBucketGroup.start_param_sync`` (its layer-wise
+    branch, #3524).
+``cpu_rng``
+    ``CudaRNGStatesTracker.add`` / ``fork`` keep named CUDA generator states; on CPU they keep and
+    swap states of the CPU generator instead, and ``torch.cuda`` seeding calls become CPU-safe.
+    Call site: ``GPTModel`` forward (dropout and init under ``get_cuda_rng_tracker().fork()``),
+    ``model_parallel_cuda_manual_seed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+
+@dataclass
+class StandIn:
+    """One named stand-in: how to install it, how to undo it, and why it exists."""
+
+    name: str
+    call_sites: str
+    install_fn: Callable[[], Callable[[], None]]
+    _undo: Callable[[], None] | None = field(default=None, repr=False)
+
+    @property
+    def installed(self) -> bool:
+        return self._undo is not None
+
+    def install(self) -> None:
+        if self._undo is None:
+            self._undo = self.install_fn()
+
+    def uninstall(self) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+
+
+def _swap_attrs(owner: Any, replacements: dict[str, Any]) -> Callable[[], None]:
+    """Set attributes on ``owner`` and return a function that restores the originals exactly."""
+    missing = object()
+    # For a class, read its own __dict__ so an inherited attribute is restored by deletion.
+    lookup = owner.__dict__.get if isinstance(owner, type) else lambda n, d: getattr(owner, n, d)
+    originals = {name: lookup(name, missing) for name in replacements}
+    for name, value in replacements.items():
+        setattr(owner, name, value)
+
+    def undo() -> None:
+        for name, value in originals.items():
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+    return undo
+
+
+# --------------------------------------------------------------------------- cuda_runtime
+
+
+class _NoOpStream:
+    """Stands for a CUDA stream: work on CPU is synchronous, so every wait is already satisfied."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NoOpEvent:
+        return event if event is not None else _NoOpEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _NoOpEvent:
+    """Stands for a CUDA event: always complete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+_DEFAULT_STREAM = _NoOpStream()
+
+
+def _install_cuda_runtime() -> Callable[[], None]:
+    return _swap_attrs(
+        torch.cuda,
+        {
+            "current_device": lambda: 0,
+            "Stream": _NoOpStream,
+            "Event": _NoOpEvent,
+            "current_stream": lambda device=None: _DEFAULT_STREAM,
+            "default_stream": lambda device=None: _DEFAULT_STREAM,
+            "stream": lambda stream=None: contextlib.nullcontext(),
+            "synchronize": lambda device=None: None,
+            "empty_cache": lambda: None,
+        },
+    )
+
+
+# --------------------------------------------------------------------------- cuda_device
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int device index means a CUDA ordinal in torch's factory functions.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CPU = torch.device("cpu")
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Maps CUDA device arguments to the CPU and reports CUDA tensor type strings."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _install_cuda_device() -> Callable[[], None]:
+    mode = CudaToCpuMode()
+    mode.__enter__()
+
+    def undo() -> None:
+        mode.__exit__(None, None, None)
+
+    return undo
+
+
+# --------------------------------------------------------------------------- uneven_all_gather
+
+
+class _DoneWork:
+    """A finished async collective: the fallback already completed synchronously."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _install_uneven_all_gather() -> Callable[[], None]:
+    original = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):  # noqa: ANN001
+        sizes = {t.numel() for t in tensor_list} | {tensor.numel()}
+        if len(sizes) == 1:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        my_rank = dist.get_rank(group)
+        for src, out in enumerate(tensor_list):
+            if src == my_rank and out.data_ptr() != tensor.data_ptr():
+                out.copy_(tensor)
+            global_src = dist.get_global_rank(group, src) if group is not None else src
+            dist.broadcast(out, global_src, group=group)
+        return _DoneWork() if async_op else None
+
+    return _swap_attrs(dist, {"all_gather": all_gather})
+
+
+# --------------------------------------------------------------------------- cpu_rng
+
+
+def _install_cpu_rng() -> Callable[[], None]:
+    from megatron.core.tensor_parallel import random as mpu_random
+
+    tracker_cls = mpu_random.CudaRNGStatesTracker
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        self.states_[name] = generator.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = mpu_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        if name not in self.states_:
+            raise Exception(f"cuda rng state {name} is not added")
+        outer_state = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer_state)
+
+    undo_tracker = _swap_attrs(tracker_cls, {"add": add, "fork": fork})
+    # torch.manual_seed calls torch.cuda.manual_seed_all; the CPU generator is already seeded then.
+    undo_cuda = _swap_attrs(
+        torch.cuda,
+        {"manual_seed": lambda seed: None, "manual_seed_all": lambda seed: None},
+    )
+
+    def undo() -> None:
+        undo_cuda()
+        undo_tracker()
+
+    return undo
+
+
+STANDINS: dict[str, StandIn] = {
+    standin.name: standin
+    for standin in (
+        StandIn("cuda_runtime", "DDP buffers and streams", _install_cuda_runtime),
+        StandIn("cuda_device", "device='cuda' and param.type() checks", _install_cuda_device),
+        StandIn("uneven_all_gather", "layer-wise variable-size gathers", _install_uneven_all_gather),
+        StandIn("cpu_rng", "RNG tracker fork in GPTModel", _install_cpu_rng),
+    )
+}
+
+
+def install(names: tuple[str, ...] | None = None) -> list[str]:
+    """Install the named stand-ins (all by default); returns the names installed."""
+    chosen = list(STANDINS) if names is None else list(names)
+    for name in chosen:
+        if name not in STANDINS:
+            raise KeyError(f"unknown CPU stand-in {name!r}; known: {sorted(STANDINS)}")
+        STANDINS[name].install()
+    return chosen
+
+
+def uninstall_all() -> None:
+    """Remove every installed stand-in, most recent first."""
+    for standin in reversed(list(STANDINS.values())):
+        standin.uninstall()
+
+
+def installed() -> list[str]:
+    return [name for name, standin in STANDINS.items() if standin.installed]

@@ -1,0 +1,327 @@
+"""Run a function on N gloo ranks that drive real megatron-core on CPU.
+
+Design (see ``docs/testing.md``):
+
+* A :class:`RankPool` spawns ``world_size`` worker processes once. Each joins a gloo process group,
+  installs the CPU stand-ins (:mod:`nemo_lw_fp8.testing.cpu_standins`), imports megatron-core and
+  then serves tasks. Imports (about 10-20 s on two cores) are paid once per pool, not per test.
+* A task is a picklable module-level function. It runs on every rank with megatron's parallel
+  state initialised for the requested :class:`ParallelSpec`; each rank's return value (or
+  traceback) comes back to the caller.
+* Nothing hangs: every task has a deadline. When it passes, each worker is asked to dump the stacks
+  of all its threads (``faulthandler`` on ``SIGUSR1``), the pool is killed, and
+  :class:`RankTimeout` reports what each rank was doing. A rank that raises fails the call with
+  its traceback; the pool is then discarded (the other ranks may be stuck in a collective) and the
+  next call starts a fresh one.
+* After every task the worker reverts any plugin patches the task applied and restores megatron's
+  parallel state, so tasks do not leak into each other.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 180.0
+STARTUP_TIMEOUT_S = 400.0
+#: After one rank fails, how long the others get to finish before the pool is killed.
+FAILURE_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """Megatron model-parallel sizes for a task; data parallel takes the remaining ranks."""
+
+    tp: int = 1
+    ep: int = 1
+
+
+@dataclass(frozen=True)
+class BootOptions:
+    """What a worker sets up before it imports megatron-core (fixed for a pool's lifetime)."""
+
+    #: Activate the Transformer Engine MXFP8 emulation backend before megatron is imported.
+    fp8_emulation: bool = False
+    #: Names of CPU stand-ins to install; ``None`` installs all of them.
+    standins: tuple[str, ...] | None = None
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised; the message holds every failing rank's traceback."""
+
+    def __init__(self, message: str, per_rank: dict[int, str]):
+        super().__init__(message)
+        self.per_rank = per_rank
+
+
+class RankTimeout(RankFailure):
+    """The deadline passed; the message holds the stack of every rank still running."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- worker side
+
+_current_spec: ParallelSpec | None = None
+
+
+def _init_parallel_state(spec: ParallelSpec) -> None:
+    """(Re)initialise megatron's parallel state when the requested sizes differ."""
+    global _current_spec
+    from megatron.core import parallel_state
+
+    if _current_spec == spec and parallel_state.model_parallel_is_initialized():
+        return
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=spec.tp, expert_model_parallel_size=spec.ep
+    )
+    _current_spec = spec
+
+
+def _cleanup_after_task() -> None:
+    """Undo what a task may have left behind in this long-lived process."""
+    import gc
+
+    plugin = sys.modules.get("nemo_lw_fp8")
+    if plugin is not None and hasattr(plugin, "revert"):
+        plugin.revert()
+    gc.collect()
+
+
+def _worker_main(
+    rank: int, world_size: int, port: int, conn: Connection, dump_path: str, boot: BootOptions
+) -> None:
+    dump_file = open(dump_path, "w")  # noqa: SIM115 - kept open for faulthandler
+    faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        if boot.fp8_emulation:
+            from nemo_lw_fp8.emulation import te_backend
+
+            te_backend.activate()
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        from nemo_lw_fp8.testing import cpu_standins
+
+        cpu_standins.install(boot.standins)
+        _init_parallel_state(ParallelSpec())
+        conn.send_bytes(pickle.dumps(("ready", None)))
+    except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        return
+
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        if message is None:
+            return
+        fn, args, kwargs, spec, sys_path = message
+        for entry in sys_path:
+            if entry not in sys.path:
+                sys.path.append(entry)
+        try:
+            _init_parallel_state(spec)
+            result = ("ok", fn(*args, **kwargs))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the caller
+            result = ("error", traceback.format_exc())
+        finally:
+            try:
+                _cleanup_after_task()
+            except BaseException:  # noqa: BLE001
+                result = ("error", traceback.format_exc())
+        try:
+            payload = pickle.dumps(result)
+        except Exception:  # noqa: BLE001
+            payload = pickle.dumps(("error", "result is not picklable:\n" + traceback.format_exc()))
+        conn.send_bytes(payload)
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+class RankPool:
+    """``world_size`` long-lived rank processes that run one task at a time on all ranks."""
+
+    def __init__(self, world_size: int, boot: BootOptions = BootOptions()):
+        self.world_size = world_size
+        self.boot = boot
+        self._ctx = mp.get_context("spawn")
+        self._dump_dir = tempfile.mkdtemp(prefix=f"nemo_lw_fp8_ranks{world_size}_")
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        self.alive = False
+        self._start()
+
+    def _dump_path(self, rank: int) -> str:
+        return os.path.join(self._dump_dir, f"rank{rank}.stacks")
+
+    def _start(self) -> None:
+        port = _free_port()
+        for rank in range(self.world_size):
+            parent_conn, child_conn = self._ctx.Pipe()
+            proc = self._ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, port, child_conn, self._dump_path(rank), self.boot),
+                daemon=True,
+                name=f"nemo_lw_fp8-rank{rank}",
+            )
+            proc.start()
+            child_conn.close()
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+        self.alive = True
+        results = self._collect(STARTUP_TIMEOUT_S, what="start-up")
+        del results
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        parallel: ParallelSpec = ParallelSpec(),
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results ordered by rank."""
+        if not self.alive:
+            raise RuntimeError("this RankPool was shut down; get a new one")
+        payload = pickle.dumps((fn, args, kwargs, parallel, list(sys.path)))
+        for conn in self._conns:
+            conn.send_bytes(payload)
+        return self._collect(timeout, what=getattr(fn, "__qualname__", repr(fn)))
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        pending = dict(enumerate(self._conns))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if errors:
+                remaining = min(remaining, FAILURE_GRACE_S)
+            if remaining <= 0:
+                break
+            ready = wait(list(pending.values()), timeout=remaining)
+            if not ready:
+                break
+            for conn in ready:
+                rank = next(r for r, c in pending.items() if c is conn)
+                del pending[rank]
+                try:
+                    status, value = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    errors[rank] = f"rank {rank} exited (exit code {self._procs[rank].exitcode})"
+                    continue
+                if status == "error":
+                    errors[rank] = value
+                else:
+                    results[rank] = value
+        if pending and not errors:
+            stacks = self._dump_stacks(sorted(pending))
+            self.shutdown()
+            detail = "\n".join(f"--- rank {r} was doing:\n{s}" for r, s in stacks.items())
+            raise RankTimeout(
+                f"{what}: deadline of {timeout:.0f}s passed with ranks {sorted(pending)} "
+                f"still running; all ranks were ended.\n{detail}",
+                stacks,
+            )
+        if errors:
+            stuck = sorted(pending)
+            self.shutdown()
+            detail = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
+            note = f" (ranks {stuck} did not finish and were ended)" if stuck else ""
+            raise RankFailure(f"{what}: ranks {sorted(errors)} failed{note}.\n{detail}", errors)
+        return [results[r] for r in range(self.world_size)]
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        for rank in ranks:
+            proc = self._procs[rank]
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        stacks = {}
+        for rank in ranks:
+            try:
+                with open(self._dump_path(rank)) as handle:
+                    stacks[rank] = handle.read() or "(no stack dumped)"
+            except OSError as exc:
+                stacks[rank] = f"(could not read stack dump: {exc})"
+        return stacks
+
+    def shutdown(self) -> None:
+        """Stop every rank process (politely, then by force)."""
+        if not self._procs:
+            return
+        self.alive = False
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + 3.0
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+
+_POOLS: dict[tuple[int, BootOptions], RankPool] = {}
+
+
+def get_pool(world_size: int, boot: BootOptions = BootOptions()) -> RankPool:
+    """A live pool for this world size and boot options, started on first use."""
+    key = (world_size, boot)
+    pool = _POOLS.get(key)
+    if pool is None or not pool.alive:
+        pool = RankPool(world_size, boot)
+        _POOLS[key] = pool
+    return pool
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    parallel: ParallelSpec = ParallelSpec(),
+    boot: BootOptions = BootOptions(),
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn`` on ``world_size`` CPU ranks (reusing a pool) and return per-rank results."""
+    return get_pool(world_size, boot).run(fn, *args, timeout=timeout, parallel=parallel, **kwargs)
+
+
+def shutdown_pools() -> None:
+    """Stop every pool this process started."""
+    for pool in _POOLS.values():
+        pool.shutdown()
+    _POOLS.clear()

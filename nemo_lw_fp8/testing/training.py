@@ -1,0 +1,294 @@
+"""Small, deterministic training runs over real megatron-core DDP and optimizers (CPU ranks).
+
+Every function here runs *inside* a rank of :mod:`nemo_lw_fp8.testing.harness`. A
+:class:`Scenario` names the optimizer and the way parameters are distributed; :func:`train` builds
+the model from a fixed seed (identical on all ranks and in every scenario), trains it for a few
+steps on per-rank data, and returns what parity tests compare: per-step losses, the final
+parameters, and a digest of them.
+
+Distribution modes:
+
+``ddp``               plain DDP, every rank holds whole gradients and runs the whole optimizer.
+``distopt``           megatron's DistributedOptimizer (byte-level sharding, reduce-scatter).
+``layerwise_legacy``  LayerWiseDistributedOptimizer without a param layout (ping-pong ownership,
+                      flatten + all_gather of whole params).
+``layerwise_padded``  LayerWiseDistributedOptimizer with megatron 0.19.2's shard-aligned padded
+                      layout (Muon matrices in layer-wise buffers, the rest under a sibling
+                      DistributedOptimizer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+DISTRIBUTIONS = ("ddp", "distopt", "layerwise_legacy", "layerwise_padded")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One way to train the same model; parity tests compare scenarios with each other."""
+
+    optimizer: str = "adam"  # "adam" or "muon"
+    distribution: str = "ddp"
+    overlap: bool = False  # overlap_grad_reduce + overlap_param_gather
+    model: str = "mlp"  # "mlp" or "gpt"
+    steps: int = 5
+    seed: int = 1234
+    lr: float = 1e-2
+    bucket_size: int | None = None
+    micro_batch: int = 4
+    #: 0 disables clipping; a global grad norm is summed in an order the layout decides.
+    clip_grad: float = 0.0
+    #: "random" tokens / features, or "pattern": a learnable sequence whose loss falls quickly.
+    data: str = "random"
+
+    def with_(self, **changes: Any) -> Scenario:
+        return replace(self, **changes)
+
+
+# --------------------------------------------------------------------------- models
+
+
+class TinyMLP(torch.nn.Module):
+    """Linear layers with biases and LayerNorms: Muon matrices plus Adam vectors."""
+
+    def __init__(self, widths: tuple[int, ...] = (32, 64, 64, 48, 64, 16)):
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
+            layers.append(torch.nn.Linear(fan_in, fan_out, bias=True))
+            if i < len(widths) - 2:
+                layers.append(torch.nn.LayerNorm(fan_out))
+                layers.append(torch.nn.GELU())
+        self.net = torch.nn.Sequential(*layers)
+        self.in_features = widths[0]
+        self.out_features = widths[-1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def transformer_config(**overrides: Any):
+    """A small TransformerConfig that megatron's DDP and GPT code accept on CPU."""
+    from megatron.core.transformer import TransformerConfig
+
+    settings: dict[str, Any] = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+    )
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+GPT_VOCAB = 128
+GPT_SEQ = 16
+
+
+def build_gpt(config) -> torch.nn.Module:
+    """A tiny GPTModel on megatron-core's local (non-TE) layer spec."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=GPT_VOCAB,
+        max_sequence_length=GPT_SEQ,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+
+
+def seed_all(seed: int) -> None:
+    """Seed the CPU generator and megatron's model-parallel RNG tracker identically everywhere."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.reset()
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_model(scenario: Scenario):
+    """Build the scenario's bf16 model from its seed; returns (module, transformer_config)."""
+    seed_all(scenario.seed)
+    if scenario.model == "gpt":
+        config = transformer_config()
+        module = build_gpt(config)
+    elif scenario.model == "mlp":
+        config = transformer_config()
+        module = TinyMLP()
+    else:
+        raise ValueError(f"unknown model {scenario.model!r}; use 'mlp' or 'gpt'")
+    return module.to(torch.bfloat16), config
+
+
+# --------------------------------------------------------------------------- wrapping
+
+
+def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario):
+    """Wrap ``module`` in megatron DDP as the scenario asks and build its megatron optimizer."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.training.training import wrap_model_chunks_with_ddp
+
+    dist_mode = scenario.distribution
+    if dist_mode not in DISTRIBUTIONS:
+        raise ValueError(f"unknown distribution {dist_mode!r}; one of {DISTRIBUTIONS}")
+    layer_wise = dist_mode.startswith("layerwise")
+    if layer_wise and scenario.optimizer != "muon":
+        raise ValueError("layer-wise distribution needs optimizer='muon'")
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=scenario.overlap,
+        overlap_param_gather=scenario.overlap,
+        use_distributed_optimizer=dist_mode == "distopt",
+        bucket_size=scenario.bucket_size,
+    )
+    model = wrap_model_chunks_with_ddp(
+        [module],
+        config,
+        ddp_config,
+        use_layer_wise_distributed_optimizer=layer_wise,
+        use_layer_wise_param_layout=dist_mode == "layerwise_padded",
+    )
+    opt_config = OptimizerConfig(
+        optimizer=scenario.optimizer,
+        lr=scenario.lr,
+        min_lr=scenario.lr,
+        weight_decay=0.01,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        clip_grad=scenario.clip_grad,
+        use_distributed_optimizer=dist_mode == "distopt",
+        use_layer_wise_distributed_optimizer=layer_wise,
+        overlap_param_gather=scenario.overlap,
+        muon_fp32_matmul_prec="highest",
+    )
+    optimizer = get_megatron_optimizer(opt_config, model)
+    return model, optimizer
+
+
+# --------------------------------------------------------------------------- data and steps
+
+
+def _rank_batch(scenario: Scenario, module: torch.nn.Module, step: int, dp_rank: int):
+    """Deterministic per-(step, rank) inputs, independent of the global RNG."""
+    generator = torch.Generator().manual_seed(scenario.seed * 1000 + step * 17 + dp_rank)
+    if scenario.model == "gpt":
+        shape = (scenario.micro_batch, GPT_SEQ + 1)
+        if scenario.data == "pattern":
+            # Each row counts up by a row-specific stride: next token = previous + stride.
+            start = torch.randint(0, GPT_VOCAB, (shape[0], 1), generator=generator)
+            stride = torch.randint(1, 4, (shape[0], 1), generator=generator)
+            tokens = (start + stride * torch.arange(shape[1])) % GPT_VOCAB
+        else:
+            tokens = torch.randint(0, GPT_VOCAB, shape, generator=generator)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    x = torch.randn(scenario.micro_batch, module.in_features, generator=generator)
+    y = torch.randn(scenario.micro_batch, module.out_features, generator=generator)
+    return x.to(torch.bfloat16), y
+
+
+def forward_loss(scenario: Scenario, model, batch) -> torch.Tensor:
+    inputs, target = batch
+    if scenario.model == "gpt":
+        positions = torch.arange(GPT_SEQ).unsqueeze(0).expand_as(inputs)
+        per_token = model(inputs, positions, None, labels=target)
+        return per_token.float().mean()
+    out = model(inputs)
+    return torch.nn.functional.mse_loss(out.float(), target)
+
+
+def train_step(scenario: Scenario, model: list, optimizer, step: int, dp_rank: int) -> float:
+    """One megatron-style step: zero buffers, forward/backward, finish grad sync, step."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    batch = _rank_batch(scenario, model[0].module, step, dp_rank)
+    loss = forward_loss(scenario, model[0], batch)
+    loss.backward()
+    for chunk in model:
+        chunk.finish_grad_sync()
+    ok, _grad_norm, _ = optimizer.step()
+    if not ok:
+        raise RuntimeError(f"optimizer step {step} was skipped")
+    return float(loss.detach())
+
+
+def final_sync(model: list) -> None:
+    """Make the last step's parameters visible (overlapped gathers wait for the next forward)."""
+    for chunk in model:
+        if chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
+def param_snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone().float() for name, p in module.named_parameters()}
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """A hash of the exact bytes, for cheap cross-rank comparisons."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _progress_line(step: int, total: int, loss: float, elapsed: float) -> str:
+    width = 24
+    filled = round(width * step / total)
+    bar = "#" * filled + "." * (width - filled)
+    return f"[{bar}] step {step:>3}/{total}  loss {loss:.4f}  {elapsed:6.1f}s"
+
+
+def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
+    """Train ``scenario`` on this rank; returns losses, final params and their digest.
+
+    With ``progress=True`` data-parallel rank 0 prints a progress bar and a loss line per step.
+    """
+    import time
+
+    from megatron.core import parallel_state
+
+    module, config = build_model(scenario)
+    model, optimizer = wrap_and_build_optimizer(module, config, scenario)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    losses = []
+    start = time.perf_counter()
+    for step in range(scenario.steps):
+        losses.append(train_step(scenario, model, optimizer, step, dp_rank))
+        if progress and dp_rank == 0:
+            line = _progress_line(step + 1, scenario.steps, losses[-1], time.perf_counter() - start)
+            print(line, flush=True)
+    final_sync(model)
+    elapsed = time.perf_counter() - start
+    params = param_snapshot(model[0].module)
+    return {
+        "losses": losses,
+        "params": params,
+        "digest": digest(params),
+        "optimizer": type(optimizer).__name__,
+        "seconds": elapsed,
+    }
