@@ -48,7 +48,8 @@ def run(steps: int = DEFAULT_SCENARIO.steps, world_size: int = 2) -> int:
     print("summary")
     print(f"  steps               {scenario.steps}")
     print(f"  optimizer           {results[0]['optimizer']} (Muon layer-wise + Adam DistOpt)")
-    print(f"  tokens/s            {tokens / train_seconds:,.0f} (training loop, {world_size} ranks)")
+    rate = tokens / train_seconds
+    print(f"  tokens/s            {rate:,.0f} (training loop, {world_size} ranks)")
     print(f"  loss first -> final {losses[0]:.4f} -> {losses[-1]:.4f}")
     print(f"  ranks identical     {'yes' if identical else 'NO'} (sha256 of every parameter)")
     print(f"  wall time           {wall:.1f}s including process start-up")

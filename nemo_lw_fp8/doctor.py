@@ -4,8 +4,8 @@ For each tracked upstream change the status is one of:
 
 ``native``       the installed megatron-core already behaves as wanted (detected, not assumed);
 ``patched``      megatron-core lacks it and the plugin's patch is applied in this process;
-``patchable``    megatron-core lacks it and the plugin has a patch for it (``nemo_lw_fp8.apply()``);
-``unavailable``  megatron-core lacks it and this version of the plugin cannot bring it (reason given).
+``patchable``    megatron-core lacks it and the plugin has a patch (``nemo_lw_fp8.apply()``);
+``unavailable``  megatron-core lacks it and this plugin version cannot bring it (reason given).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def fp8_backend() -> dict[str, str]:
         return {"backend": "transformer_engine", "reason": "Transformer Engine with a CUDA device"}
     return {
         "backend": "emulated (on activation)",
-        "reason": "no CUDA device: TE's compiled kernels cannot load, the MXFP8 emulation stands in",
+        "reason": "no CUDA device: TE's kernels cannot load; the MXFP8 emulation stands in",
     }
 
 

@@ -118,24 +118,39 @@ def _detect_compact_layout() -> tuple[bool, str]:
 
 CHANGES: tuple[UpstreamChange, ...] = (
     UpstreamChange(
-        3524, "overlapped param gather for the layer-wise optimizer", None,
-        _detect_overlap_layerwise_gather, "issue #5 (fewer collectives)",
+        3524,
+        "overlapped param gather for the layer-wise optimizer",
+        None,
+        _detect_overlap_layerwise_gather,
+        "issue #5 (fewer collectives)",
     ),
     UpstreamChange(
-        4987, "Muon + MXFP8 FP8 param gather in LayerWise", "muon_fp8_param_gather",
-        _detect_muon_fp8_param_gather, "issue #4",
+        4987,
+        "Muon + MXFP8 FP8 param gather in LayerWise",
+        "muon_fp8_param_gather",
+        _detect_muon_fp8_param_gather,
+        "issue #4",
     ),
     UpstreamChange(
-        4994, "re-stage masters before every forced param sync", "restage_forced_sync",
-        _detect_restage_before_forced_sync, "issue #4 (extend to the layer-wise optimizer)",
+        4994,
+        "re-stage masters before every forced param sync",
+        "restage_forced_sync",
+        _detect_restage_before_forced_sync,
+        "issue #4 (extend to the layer-wise optimizer)",
     ),
     UpstreamChange(
-        5464, "single grouped MoE expert weight numerics", "grouped_weight_layerwise",
-        _detect_single_grouped_weight, "issue #6 (layer-wise Muon side)",
+        5464,
+        "single grouped MoE expert weight numerics",
+        "grouped_weight_layerwise",
+        _detect_single_grouped_weight,
+        "issue #6 (layer-wise Muon side)",
     ),
     UpstreamChange(
-        5388, "compact, decoupled layer-wise DDP layout", "compact_layout",
-        _detect_compact_layout, "issue #5",
+        5388,
+        "compact, decoupled layer-wise DDP layout",
+        "compact_layout",
+        _detect_compact_layout,
+        "issue #5",
     ),
 )
 

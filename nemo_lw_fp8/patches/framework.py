@@ -124,7 +124,7 @@ def _warn_if_late(names: list[str]) -> None:
     except ImportError:
         return
     kinds = (DistributedDataParallel, MegatronOptimizer)
-    late = sum(1 for obj in gc.get_objects() if isinstance(obj, kinds))
+    late = sum(1 for obj in gc.get_objects() if issubclass(type(obj), kinds))
     if late:
         warnings.warn(
             f"nemo_lw_fp8.apply({names}) ran after {late} megatron DDP wrapper(s) / optimizer(s) "
@@ -147,8 +147,9 @@ def _apply_one(patch: Patch, allow_untested: bool) -> str:
     saved: list[tuple[Any, str, Any]] = []
     try:
         for override in overrides:
-            saved.append((override.owner, override.attr, _own_attr(override.owner, override.attr)))
+            previous = _own_attr(override.owner, override.attr)
             setattr(override.owner, override.attr, override.replacement)
+            saved.append((override.owner, override.attr, previous))
     except BaseException:
         _restore(saved)
         raise

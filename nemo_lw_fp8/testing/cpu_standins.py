@@ -275,7 +275,7 @@ STANDINS: dict[str, StandIn] = {
     for standin in (
         StandIn("cuda_runtime", "DDP buffers and streams", _install_cuda_runtime),
         StandIn("cuda_device", "device='cuda' and param.type() checks", _install_cuda_device),
-        StandIn("uneven_all_gather", "layer-wise variable-size gathers", _install_uneven_all_gather),
+        StandIn("uneven_all_gather", "layer-wise uneven gathers", _install_uneven_all_gather),
         StandIn("cpu_rng", "RNG tracker fork in GPTModel", _install_cpu_rng),
     )
 }

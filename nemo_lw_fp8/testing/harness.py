@@ -19,7 +19,9 @@ Design (see ``docs/testing.md``):
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import io
 import multiprocessing as mp
 import os
 import pickle
@@ -76,6 +78,42 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# --------------------------------------------------------------------------- result transport
+
+
+def _rebuild_tensor(raw: bytes, dtype_name: str, shape: tuple[int, ...]):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class _ResultPickler(pickle.Pickler):
+    """Ships tensors as raw bytes.
+
+    megatron-core registers its own pickling for tensor storages, so a default pickle of a tensor
+    made on a rank would make the parent import megatron to read it back. Results are plain
+    values; their bytes, dtype and shape are all a test needs.
+    """
+
+    def reducer_override(self, obj):  # noqa: ANN001
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            plain = obj.detach().cpu().contiguous()
+            raw = plain.reshape(-1).view(torch.uint8).numpy().tobytes() if plain.numel() else b""
+            dtype_name = str(plain.dtype).removeprefix("torch.")
+            return _rebuild_tensor, (raw, dtype_name, tuple(plain.shape))
+        return NotImplemented
+
+
+def _dump_result(result: tuple[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(result)
+    return buffer.getvalue()
+
+
 # --------------------------------------------------------------------------- worker side
 
 _current_spec: ParallelSpec | None = None
@@ -106,12 +144,36 @@ def _cleanup_after_task() -> None:
     gc.collect()
 
 
+#: Warnings megatron-core prints on every CPU import; they say nothing about the task at hand.
+_KNOWN_IMPORT_NOISE = (
+    r".*Transformer Engine and Apex are not installed.*",
+    r".*Apex is not installed.*",
+    r".*transformer-engine>=1.7.0 supports MoE experts.*",
+    r".*MimoModelConfig is experimental.*",
+    r".*imports from `dynamic_context.py` will be removed.*",
+    r".*full scope is deprecated.*",
+)
+
+
+def _quiet_known_import_noise() -> None:
+    import logging
+    import warnings
+
+    for pattern in _KNOWN_IMPORT_NOISE:
+        warnings.filterwarnings("ignore", message=pattern)
+    # torch logs "No CUDA runtime is found" when megatron imports its C++ extension helpers.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    # GPTModel logs a deprecation notice on every construction (HybridModel is its successor).
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
+
+
 def _worker_main(
     rank: int, world_size: int, port: int, conn: Connection, dump_path: str, boot: BootOptions
 ) -> None:
     dump_file = open(dump_path, "w")  # noqa: SIM115 - kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
     try:
+        _quiet_known_import_noise()
         import torch
 
         torch.set_num_threads(1)
@@ -155,7 +217,7 @@ def _worker_main(
             except BaseException:  # noqa: BLE001
                 result = ("error", traceback.format_exc())
         try:
-            payload = pickle.dumps(result)
+            payload = _dump_result(result)
         except Exception:  # noqa: BLE001
             payload = pickle.dumps(("error", "result is not picklable:\n" + traceback.format_exc()))
         conn.send_bytes(payload)
@@ -278,10 +340,8 @@ class RankPool:
             return
         self.alive = False
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError, BrokenPipeError):
                 conn.send_bytes(pickle.dumps(None))
-            except (OSError, BrokenPipeError):
-                pass
         deadline = time.monotonic() + 3.0
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -243,6 +243,15 @@ def final_sync(model: list) -> None:
             chunk.start_param_sync(force_sync=True)
 
 
+def uses_layer_wise(optimizer) -> bool:
+    """Whether ``optimizer`` is, or chains, a LayerWiseDistributedOptimizer."""
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    if isinstance(optimizer, LayerWiseDistributedOptimizer):
+        return True
+    return any(uses_layer_wise(child) for child in getattr(optimizer, "chained_optimizers", []))
+
+
 def param_snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone().float() for name, p in module.named_parameters()}
 
@@ -290,5 +299,6 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
         "params": params,
         "digest": digest(params),
         "optimizer": type(optimizer).__name__,
+        "layer_wise": uses_layer_wise(optimizer),
         "seconds": elapsed,
     }

@@ -1,0 +1,34 @@
+"""Shared fixtures: CPU rank pools (started once per world size) and the GPU marker."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_lw_fp8.testing.harness import shutdown_pools
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_rank_pools():
+    """Rank pools live for the whole session (imports paid once); stop them at the end."""
+    yield
+    shutdown_pools()
+
+
+def _gpu_skip_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "needs an NVIDIA GPU; none is visible (CPU-only machine or CI)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _gpu_skip_reason()
+    if reason is None:
+        return
+    marker = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(marker)

@@ -1,0 +1,25 @@
+"""A tiny megatron-core GPTModel trains on two CPU ranks under DistOpt Adam and layer-wise Muon."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_lw_fp8.testing.harness import run_on_ranks
+from nemo_lw_fp8.testing.training import Scenario, train
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        Scenario(optimizer="adam", distribution="distopt"),
+        Scenario(optimizer="muon", distribution="layerwise_padded", overlap=True),
+    ],
+    ids=["distopt-adam", "layerwise-muon"],
+)
+def test_tiny_gpt_trains(scenario):
+    scenario = scenario.with_(model="gpt", steps=3, data="pattern", lr=2e-2, micro_batch=8)
+    results = run_on_ranks(train, scenario, world_size=2)
+    losses = results[0]["losses"]
+    assert losses[-1] < losses[0], f"loss did not decrease: {losses}"
+    assert len({r["digest"] for r in results}) == 1, "ranks hold different weights"
+    assert results[0]["layer_wise"] == scenario.distribution.startswith("layerwise")

@@ -1,0 +1,150 @@
+"""The CPU rank harness: results per rank, failures with tracebacks, deadlines, stand-ins."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from nemo_lw_fp8.testing import cpu_standins
+from nemo_lw_fp8.testing.harness import (
+    BootOptions,
+    RankFailure,
+    RankTimeout,
+    get_pool,
+    run_on_ranks,
+)
+
+# Failure tests kill their pool; keep them off the pool the parity tests share.
+DISPOSABLE = BootOptions(standins=("cuda_runtime", "cuda_device"))
+
+
+def _rank_and_pid():
+    import torch.distributed as dist
+
+    return dist.get_rank(), os.getpid()
+
+
+def _raise_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank one refuses")
+    return "fine"
+
+
+def _hang_on_rank_zero():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        while True:
+            time.sleep(0.05)
+    return "done"
+
+
+def _uneven_all_gather():
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    mine = torch.full((rank + 1,), float(rank))
+    out = [torch.empty(r + 1) for r in range(world)]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
+def _cuda_calls_on_cpu():
+    from megatron.core import tensor_parallel
+
+    from nemo_lw_fp8.testing.training import seed_all
+
+    seed_all(7)
+    made = torch.zeros(3, device="cuda")
+    typed = made.to(torch.bfloat16).type()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    outside_before = torch.get_rng_state()
+    with tracker.fork():
+        inside = torch.rand(2)
+    outside_after = torch.get_rng_state()
+    return (
+        str(made.device),
+        typed,
+        torch.cuda.current_device(),
+        inside,
+        bool(torch.equal(outside_before, outside_after)),
+    )
+
+
+def test_results_come_back_per_rank_and_pool_is_reused():
+    first = run_on_ranks(_rank_and_pid, world_size=2)
+    second = run_on_ranks(_rank_and_pid, world_size=2)
+    assert [rank for rank, _ in first] == [0, 1]
+    assert first == second, "rank processes were restarted between calls"
+
+
+def test_rank_exception_fails_with_its_traceback():
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_raise_on_rank_one, world_size=2, boot=DISPOSABLE, timeout=60)
+    message = str(info.value)
+    assert "ranks [1] failed" in message
+    assert "ValueError: rank one refuses" in message
+    assert "_raise_on_rank_one" in message
+    # The broken pool was discarded; the next call gets a working one.
+    assert run_on_ranks(_rank_and_pid, world_size=2, boot=DISPOSABLE)[1][0] == 1
+
+
+def test_hanging_rank_is_ended_at_the_deadline():
+    pool = get_pool(2, DISPOSABLE)
+    started = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        pool.run(_hang_on_rank_zero, timeout=3)
+    assert time.monotonic() - started < 20
+    assert "deadline of 3s" in str(info.value)
+    assert "_hang_on_rank_zero" in info.value.per_rank[0], "stack dump does not show the hang"
+    assert not pool.alive
+    assert all(not proc.is_alive() for proc in pool._procs)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_uneven_all_gather_fallback(world_size):
+    results = run_on_ranks(_uneven_all_gather, world_size=world_size)
+    expected = [[float(r)] * (r + 1) for r in range(world_size)]
+    assert all(result == expected for result in results)
+
+
+def test_cuda_call_sites_run_on_cpu():
+    results = run_on_ranks(_cuda_calls_on_cpu, world_size=2)
+    device, typed, current, inside0, outside_untouched = results[0]
+    assert device == "cpu"
+    assert typed == "torch.cuda.BFloat16Tensor"
+    assert current == 0
+    assert outside_untouched, "fork() leaked its RNG state into the default generator"
+    # Model-parallel RNG states are seeded by rank-independent seeds at TP=1: equal across DP.
+    assert torch.equal(inside0, results[1][3])
+
+
+def test_standins_uninstall_restores_originals():
+    names = ("cuda_runtime", "uneven_all_gather")
+    before = {
+        "current_device": torch.cuda.current_device,
+        "Stream": torch.cuda.Stream,
+        "all_gather": torch.distributed.all_gather,
+    }
+    cpu_standins.install(names)
+    try:
+        assert torch.cuda.current_device() == 0
+        assert torch.distributed.all_gather is not before["all_gather"]
+        assert set(cpu_standins.installed()) == set(names)
+    finally:
+        cpu_standins.uninstall_all()
+    assert torch.cuda.current_device is before["current_device"]
+    assert torch.cuda.Stream is before["Stream"]
+    assert torch.distributed.all_gather is before["all_gather"]
+    assert cpu_standins.installed() == []
+
+
+def test_unknown_standin_is_refused():
+    with pytest.raises(KeyError, match="unknown CPU stand-in"):
+        cpu_standins.install(("warp_drive",))

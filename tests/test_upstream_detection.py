@@ -1,0 +1,76 @@
+"""Detectors of the five upstream changes, checked on both answers, and the doctor report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from nemo_lw_fp8 import cli, doctor
+from nemo_lw_fp8.upstream import change
+
+NATIVE_IN_0_19_2 = {3524: True, 4987: False, 4994: True, 5464: True, 5388: False}
+
+
+def test_detectors_on_megatron_core_0_19_2():
+    for pr, expected in NATIVE_IN_0_19_2.items():
+        native, reason = change(pr).detect()
+        assert native is expected, f"#{pr}: {reason}"
+        assert reason
+
+
+def test_detectors_flip_when_the_symbols_change(monkeypatch):
+    from megatron.core import fp8_utils
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.distributed.distributed_data_parallel_config import (
+        DistributedDataParallelConfig,
+    )
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    monkeypatch.delattr(param_and_grad_buffer, "_LayerwiseAllGatherHandle")
+    monkeypatch.delattr(DistributedOptimizer, "prepare_model_params_for_param_sync")
+    monkeypatch.delattr(fp8_utils, "is_grouped_mxfp8tensor")
+
+    def stage(self):
+        pass
+
+    def per_bucket_sync(self):
+        for bucket_group in self.groups:
+            bucket_group.start()
+
+    lw_cls = LayerWiseDistributedOptimizer
+    monkeypatch.setattr(lw_cls, "_copy_main_params_to_param_buffer", stage, raising=False)
+    monkeypatch.setattr(LayerWiseDistributedOptimizer, "prepare_model_params_for_param_sync", stage)
+    monkeypatch.setattr(
+        LayerWiseDistributedOptimizer, "start_param_sync_for_bucket_group_subset", per_bucket_sync
+    )
+    fields = dict(DistributedDataParallelConfig.__dataclass_fields__)
+    fields["use_layer_wise_param_layout"] = dataclasses.field(default=True)
+    monkeypatch.setattr(DistributedDataParallelConfig, "__dataclass_fields__", fields)
+
+    for pr, expected in NATIVE_IN_0_19_2.items():
+        native, reason = change(pr).detect()
+        assert native is (not expected), f"#{pr} did not flip: {reason}"
+
+
+def test_doctor_reports_upstream_status():
+    report = doctor.collect()
+    statuses = {row["pr"]: row["status"] for row in report["upstream"]}
+    for pr, native in NATIVE_IN_0_19_2.items():
+        if native:
+            assert statuses[pr] == "native"
+        else:
+            assert statuses[pr] in ("patchable", "patched", "unavailable")
+    assert report["versions"]["megatron-core"] == "0.19.2"
+    assert report["accelerator"]["kind"] in ("cpu", "cuda")
+
+
+def test_doctor_cli_json_and_table(capsys):
+    assert cli.main(["doctor", "--json"]) == 0
+    parsed = json.loads(capsys.readouterr().out)
+    assert {row["pr"] for row in parsed["upstream"]} == set(NATIVE_IN_0_19_2)
+    assert cli.main(["doctor"]) == 0
+    table = capsys.readouterr().out
+    for pr in NATIVE_IN_0_19_2:
+        assert f"#{pr}" in table
+    assert "fp8 backend" in table
