@@ -10,9 +10,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nemo_lw_fp8-installed
 PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
 
-# A Python 3.12: $(PYTHON312) if given, else python3.12 on PATH, else the newest pyenv 3.12.x.
-PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || \
-	ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12.*/bin/python3.12 2>/dev/null | sort -V | tail -n 1)
+# A Python 3.12 that really runs: $(PYTHON312) if given, else python3.12 on PATH (a pyenv shim
+# counts only if it works), else the newest pyenv-installed 3.12.x.
+ifeq ($(origin PYTHON312),undefined)
+PYTHON312 := $(shell for c in $$(command -v python3.12 2>/dev/null) \
+	$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12.*/bin/python3.12 2>/dev/null | sort -rV); do \
+	"$$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && { echo "$$c"; break; }; \
+	done)
+endif
 
 .PHONY: env demo test lint clean-env doctor
 
