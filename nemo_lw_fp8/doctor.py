@@ -5,6 +5,8 @@ For each tracked upstream change the status is one of:
 ``native``       the installed megatron-core already behaves as wanted (detected, not assumed);
 ``patched``      megatron-core lacks it and the plugin's patch is applied in this process;
 ``patchable``    megatron-core lacks it and the plugin has a patch (``nemo_lw_fp8.apply()``);
+``extended``     megatron-core has it for some optimizers; the plugin's extension is applied
+                 (``extendable``: the extension is available but not applied);
 ``unavailable``  megatron-core lacks it and this plugin version cannot bring it (reason given).
 """
 
@@ -89,7 +91,12 @@ def upstream_status() -> list[ChangeStatus]:
         except Exception as exc:  # noqa: BLE001 - a detector failure is itself a finding
             rows.append(ChangeStatus(item.pr, item.title, "unavailable", f"detector failed: {exc}"))
             continue
-        if native:
+        patch = registered.get(item.feature)
+        if native and patch is not None and not patch.detect_native()[0]:
+            # Upstream has the change for some optimizers; the plugin extends it further.
+            status = "extended" if patch.applied else "extendable"
+            reason = f"{reason}; layer-wise extension: {patch.summary}"
+        elif native:
             status = "native"
         elif item.feature in registered:
             status = "patched" if registered[item.feature].applied else "patchable"

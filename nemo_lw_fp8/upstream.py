@@ -53,14 +53,22 @@ def _layerwise_class():
     return LayerWiseDistributedOptimizer
 
 
+def _defines(owner: object, name: str) -> bool:
+    """Whether ``owner`` itself defines ``name``, ignoring anything a plugin patch installed."""
+    from .patches.framework import MISSING, unpatched_own_attr
+
+    return unpatched_own_attr(owner, name) is not MISSING
+
+
 def _detect_muon_fp8_param_gather() -> tuple[bool, str]:
+    from .patches.framework import unpatched_own_attr
+
     cls = _layerwise_class()
-    own = cls.__dict__
-    if "_copy_main_params_to_param_buffer" not in own:
+    if not _defines(cls, "_copy_main_params_to_param_buffer"):
         return False, "LayerWiseDistributedOptimizer does not stage masters into the param buffer"
-    if "prepare_model_params_for_param_sync" not in own:
+    if not _defines(cls, "prepare_model_params_for_param_sync"):
         return False, "LayerWiseDistributedOptimizer has no prepare_model_params_for_param_sync"
-    source = inspect.getsource(cls.start_param_sync_for_bucket_group_subset)
+    source = inspect.getsource(unpatched_own_attr(cls, "start_param_sync_for_bucket_group_subset"))
     if "buckets[0]" in source:
         return False, "layer-wise param sync decides ownership from a group's first bucket only"
     return True, "LayerWiseDistributedOptimizer stages and gathers MXFP8 params per bucket"
@@ -69,7 +77,7 @@ def _detect_muon_fp8_param_gather() -> tuple[bool, str]:
 def _detect_restage_before_forced_sync() -> tuple[bool, str]:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    if "prepare_model_params_for_param_sync" not in DistributedOptimizer.__dict__:
+    if not _defines(DistributedOptimizer, "prepare_model_params_for_param_sync"):
         return False, "DistributedOptimizer has no prepare_model_params_for_param_sync"
     try:
         from megatron.training import training

@@ -42,6 +42,16 @@ def test_adam_ddp_equals_distributed_optimizer(world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+def test_plugin_leaves_bf16_training_unchanged(world_size):
+    """With every patch applied and FP8 off, layer-wise Muon trains to the stock bits."""
+    for overlap in (False, True):
+        scenario = Scenario(optimizer="muon", distribution="layerwise_padded", overlap=overlap)
+        stock = _run(scenario, world_size)
+        patched = _run(scenario.with_(plugin=True), world_size)
+        assert_same_training(stock, patched, f"plugin on, overlap={overlap}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_layerwise_muon_equals_plain_muon(world_size):
     reference = _run(Scenario(optimizer="muon"), world_size)
     assert reference[0]["optimizer"] == "ChainedOptimizer"

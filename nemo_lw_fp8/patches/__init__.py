@@ -25,7 +25,7 @@ from .framework import (
 )
 
 #: Patch modules shipped with the plugin (imported lazily: they import megatron-core).
-PATCH_MODULES: tuple[str, ...] = ()
+PATCH_MODULES: tuple[str, ...] = ("muon_fp8_param_gather", "restage_forced_sync")
 
 
 def load_all() -> None:

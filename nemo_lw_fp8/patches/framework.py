@@ -211,6 +211,21 @@ def applied() -> list[str]:
     return [name for name, patch in _REGISTRY.items() if patch.applied]
 
 
+MISSING = _MISSING
+
+
+def unpatched_own_attr(owner: Any, attr: str) -> Any:
+    """What ``owner`` itself held under ``attr`` before any applied patch (``MISSING`` if none).
+
+    Detectors use it so that a patch of ours is never mistaken for upstream having the change.
+    """
+    for patch in _REGISTRY.values():
+        for saved_owner, saved_attr, value in patch._saved:
+            if saved_owner is owner and saved_attr == attr:
+                return value
+    return _own_attr(owner, attr)
+
+
 def original(owner: Any, attr: str) -> Any:
     """The object ``owner.attr`` held before any applied patch replaced it."""
     for patch in _REGISTRY.values():

@@ -45,6 +45,8 @@ class Scenario:
     clip_grad: float = 0.0
     #: "random" tokens / features, or "pattern": a learnable sequence whose loss falls quickly.
     data: str = "random"
+    #: Apply the plugin's patches (``nemo_lw_fp8.apply()``) before building anything.
+    plugin: bool = False
 
     def with_(self, **changes: Any) -> Scenario:
         return replace(self, **changes)
@@ -130,6 +132,10 @@ def seed_all(seed: int) -> None:
 
 def build_model(scenario: Scenario):
     """Build the scenario's bf16 model from its seed; returns (module, transformer_config)."""
+    if scenario.plugin:
+        import nemo_lw_fp8
+
+        nemo_lw_fp8.apply()
     seed_all(scenario.seed)
     if scenario.model == "gpt":
         config = transformer_config()

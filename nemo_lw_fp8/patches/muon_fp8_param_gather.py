@@ -1,0 +1,324 @@
+"""Muon + MXFP8 parameter all-gather in ``LayerWiseDistributedOptimizer``.
+
+Behaviour: with ``fp8_param_gather`` and ``reuse_grad_buf_for_mxfp8_param_ag``, the Muon-managed
+weights stay persistent MXFP8 tensors; each rank updates the fp32 masters of the matrices it owns,
+writes their bf16 cast into the DDP param buffer (aliased on the idle grad buffer), the buffer is
+all-gathered, and every rank quantizes the gathered bf16 values into its MXFP8 weights. Training
+is bitwise identical to FP8 param gather off (with the same FP8 compute).
+
+Mirrors Megatron-LM PR #4987 (areas 1-4), adapted to megatron-core 0.19.2:
+
+1. master numerics: the fp32 masters of MXFP8 params start from the high-precision init values
+   TE keeps (not from dequantized FP8), and the inner step does not re-quantize MXFP8 params
+   (the post-gather quantize overwrites them anyway);
+2. staging: ``LayerWiseDistributedOptimizer._copy_main_params_to_param_buffer`` and
+   ``prepare_model_params_for_param_sync`` under the names DistributedOptimizer uses;
+   the step stages before its (non-overlapped) gather;
+3. ownership: each optimizer gathers exactly the buckets it owns, decided per bucket, also in
+   mixed bucket groups (LayerWise FP8 buckets + DistOpt bf16 buckets, from ``partition_buckets``
+   case 3), in the LayerWise, DistOpt and ChainedOptimizer deferred-sync paths;
+4. guards: :mod:`nemo_lw_fp8.guards` rules run when the optimizer is built.
+
+Re-staging after ``zero_grad_buffer()`` and the chained ordering fix live in
+:mod:`.restage_forced_sync` (#4994's extension).
+
+Patches: ``LayerWiseDistributedOptimizer.__init__``, ``.step_with_ready_grads``,
+``.start_param_sync_for_bucket_group_subset``, adds ``._copy_main_params_to_param_buffer`` and
+``.prepare_model_params_for_param_sync``; ``DistributedOptimizer.
+start_param_sync_for_bucket_group_subset``; ``ChainedOptimizer._enable_deferred_mxfp8_param_sync``.
+
+Detection: upstream has it when ``LayerWiseDistributedOptimizer`` defines both staging methods
+itself and its bucket-group sync no longer decides ownership from ``buckets[0]``
+(:func:`nemo_lw_fp8.upstream._detect_muon_fp8_param_gather`).
+
+The fixes are module-level functions called by name at run time, so the mutation tests can switch
+each one off on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import guards
+from ..upstream import change
+from .framework import Override, Patch, register
+
+FEATURE = "muon_fp8_param_gather"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _quantized(param: torch.Tensor) -> bool:
+    from megatron.core.distributed.param_and_grad_buffer import _param_uses_quantized_storage
+
+    return _param_uses_quantized_storage(param)
+
+
+def _owned_by_layer_wise(bucket: Any) -> bool:
+    from megatron.core.optimizer.layer_wise_optimizer import (
+        _bucket_is_managed_by_layer_wise_optimizer,
+    )
+
+    return _bucket_is_managed_by_layer_wise_optimizer(bucket, default_for_untagged=False)
+
+
+def fp8_gather_active(optimizer: Any) -> bool:
+    """Whether this layer-wise optimizer gathers MXFP8 params through the staging buffer."""
+    config = optimizer.config
+    if not getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        return False
+    if not getattr(optimizer, "use_buffer_param_sync", False):
+        return False
+    return any(getattr(c.ddp_config, "fp8_param_gather", False) for c in optimizer.model_chunks)
+
+
+def _float16_children(optimizer: Any) -> list[Any]:
+    return [
+        child
+        for child in optimizer.chained_optimizers
+        if hasattr(child, "float16_groups") and not getattr(child, "is_stub_optimizer", False)
+    ]
+
+
+def _model_main_pairs(child: Any):
+    for model_group, main_group in zip(
+        child.float16_groups, child.fp32_from_float16_groups, strict=True
+    ):
+        yield from zip(model_group, main_group, strict=True)
+
+
+# --------------------------------------------------------------------------- 1. master numerics
+
+
+def init_masters_from_high_precision(optimizer: Any) -> None:
+    """Area 1a: masters of MXFP8 params take TE's preserved high-precision init values."""
+    for child in _float16_children(optimizer):
+        for model_param, main_param in _model_main_pairs(child):
+            if not _quantized(model_param):
+                continue
+            getter = getattr(model_param, "get_high_precision_init_val", None)
+            value = getter() if getter is not None else None
+            if value is None:
+                continue
+            main_param.data.copy_(value.to(main_param.device).view(main_param.shape))
+
+
+def _copy_non_quantized_main_params(child: Any) -> None:
+    """The inner step's master -> model copy, for params that are not MXFP8."""
+    for model_param, main_param in _model_main_pairs(child):
+        if not _quantized(model_param):
+            model_param.data.copy_(main_param.data)
+
+
+def skip_requantize_on_inner_step(optimizer: Any) -> None:
+    """Area 1b: the inner step leaves MXFP8 params alone (the post-gather quantize sets them)."""
+    for child in _float16_children(optimizer):
+        child._copy_main_params_to_model_params = lambda child=child: (
+            _copy_non_quantized_main_params(child)
+        )
+
+
+# --------------------------------------------------------------------------- 2. staging
+
+
+def _param_slots(optimizer: Any) -> dict[torch.Tensor, tuple[Any, int, int]]:
+    """Map each param of the optimizer's model chunks to (bucket, start, end) in param_data."""
+    slots = getattr(optimizer, "_nemo_lw_fp8_param_slots", None)
+    if slots is None:
+        slots = {}
+        for chunk in optimizer.model_chunks:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                for bucket in buffer.buckets:
+                    for param in bucket.params_list:
+                        start, end = bucket.param_to_index[param]
+                        slots[param] = (bucket, start, end)
+        optimizer._nemo_lw_fp8_param_slots = slots
+    return slots
+
+
+def stage_owned_masters(optimizer: Any) -> None:
+    """Area 2a: write the bf16 cast of owned MXFP8 masters into the DDP param buffer."""
+    slots = _param_slots(optimizer)
+    for child in _float16_children(optimizer):
+        for model_param, main_param in _model_main_pairs(child):
+            if not _quantized(model_param):
+                continue
+            bucket, start, end = slots[model_param]
+            bucket.param_data.view(-1)[start:end].copy_(main_param.detach().view(-1))
+    # The buffer now holds new values: the next forward pre-hook must gather them again.
+    for chunk in optimizer.model_chunks:
+        chunk.reset_param_sync_dispatch_state()
+
+
+def _lw_copy_main_params_to_param_buffer(self) -> None:
+    if fp8_gather_active(self):
+        stage_owned_masters(self)
+
+
+@torch.no_grad()
+def _lw_prepare_model_params_for_param_sync(self) -> None:
+    """Before a forced param sync: zero the shared buffers, then stage the owned masters."""
+    if not (fp8_gather_active(self) and self.config.overlap_param_gather):
+        return
+    for chunk in self.model_chunks:
+        chunk.zero_grad_buffer()
+    self._copy_main_params_to_param_buffer()
+
+
+# --------------------------------------------------------------------------- 3. ownership
+
+
+def owned_buckets(bucket_group: Any, layer_wise: bool) -> list[Any]:
+    """Area 3a: the buckets of a group that the layer-wise (or the DistOpt) side owns."""
+    return [b for b in bucket_group.buckets if _owned_by_layer_wise(b) == layer_wise]
+
+
+def _sub_group(bucket_group: Any, buckets: list[Any]) -> Any:
+    """A bucket group over a subset of ``bucket_group``'s buckets, for one synchronous gather."""
+    if len(buckets) == len(bucket_group.buckets):
+        return bucket_group
+    return type(bucket_group)(
+        buckets,
+        bucket_group.ddp_config,
+        bucket_group.intra_distributed_optimizer_instance_group,
+        bucket_group.intra_distributed_optimizer_instance_size,
+    )
+
+
+def _sync_owned(model_chunks: list[Any], layer_wise: bool) -> None:
+    for chunk in model_chunks:
+        for bucket_group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            mine = owned_buckets(bucket_group, layer_wise)
+            if mine:
+                chunk._start_bucket_group_param_sync(
+                    _sub_group(bucket_group, mine), force_sync=False
+                )
+
+
+def _lw_start_param_sync_for_bucket_group_subset(self) -> None:
+    _sync_owned(self.model_chunks, layer_wise=True)
+
+
+def _distopt_start_param_sync_for_bucket_group_subset(self) -> None:
+    _sync_owned(self.model_chunks, layer_wise=False)
+
+
+def _chained_enable_deferred_mxfp8_param_sync(self) -> list[tuple[Any, Any]]:
+    """The deferred DistOpt sync, restricted per bucket to DistOpt-owned buckets."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    deferred: list[tuple[Any, Any]] = []
+    seen: set[int] = set()
+    for optimizer in self.chained_optimizers:
+        if not isinstance(optimizer, DistributedOptimizer):
+            continue
+        optimizer._defer_param_sync = True
+        for chunk in optimizer.model_chunks:
+            for bucket_group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+                if id(bucket_group) in seen:
+                    continue
+                seen.add(id(bucket_group))
+                mine = owned_buckets(bucket_group, layer_wise=False)
+                if mine:
+                    deferred.append((chunk, _sub_group(bucket_group, mine)))
+    return deferred
+
+
+# --------------------------------------------------------------------------- the optimizer
+
+
+def _check_guards(optimizer: Any) -> None:
+    ddp_config = optimizer.model_chunks[0].ddp_config if optimizer.model_chunks else None
+    layout = "padded" if optimizer.use_buffer_param_sync else "legacy"
+    settings = guards.Settings.from_megatron(
+        optimizer.config,
+        ddp_config,
+        use_layer_wise_distributed_optimizer=True,
+        layer_wise_layout=getattr(optimizer, "_nemo_lw_fp8_layout", layout),
+    )
+    guards.check(settings)
+
+
+def _make_init(original_init):
+    def __init__(
+        self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None
+    ):
+        # Build masters without autograd: ``.float()`` of an MXFP8 param under grad mode
+        # yields a view made inside a custom Function, which breaks in-place optimizer steps.
+        with torch.no_grad():
+            original_init(self, optimizers, config, pg_collection, init_state_fn_list, model_chunks)
+        _check_guards(self)
+        if fp8_gather_active(self):
+            init_masters_from_high_precision(self)
+            skip_requantize_on_inner_step(self)
+            for chunk in self.model_chunks:
+                register = getattr(chunk, "_nemo_lw_fp8_register_restager", None)
+                if register is not None:
+                    register(self)
+
+    __init__.__wrapped__ = original_init
+    return __init__
+
+
+def _make_step(original_step):
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        if not fp8_gather_active(self):
+            return original_step(self)
+        from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+        success = ChainedOptimizer.step_with_ready_grads(self)
+        if not self.overlap_param_gather:
+            # Stage, then gather now; with overlap the gather waits for the next forward and
+            # the training loop re-stages after zero_grad_buffer() (restage_forced_sync).
+            self._copy_main_params_to_param_buffer()
+            self.start_param_sync_for_bucket_group_subset()
+        return success
+
+    step_with_ready_grads.__wrapped__ = original_step
+    return step_with_ready_grads
+
+
+def _build_overrides() -> list[Override]:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    lw = LayerWiseDistributedOptimizer
+    return [
+        Override(lw, "__init__", _make_init(lw.__dict__["__init__"])),
+        Override(lw, "step_with_ready_grads", _make_step(lw.__dict__["step_with_ready_grads"])),
+        Override(
+            lw,
+            "start_param_sync_for_bucket_group_subset",
+            _lw_start_param_sync_for_bucket_group_subset,
+        ),
+        Override(lw, "_copy_main_params_to_param_buffer", _lw_copy_main_params_to_param_buffer),
+        Override(
+            lw, "prepare_model_params_for_param_sync", _lw_prepare_model_params_for_param_sync
+        ),
+        Override(
+            DistributedOptimizer,
+            "start_param_sync_for_bucket_group_subset",
+            _distopt_start_param_sync_for_bucket_group_subset,
+        ),
+        Override(
+            ChainedOptimizer,
+            "_enable_deferred_mxfp8_param_sync",
+            _chained_enable_deferred_mxfp8_param_sync,
+        ),
+    ]
+
+
+PATCH = register(
+    Patch(
+        name=FEATURE,
+        upstream_pr=4987,
+        summary="Muon + MXFP8 param gather in LayerWiseDistributedOptimizer",
+        detect_native=change(4987).detect,
+        build_overrides=_build_overrides,
+    )
+)
