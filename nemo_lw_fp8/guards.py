@@ -75,14 +75,14 @@ class Rule:
 
 
 def _fp8_gather_needs_reuse(s: Settings) -> str | None:
-    if s.layer_wise and s.fp8_param_gather and s.fp8_recipe == "mxfp8":
-        if not s.reuse_grad_buf_for_mxfp8_param_ag:
-            return (
-                "layer-wise Muon with --fp8-param-gather and --fp8-recipe mxfp8 needs "
-                "--reuse-grad-buf-for-mxfp8-param-ag (reuse_grad_buf_for_mxfp8_param_ag=True): "
-                "the bf16 staging buffer for the MXFP8 all-gather is the idle grad buffer. "
-                "Fix: add --reuse-grad-buf-for-mxfp8-param-ag, or drop --fp8-param-gather."
-            )
+    mxfp8_gather = s.layer_wise and s.fp8_param_gather and s.fp8_recipe == "mxfp8"
+    if mxfp8_gather and not s.reuse_grad_buf_for_mxfp8_param_ag:
+        return (
+            "layer-wise Muon with --fp8-param-gather and --fp8-recipe mxfp8 needs "
+            "--reuse-grad-buf-for-mxfp8-param-ag (reuse_grad_buf_for_mxfp8_param_ag=True): "
+            "the bf16 staging buffer for the MXFP8 all-gather is the idle grad buffer. "
+            "Fix: add --reuse-grad-buf-for-mxfp8-param-ag, or drop --fp8-param-gather."
+        )
     return None
 
 
