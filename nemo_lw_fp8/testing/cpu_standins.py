@@ -30,6 +30,11 @@ Stand-ins (each can be installed and removed on its own):
     swap states of the CPU generator instead, and ``torch.cuda`` seeding calls become CPU-safe.
     Call site: ``GPTModel`` forward (dropout and init under ``get_cuda_rng_tracker().fork()``),
     ``model_parallel_cuda_manual_seed``.
+``torch_optimizers``
+    With Transformer Engine importable (the MXFP8 emulation backend), megatron picks TE's
+    ``FusedAdam``, whose CUDA kernels do not exist on CPU; megatron's own switch
+    ``megatron.core.optimizer.USING_PYTORCH_OPTIMIZER`` selects ``torch.optim.AdamW``.
+    Call site: ``_get_megatron_optimizer_based_on_param_groups``.
 """
 
 from __future__ import annotations
@@ -270,6 +275,15 @@ def _install_cpu_rng() -> Callable[[], None]:
     return undo
 
 
+# --------------------------------------------------------------------------- torch_optimizers
+
+
+def _install_torch_optimizers() -> Callable[[], None]:
+    import megatron.core.optimizer as megatron_optimizer
+
+    return _swap_attrs(megatron_optimizer, {"USING_PYTORCH_OPTIMIZER": True})
+
+
 STANDINS: dict[str, StandIn] = {
     standin.name: standin
     for standin in (
@@ -277,6 +291,7 @@ STANDINS: dict[str, StandIn] = {
         StandIn("cuda_device", "device='cuda' and param.type() checks", _install_cuda_device),
         StandIn("uneven_all_gather", "layer-wise uneven gathers", _install_uneven_all_gather),
         StandIn("cpu_rng", "RNG tracker fork in GPTModel", _install_cpu_rng),
+        StandIn("torch_optimizers", "Adam without TE's CUDA kernels", _install_torch_optimizers),
     )
 }
 

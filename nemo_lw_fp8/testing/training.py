@@ -47,6 +47,16 @@ class Scenario:
     data: str = "random"
     #: Apply the plugin's patches (``nemo_lw_fp8.apply()``) before building anything.
     plugin: bool = False
+    #: MXFP8 compute in the linear layers (model "fp8mlp"); needs the FP8 emulation boot on CPU.
+    fp8: bool = False
+    #: Persistent MXFP8 weights + ``fp8_param_gather`` + ``reuse_grad_buf_for_mxfp8_param_ag``.
+    fp8_param_gather: bool = False
+    #: Run an evaluation forward (megatron's forced param sync around it) after these steps.
+    eval_after: tuple[int, ...] = ()
+    #: Record every rank's main_grads per step and fp32 masters at the end.
+    snapshots: bool = False
+    #: Put the linear weights' buckets and the vectors' buckets in one bucket group.
+    single_bucket_group: bool = False
 
     def with_(self, **changes: Any) -> Scenario:
         return replace(self, **changes)
@@ -72,6 +82,39 @@ class TinyMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+class TinyFP8MLP(torch.nn.Module):
+    """MXFP8 linear layers (weights: Muon matrices) with bf16 biases and LayerNorms (Adam)."""
+
+    def __init__(self, widths: tuple[int, ...] = (32, 64, 64, 96, 64, 32)):
+        super().__init__()
+        from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear
+
+        layers: list[torch.nn.Module] = []
+        for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
+            layers.append(MXFP8Linear(fan_in, fan_out, bias=True))
+            if i < len(widths) - 2:
+                layers.append(torch.nn.LayerNorm(fan_out, dtype=torch.bfloat16))
+                layers.append(torch.nn.GELU())
+        self.net = torch.nn.Sequential(*layers)
+        self.in_features = widths[0]
+        self.out_features = widths[-1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _build_fp8_mlp(scenario: Scenario) -> torch.nn.Module:
+    if not scenario.fp8_param_gather:
+        return TinyFP8MLP()
+    from transformer_engine.common.recipe import MXFP8BlockScaling
+    from transformer_engine.pytorch import quantized_model_init
+
+    with quantized_model_init(
+        enabled=True, recipe=MXFP8BlockScaling(), preserve_high_precision_init_val=True
+    ):
+        return TinyFP8MLP()
 
 
 def transformer_config(**overrides: Any):
@@ -143,8 +186,16 @@ def build_model(scenario: Scenario):
     elif scenario.model == "mlp":
         config = transformer_config()
         module = TinyMLP()
+    elif scenario.model == "fp8mlp":
+        config = transformer_config()
+        module = _build_fp8_mlp(scenario)
+        # MXFP8 weights are already final; only cast what is not quantized.
+        for param in module.parameters():
+            if not hasattr(param, "dequantize"):
+                param.data = param.data.to(torch.bfloat16)
+        return module, config
     else:
-        raise ValueError(f"unknown model {scenario.model!r}; use 'mlp' or 'gpt'")
+        raise ValueError(f"unknown model {scenario.model!r}; use 'mlp', 'fp8mlp' or 'gpt'")
     return module.to(torch.bfloat16), config
 
 
@@ -170,6 +221,8 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
         overlap_param_gather=scenario.overlap,
         use_distributed_optimizer=dist_mode == "distopt",
         bucket_size=scenario.bucket_size,
+        fp8_param_gather=scenario.fp8_param_gather,
+        reuse_grad_buf_for_mxfp8_param_ag=scenario.fp8_param_gather,
     )
     model = wrap_model_chunks_with_ddp(
         [module],
@@ -177,6 +230,7 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
         ddp_config,
         use_layer_wise_distributed_optimizer=layer_wise,
         use_layer_wise_param_layout=dist_mode == "layerwise_padded",
+        disable_bucketing_per_chunk=[scenario.single_bucket_group],
     )
     opt_config = OptimizerConfig(
         optimizer=scenario.optimizer,
@@ -190,6 +244,8 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
         use_layer_wise_distributed_optimizer=layer_wise,
         overlap_param_gather=scenario.overlap,
         muon_fp32_matmul_prec="highest",
+        fp8_recipe="mxfp8" if scenario.fp8 else None,
+        reuse_grad_buf_for_mxfp8_param_ag=scenario.fp8_param_gather,
     )
     optimizer = get_megatron_optimizer(opt_config, model)
     return model, optimizer
@@ -226,27 +282,85 @@ def forward_loss(scenario: Scenario, model, batch) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out.float(), target)
 
 
-def train_step(scenario: Scenario, model: list, optimizer, step: int, dp_rank: int) -> float:
-    """One megatron-style step: zero buffers, forward/backward, finish grad sync, step."""
+def train_step(
+    scenario: Scenario, model: list, optimizer, step: int, dp_rank: int, record: dict | None = None
+) -> float:
+    """One step as megatron's ``train_step`` does it: zero buffers (and, with MXFP8 grad-buffer
+    reuse and overlapped gathers, re-stage DistributedOptimizer masters the way megatron's loop
+    does), forward/backward, finish grad sync, step."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    _megatron_restage_distopt(model, optimizer)
     batch = _rank_batch(scenario, model[0].module, step, dp_rank)
     loss = forward_loss(scenario, model[0], batch)
     loss.backward()
     for chunk in model:
         chunk.finish_grad_sync()
+    if record is not None:
+        record.setdefault("main_grads", []).append(main_grad_snapshot(model[0].module))
     ok, _grad_norm, _ = optimizer.step()
     if not ok:
         raise RuntimeError(f"optimizer step {step} was skipped")
     return float(loss.detach())
 
 
-def final_sync(model: list) -> None:
-    """Make the last step's parameters visible (overlapped gathers wait for the next forward)."""
+def _megatron_restage_distopt(model: list, optimizer) -> None:
+    """What megatron's ``train_step`` does after zeroing: stage DistOpt masters (only those)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    config = model[0].ddp_config
+    if not (config.reuse_grad_buf_for_mxfp8_param_ag and config.overlap_param_gather):
+        return
+    if not len(model[0].remove_forward_pre_hook_handles):
+        return
+    for child in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(child, DistributedOptimizer):
+            child._copy_main_params_to_param_buffer()
+
+
+def evaluate(scenario: Scenario, model: list, optimizer) -> float:
+    """An eval forward the way megatron's loop does it: forced param sync, no pre-hooks."""
+    from megatron.training.training import disable_forward_pre_hook, enable_forward_pre_hook
+
+    overlapped = model[0].ddp_config.overlap_param_gather
+    if overlapped:
+        disable_forward_pre_hook(model, optimizer=optimizer)
+    with torch.no_grad():
+        batch = _rank_batch(scenario, model[0].module, step=10_000, dp_rank=0)
+        loss = float(forward_loss(scenario, model[0], batch))
+    if overlapped:
+        enable_forward_pre_hook(model)
+    return loss
+
+
+def final_sync(model: list, optimizer=None) -> None:
+    """Make the last step's parameters visible the way megatron's ``train()`` ends: pre-hooks
+    off with a forced sync, then the final checkpoint save's ``force_param_sync``."""
+    if model[0].ddp_config.overlap_param_gather:
+        from megatron.training.training import disable_forward_pre_hook, force_param_sync
+
+        disable_forward_pre_hook(model, optimizer=optimizer)
+        force_param_sync(model, optimizer=optimizer)
+
+
+def bucket_group_layout(model: list) -> list[list[str]]:
+    """For each bucket group, who owns each bucket: "layerwise" or "distopt" (+ ":fp8")."""
+    groups = []
     for chunk in model:
-        if chunk.ddp_config.overlap_param_gather:
-            chunk.start_param_sync(force_sync=True)
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            kinds = []
+            for bucket in group.buckets:
+                param = bucket.params_list[0]
+                owner = (
+                    "layerwise"
+                    if getattr(param, "is_managed_by_layer_wise_optimizer", False)
+                    else "distopt"
+                )
+                fp8 = ":fp8" if any(_uses_quantized_storage(p) for p in bucket.params_list) else ""
+                kinds.append(owner + fp8)
+            groups.append(kinds)
+    return groups
 
 
 def uses_layer_wise(optimizer) -> bool:
@@ -259,7 +373,66 @@ def uses_layer_wise(optimizer) -> bool:
 
 
 def param_snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone().float() for name, p in module.named_parameters()}
+    """Parameter values as fp32 (MXFP8 parameters dequantized)."""
+    return {name: _value(p) for name, p in module.named_parameters()}
+
+
+def _value(param: torch.Tensor) -> torch.Tensor:
+    dequantize = getattr(param, "dequantize", None)
+    if dequantize is not None and _uses_quantized_storage(param):
+        return dequantize().detach().clone().float()
+    return param.detach().clone().float()
+
+
+def _uses_quantized_storage(param: torch.Tensor) -> bool:
+    from megatron.core.distributed.param_and_grad_buffer import _param_uses_quantized_storage
+
+    return bool(_param_uses_quantized_storage(param))
+
+
+def effective_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What each MXFP8 linear layer's GEMM actually uses: the weight after MXFP8 rounding."""
+    from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear, quantize_dequantize
+
+    out = {}
+    for name, sub in module.named_modules():
+        if isinstance(sub, MXFP8Linear):
+            weight = sub.weight
+            if _uses_quantized_storage(weight):
+                out[name] = weight.dequantize().detach().float()
+            else:
+                out[name] = quantize_dequantize(weight.detach()).float()
+    return out
+
+
+def main_grad_snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: p.main_grad.detach().clone()
+        for name, p in module.named_parameters()
+        if getattr(p, "main_grad", None) is not None
+    }
+
+
+def master_snapshot(optimizer, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The fp32 masters this rank holds (whole params for layer-wise, shards for DistOpt)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    masters: dict[str, torch.Tensor] = {}
+
+    def walk(opt) -> None:
+        for child in getattr(opt, "chained_optimizers", []):
+            walk(child)
+        if hasattr(opt, "shard_fp32_from_float16_groups"):
+            pairs = zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True)
+        elif hasattr(opt, "fp32_from_float16_groups"):
+            pairs = zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True)
+        else:
+            return
+        for model_group, main_group in pairs:
+            for model_param, main_param in zip(model_group, main_group, strict=True):
+                masters[names[id(model_param)]] = main_param.detach().clone()
+
+    walk(optimizer)
+    return masters
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -290,16 +463,41 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
     module, config = build_model(scenario)
     model, optimizer = wrap_and_build_optimizer(module, config, scenario)
     dp_rank = parallel_state.get_data_parallel_rank()
-    losses = []
+    losses: list[float] = []
+    eval_losses: list[float] = []
+    record: dict | None = {} if scenario.snapshots else None
+    overlapped = model[0].ddp_config.overlap_param_gather
     start = time.perf_counter()
     for step in range(scenario.steps):
-        losses.append(train_step(scenario, model, optimizer, step, dp_rank))
+        if overlapped and step == 0:
+            # megatron's loop: the first step runs without pre-hooks (weights are already in
+            # place), hooks go on once a step has succeeded.
+            from megatron.training.training import disable_forward_pre_hook
+
+            disable_forward_pre_hook(model, param_sync=False)
+        losses.append(train_step(scenario, model, optimizer, step, dp_rank, record))
+        if overlapped and step == 0:
+            from megatron.training.training import enable_forward_pre_hook
+
+            enable_forward_pre_hook(model)
+        if step in scenario.eval_after:
+            eval_losses.append(evaluate(scenario, model, optimizer))
         if progress and dp_rank == 0:
             line = _progress_line(step + 1, scenario.steps, losses[-1], time.perf_counter() - start)
             print(line, flush=True)
-    final_sync(model)
+    final_sync(model, optimizer)
     elapsed = time.perf_counter() - start
     params = param_snapshot(model[0].module)
+    extra: dict[str, Any] = {
+        "eval_losses": eval_losses,
+        "bucket_groups": bucket_group_layout(model),
+    }
+    if scenario.fp8:
+        extra["effective_weights"] = effective_weights(model[0].module)
+        extra["probe_output"] = probe_output(scenario, model)
+    if record is not None:
+        extra["main_grads"] = record.get("main_grads", [])
+        extra["masters"] = master_snapshot(optimizer, model[0].module)
     return {
         "losses": losses,
         "params": params,
@@ -307,4 +505,12 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
         "optimizer": type(optimizer).__name__,
         "layer_wise": uses_layer_wise(optimizer),
         "seconds": elapsed,
+        **extra,
     }
+
+
+def probe_output(scenario: Scenario, model: list) -> torch.Tensor:
+    """The model's output on a fixed input (call after :func:`final_sync`: pre-hooks are off)."""
+    with torch.no_grad():
+        inputs, _ = _rank_batch(scenario, model[0].module, step=20_000, dp_rank=0)
+        return model[0](inputs).detach().clone()
