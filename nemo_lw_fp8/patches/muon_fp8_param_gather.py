@@ -25,7 +25,8 @@ Re-staging after ``zero_grad_buffer()`` and the chained ordering fix live in
 Patches: ``LayerWiseDistributedOptimizer.__init__``, ``.step_with_ready_grads``,
 ``.start_param_sync_for_bucket_group_subset``, adds ``._copy_main_params_to_param_buffer`` and
 ``.prepare_model_params_for_param_sync``; ``DistributedOptimizer.
-start_param_sync_for_bucket_group_subset``; ``ChainedOptimizer._enable_deferred_mxfp8_param_sync``.
+start_param_sync_for_bucket_group_subset``; ``ChainedOptimizer._enable_deferred_mxfp8_param_sync``;
+``megatron.training.arguments.validate_args`` (runs the guards on the final args).
 
 Detection: upstream has it when ``LayerWiseDistributedOptimizer`` defines both staging methods
 itself and its bucket-group sync no longer decides ownership from ``buckets[0]``
@@ -280,6 +281,27 @@ def _make_step(original_step):
 
     step_with_ready_grads.__wrapped__ = original_step
     return step_with_ready_grads
+
+
+def _make_validate_args(original_validate_args):
+    """megatron-training's ``validate_args``, then the plugin's rules on the final args."""
+
+    def validate_args(args, defaults=None):
+        result = original_validate_args(args, {} if defaults is None else defaults)
+        guards.check(guards.Settings.from_args(args))
+        return result
+
+    validate_args.__wrapped__ = original_validate_args
+    return validate_args
+
+
+def _training_overrides() -> list[Override]:
+    """Hook megatron-training's argument validation when megatron.training is importable."""
+    try:
+        from megatron.training import arguments
+    except ImportError:
+        return []
+    return [Override(arguments, "validate_args", _make_validate_args(arguments.validate_args))]
 
 
 def _build_overrides() -> list[Override]:

@@ -51,6 +51,8 @@ class Scenario:
     fp8: bool = False
     #: Persistent MXFP8 weights + ``fp8_param_gather`` + ``reuse_grad_buf_for_mxfp8_param_ag``.
     fp8_param_gather: bool = False
+    #: The FP8 recipe the optimizer is told about (only "mxfp8" is supported with FP8 gather).
+    fp8_recipe: str = "mxfp8"
     #: Run an evaluation forward (megatron's forced param sync around it) after these steps.
     eval_after: tuple[int, ...] = ()
     #: Record every rank's main_grads per step and fp32 masters at the end.
@@ -244,7 +246,7 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
         use_layer_wise_distributed_optimizer=layer_wise,
         overlap_param_gather=scenario.overlap,
         muon_fp32_matmul_prec="highest",
-        fp8_recipe="mxfp8" if scenario.fp8 else None,
+        fp8_recipe=scenario.fp8_recipe if scenario.fp8 else None,
         reuse_grad_buf_for_mxfp8_param_ag=scenario.fp8_param_gather,
     )
     optimizer = get_megatron_optimizer(opt_config, model)

@@ -1,0 +1,220 @@
+"""Layer-wise Muon with MXFP8 param all-gather is bitwise identical to FP8 param gather off.
+
+The OFF run keeps bf16 weights and quantizes them on the fly for the MXFP8 GEMMs; the ON run keeps
+persistent MXFP8 weights, stages bf16 masters in the grad buffer and gathers them. Both start from
+the same bf16 initial values, train 5 Muon steps (Adam for biases and norms) on CPU ranks with
+TE's own MXFP8 classes over the exact emulation, and are compared with atol = rtol = 0.
+
+The mutation tests switch each fix of the patches off on its own and show that a test here fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+
+import pytest
+import torch
+
+from nemo_lw_fp8.testing.harness import BootOptions, run_on_ranks
+from nemo_lw_fp8.testing.training import Scenario, train
+
+if importlib.util.find_spec("transformer_engine") is None:  # find, never import, TE here
+    pytest.skip("the MXFP8 emulation needs TE's Python package", allow_module_level=True)
+
+FP8 = BootOptions(fp8_emulation=True)
+BASE = Scenario(
+    optimizer="muon",
+    distribution="layerwise_padded",
+    model="fp8mlp",
+    fp8=True,
+    micro_batch=32,
+    snapshots=True,
+    plugin=True,
+)
+
+
+def run(scenario: Scenario, world_size: int = 2) -> list[dict]:
+    return run_on_ranks(train, scenario, world_size=world_size, boot=FP8)
+
+
+def assert_bitwise(off: list[dict], on: list[dict]) -> None:
+    """Losses, eval losses, forward output, every main_grad, every fp32 master, the weights the
+    GEMMs see, and every parameter that is not MXFP8: equal to the last bit on every rank."""
+    for rank, (a, b) in enumerate(zip(off, on, strict=True)):
+        where = f"rank {rank}"
+        assert a["losses"] == b["losses"], f"{where}: losses {a['losses']} != {b['losses']}"
+        assert a["eval_losses"] == b["eval_losses"], f"{where}: eval losses differ"
+        assert torch.equal(a["probe_output"], b["probe_output"]), f"{where}: forward output"
+        for step, (ga, gb) in enumerate(zip(a["main_grads"], b["main_grads"], strict=True)):
+            for name, grad in ga.items():
+                assert torch.equal(grad, gb[name]), f"{where}: main_grad of {name}, step {step}"
+        assert a["masters"].keys() == b["masters"].keys()
+        for name, master in a["masters"].items():
+            assert torch.equal(master, b["masters"][name]), f"{where}: fp32 master of {name}"
+        for name, weight in a["effective_weights"].items():
+            assert torch.equal(weight, b["effective_weights"][name]), f"{where}: {name} weight"
+        # MXFP8 weights were compared above as the values the GEMMs use; the rest bit for bit.
+        mxfp8_weights = {f"{name}.weight" for name in a["effective_weights"]}
+        for name, value in a["params"].items():
+            if name not in mxfp8_weights:
+                assert torch.equal(value, b["params"][name]), f"{where}: param {name}"
+    assert len({r["digest"] for r in on}) == 1, "ranks hold different parameters"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+@pytest.mark.parametrize("bucket_size", [None, 4096], ids=["one-bucket", "bucketed"])
+def test_fp8_param_gather_on_equals_off(world_size, overlap, bucket_size):
+    off = run(BASE.with_(overlap=overlap, bucket_size=bucket_size), world_size)
+    on = run(
+        BASE.with_(overlap=overlap, bucket_size=bucket_size, fp8_param_gather=True), world_size
+    )
+    # The model's buckets must form a mixed group: layer-wise MXFP8 + DistOpt bf16 buckets.
+    groups = on[0]["bucket_groups"]
+    assert any(
+        {kind.split(":")[0] for kind in group} == {"layerwise", "distopt"} for group in groups
+    ), f"no mixed bucket group in {groups}"
+    if bucket_size is not None and world_size == 2:
+        # (At DP 4, 0.19.2's padding floor, 0.9 * dp * largest matrix, keeps one bucket.)
+        assert len(groups) > 1
+    assert_bitwise(off, on)
+
+
+def test_stock_megatron_is_not_bitwise():
+    """Control: without the plugin, FP8 param gather with layer-wise Muon trains wrongly."""
+    off = run(BASE)
+    on = run(BASE.with_(fp8_param_gather=True, plugin=False))
+    with pytest.raises(AssertionError):
+        assert_bitwise(off, on)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_train_eval_train_equals_train_train(overlap):
+    scenario = BASE.with_(overlap=overlap, fp8_param_gather=True)
+    plain = run(scenario)
+    with_eval = run(scenario.with_(eval_after=(1, 3)))
+    for a, b in zip(plain, with_eval, strict=True):
+        assert a["losses"] == b["losses"]
+        assert a["digest"] == b["digest"]
+        for name, master in a["masters"].items():
+            assert torch.equal(master, b["masters"][name])
+    # And the eval itself saw the same model as with FP8 param gather off.
+    off = run(scenario.with_(fp8_param_gather=False, eval_after=(1, 3)))
+    assert_bitwise(off, with_eval)
+
+
+# --------------------------------------------------------------------------- mutation checks
+
+
+def _stock_owned_buckets(bucket_group, layer_wise):
+    """0.19.2's rule: the whole group belongs to whoever owns its first bucket."""
+    from nemo_lw_fp8.patches.muon_fp8_param_gather import _owned_by_layer_wise
+
+    first_is_layer_wise = _owned_by_layer_wise(bucket_group.buckets[0])
+    return list(bucket_group.buckets) if first_is_layer_wise == layer_wise else []
+
+
+def _stock_chained_prepare(self):
+    from nemo_lw_fp8.patches import restage_forced_sync
+
+    return restage_forced_sync.original_chained_prepare()(self)
+
+
+#: fix name -> (module, attribute, replacement that undoes the fix)
+MUTATIONS = {
+    "master_init": ("muon_fp8_param_gather", "init_masters_from_high_precision", None),
+    "staging": ("muon_fp8_param_gather", "stage_owned_masters", None),
+    "per_bucket_ownership": ("muon_fp8_param_gather", "owned_buckets", _stock_owned_buckets),
+    "restage_after_zero": ("restage_forced_sync", "restage_after_zero", None),
+    "ordering": ("restage_forced_sync", "prepare_chained", _stock_chained_prepare),
+    "skip_requantize": ("muon_fp8_param_gather", "skip_requantize_on_inner_step", None),
+}
+
+
+@contextlib.contextmanager
+def mutated(fix: str):
+    """Inside a rank: switch one fix off (a no-op, or megatron's stock behaviour)."""
+    import importlib
+
+    module_name, attr, replacement = MUTATIONS[fix]
+    module = importlib.import_module(f"nemo_lw_fp8.patches.{module_name}")
+    saved = getattr(module, attr)
+    setattr(module, attr, replacement if replacement is not None else (lambda *a, **k: None))
+    try:
+        yield
+    finally:
+        setattr(module, attr, saved)
+
+
+def train_mutated(scenario: Scenario, fix: str) -> dict:
+    with mutated(fix):
+        return train(scenario)
+
+
+def first_step_touches_mxfp8_weights(scenario: Scenario) -> bool:
+    """Whether the optimizer step itself (before any gather) rewrites MXFP8 weight bytes."""
+    from megatron.core import parallel_state
+    from megatron.training.training import disable_forward_pre_hook
+
+    from nemo_lw_fp8.testing.training import build_model, train_step, wrap_and_build_optimizer
+
+    module, config = build_model(scenario)
+    model, optimizer = wrap_and_build_optimizer(module, config, scenario)
+    disable_forward_pre_hook(model, param_sync=False)  # as megatron's first iteration
+    quantized = [p for p in module.parameters() if hasattr(p, "_rowwise_data")]
+    before = [p._rowwise_data.clone() for p in quantized]
+    train_step(scenario, model, optimizer, 0, parallel_state.get_data_parallel_rank())
+    return any(not torch.equal(b, p._rowwise_data) for b, p in zip(before, quantized, strict=True))
+
+
+def first_step_touches_mxfp8_weights_mutated(scenario: Scenario, fix: str) -> bool:
+    with mutated(fix):
+        return first_step_touches_mxfp8_weights(scenario)
+
+
+def test_inner_step_does_not_requantize_mxfp8_weights():
+    scenario = BASE.with_(overlap=True, fp8_param_gather=True)
+    assert not any(run_on_ranks(first_step_touches_mxfp8_weights, scenario, boot=FP8))
+    mutated_results = run_on_ranks(
+        first_step_touches_mxfp8_weights_mutated, scenario, "skip_requantize", boot=FP8
+    )
+    assert any(mutated_results), "switching the fix off did not change the step"
+
+
+@pytest.mark.parametrize(
+    "fix, overlap",
+    [
+        ("master_init", False),
+        ("staging", False),
+        ("per_bucket_ownership", False),
+        ("restage_after_zero", True),
+        ("ordering", True),
+    ],
+)
+def test_each_fix_is_needed(fix, overlap):
+    off = run(BASE.with_(overlap=overlap))
+    on = run_on_ranks(
+        train_mutated, BASE.with_(overlap=overlap, fp8_param_gather=True), fix, boot=FP8
+    )
+    with pytest.raises(AssertionError):
+        assert_bitwise(off, on)
+
+
+# --------------------------------------------------------------------------- guards
+
+
+def build_with(scenario: Scenario) -> str:
+    from nemo_lw_fp8.testing.training import build_model, wrap_and_build_optimizer
+
+    module, config = build_model(scenario)
+    wrap_and_build_optimizer(module, config, scenario)
+    return "built"
+
+
+def test_unsupported_recipe_is_rejected_when_the_optimizer_is_built():
+    scenario = BASE.with_(fp8_param_gather=True, fp8_recipe="blockwise")
+    with pytest.raises(AssertionError) as info:
+        run_on_ranks(build_with, scenario, boot=FP8)
+    assert "fp8-gather-recipe" in str(info.value)
+    assert "--fp8-recipe mxfp8" in str(info.value)
