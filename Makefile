@@ -8,7 +8,11 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nemo_lw_fp8-installed
-PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
+# Transformer Engine's pure-Python package for the CPU MXFP8 emulation, kept off the default
+# import path (a bare TE in site-packages makes `import megatron.core` fail without CUDA).
+TE_VERSION := 2.20.2
+TE_DIR := $(VENV)/te-emulation
+PYPROJECT_HASH := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
 
 # A Python 3.12 that really runs: $(PYTHON312) if given, else python3.12 on PATH (a pyenv shim
 # counts only if it works), else the newest pyenv-installed 3.12.x.
@@ -23,7 +27,7 @@ endif
 
 env: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@if [ ! -x "$(PY)" ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then \
 		if [ -z "$(PYTHON312)" ]; then \
 			echo "error: no Python 3.12 found (megatron-core 0.19.2 needs it)." >&2; \
@@ -38,13 +42,15 @@ $(STAMP): pyproject.toml
 	echo ">> installing nemo_lw_fp8 with its test extra into $(VENV) (first time: several minutes)"; \
 	$(PY) -m pip install --quiet --upgrade pip && \
 	$(PY) -m pip install --quiet -e '.[test]' && \
+	rm -rf $(TE_DIR) && \
+	$(PY) -m pip install --quiet --no-deps --target $(TE_DIR) transformer-engine==$(TE_VERSION) && \
 	echo "$(PYPROJECT_HASH)" > $(STAMP)
 
 demo: env
 	$(VENV)/bin/nemo-lw-fp8 demo
 
 test: env
-	@$(PY) -m pytest; rc=$$?; \
+	@NEMO_LW_FP8_REQUIRE_TE=1 $(PY) -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
 

@@ -59,22 +59,24 @@ def accelerator() -> dict[str, object]:
 
 
 def fp8_backend() -> dict[str, str]:
-    """Which FP8 implementation this process would use, without changing anything."""
-    try:
-        from .emulation import te_backend
-    except ImportError:
-        te_backend = None
-    if te_backend is not None and te_backend.active_backend() is not None:
-        return {"backend": te_backend.active_backend(), "reason": "activated in this process"}
-    if _package_version("transformer-engine") is None:
-        return {"backend": "none", "reason": "Transformer Engine is not installed"}
+    """Which FP8 implementation this process would use, without importing TE."""
     import torch
 
-    if torch.cuda.is_available():
+    from .emulation import te_backend
+
+    active = te_backend.active_backend()
+    if active is not None:
+        return {"backend": active, "reason": "activated in this process"}
+    dirs = te_backend.te_package_dirs()
+    if dirs is None:
+        return {"backend": "none", "reason": "Transformer Engine's Python package is not installed"}
+    where = dirs[0] if dirs else "site-packages"
+    if torch.cuda.is_available() and not dirs:
         return {"backend": "transformer_engine", "reason": "Transformer Engine with a CUDA device"}
     return {
         "backend": "emulated (on activation)",
-        "reason": "no CUDA device: TE's kernels cannot load; the MXFP8 emulation stands in",
+        "reason": f"no usable TE kernels here; TE {te_backend.pinned_te_version}'s classes in "
+        f"{where} run over the exact MXFP8 emulation",
     }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from nemo_lw_fp8.testing.harness import shutdown_pools
@@ -12,6 +14,20 @@ def _stop_rank_pools():
     """Rank pools live for the whole session (imports paid once); stop them at the end."""
     yield
     shutdown_pools()
+
+
+def pytest_configure(config):
+    """``make test`` sets NEMO_LW_FP8_REQUIRE_TE=1: then TE's Python package (for the MXFP8
+    emulation) must be there, so no FP8 test can skip silently."""
+    if os.environ.get("NEMO_LW_FP8_REQUIRE_TE") != "1":
+        return
+    from nemo_lw_fp8.emulation import te_backend
+
+    if te_backend.te_package_dirs() is None:
+        raise pytest.UsageError(
+            "NEMO_LW_FP8_REQUIRE_TE=1 but Transformer Engine's Python package was not found "
+            "(make env installs it into .venv/te-emulation; see docs/mxfp8.md)"
+        )
 
 
 def _gpu_skip_reason() -> str | None:

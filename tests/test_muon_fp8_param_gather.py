@@ -11,15 +11,15 @@ The mutation tests switch each fix of the patches off on its own and show that a
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
 import pytest
 import torch
 
+from nemo_lw_fp8.emulation import te_backend
 from nemo_lw_fp8.testing.harness import BootOptions, run_on_ranks
 from nemo_lw_fp8.testing.training import Scenario, train
 
-if importlib.util.find_spec("transformer_engine") is None:  # find, never import, TE here
+if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
     pytest.skip("the MXFP8 emulation needs TE's Python package", allow_module_level=True)
 
 FP8 = BootOptions(fp8_emulation=True)
@@ -218,3 +218,27 @@ def test_unsupported_recipe_is_rejected_when_the_optimizer_is_built():
         run_on_ranks(build_with, scenario, boot=FP8)
     assert "fp8-gather-recipe" in str(info.value)
     assert "--fp8-recipe mxfp8" in str(info.value)
+
+
+# --------------------------------------------------------------------------- checkpoint resume
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_checkpoint_resume_in_fresh_processes_is_bitwise(overlap, tmp_path):
+    """Save after 3 steps, start new rank processes, load, run steps 3-5: same bits as 6 steps."""
+    from nemo_lw_fp8.testing.harness import get_pool
+
+    scenario = BASE.with_(overlap=overlap, fp8_param_gather=True, steps=6)
+    uninterrupted = run(scenario)
+    first = run(scenario.with_(steps=3, save_dir=str(tmp_path)))
+    pool = get_pool(2, FP8)
+    old_pids = [proc.pid for proc in pool._procs]
+    pool.shutdown()
+    resumed = run(scenario.with_(first_step=3, load_dir=str(tmp_path)))
+    assert [proc.pid for proc in get_pool(2, FP8)._procs] != old_pids
+    for full, before, after in zip(uninterrupted, first, resumed, strict=True):
+        assert full["losses"] == before["losses"] + after["losses"]
+        assert full["digest"] == after["digest"]
+        for name, master in full["masters"].items():
+            assert torch.equal(master, after["masters"][name]), name
+        assert torch.equal(full["probe_output"], after["probe_output"])

@@ -56,13 +56,31 @@ def test_detectors_flip_when_the_symbols_change(monkeypatch):
 def test_doctor_reports_upstream_status():
     report = doctor.collect()
     statuses = {row["pr"]: row["status"] for row in report["upstream"]}
-    for pr, native in NATIVE_IN_0_19_2.items():
-        if native:
-            assert statuses[pr] == "native"
-        else:
-            assert statuses[pr] in ("patchable", "patched", "unavailable")
+    # Not applied in this process: what megatron has, and what the plugin can bring.
+    assert statuses == {
+        3524: "native",
+        4987: "patchable",
+        4994: "extendable",
+        5464: "native",
+        5388: "unavailable",
+    }
     assert report["versions"]["megatron-core"] == "0.19.2"
     assert report["accelerator"]["kind"] in ("cpu", "cuda")
+
+
+def test_doctor_after_apply_reports_patched_and_extended():
+    import nemo_lw_fp8
+
+    nemo_lw_fp8.apply(["muon_fp8_param_gather", "restage_forced_sync"])
+    try:
+        statuses = {row.pr: row.status for row in doctor.upstream_status()}
+        assert statuses[4987] == "patched"
+        assert statuses[4994] == "extended"
+        # Our own overrides never make a detector claim that upstream has the change.
+        assert change(4987).detect()[0] is False
+    finally:
+        nemo_lw_fp8.revert()
+    assert {row.pr: row.status for row in doctor.upstream_status()}[4987] == "patchable"
 
 
 def test_doctor_cli_json_and_table(capsys):

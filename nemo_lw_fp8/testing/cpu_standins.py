@@ -33,8 +33,10 @@ Stand-ins (each can be installed and removed on its own):
 ``torch_optimizers``
     With Transformer Engine importable (the MXFP8 emulation backend), megatron picks TE's
     ``FusedAdam``, whose CUDA kernels do not exist on CPU; megatron's own switch
-    ``megatron.core.optimizer.USING_PYTORCH_OPTIMIZER`` selects ``torch.optim.AdamW``.
-    Call site: ``_get_megatron_optimizer_based_on_param_groups``.
+    ``megatron.core.optimizer.USING_PYTORCH_OPTIMIZER`` selects ``torch.optim.AdamW``, and
+    ``distrib_optimizer``'s own flags are set to match (its ``state_dict`` / ``load_state_dict``
+    read Adam's ``step`` where torch keeps it). Call sites:
+    ``_get_megatron_optimizer_based_on_param_groups``, ``DistributedOptimizer.state_dict``.
 """
 
 from __future__ import annotations
@@ -280,8 +282,26 @@ def _install_cpu_rng() -> Callable[[], None]:
 
 def _install_torch_optimizers() -> Callable[[], None]:
     import megatron.core.optimizer as megatron_optimizer
+    from megatron.core.optimizer import distrib_optimizer
 
-    return _swap_attrs(megatron_optimizer, {"USING_PYTORCH_OPTIMIZER": True})
+    undo_factory = _swap_attrs(megatron_optimizer, {"USING_PYTORCH_OPTIMIZER": True})
+    # DistributedOptimizer keeps its own record of which Adam it got (it reads 'step' from the
+    # param groups for TE's FusedAdam, from the per-param state for torch's): make it agree.
+    undo_distopt = _swap_attrs(
+        distrib_optimizer,
+        {
+            "HAVE_APEX_OR_TE": False,
+            "USING_TE_OPTIMIZER": False,
+            "USING_APEX_OPTIMIZER": False,
+            "Adam": torch.optim.Adam,
+        },
+    )
+
+    def undo() -> None:
+        undo_distopt()
+        undo_factory()
+
+    return undo
 
 
 STANDINS: dict[str, StandIn] = {

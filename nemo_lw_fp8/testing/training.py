@@ -59,6 +59,12 @@ class Scenario:
     snapshots: bool = False
     #: Put the linear weights' buckets and the vectors' buckets in one bucket group.
     single_bucket_group: bool = False
+    #: Resume: first step index to run (steps ``first_step .. steps-1`` run).
+    first_step: int = 0
+    #: Load a checkpoint (written by ``save_dir``) before the first step.
+    load_dir: str | None = None
+    #: Save a checkpoint after the last step (after megatron's end-of-training sync).
+    save_dir: str | None = None
 
     def with_(self, **changes: Any) -> Scenario:
         return replace(self, **changes)
@@ -346,6 +352,69 @@ def final_sync(model: list, optimizer=None) -> None:
         force_param_sync(model, optimizer=optimizer)
 
 
+def _optimizer_state(child) -> dict[str, Any]:
+    """What one chained optimizer holds on this rank, exactly."""
+    if hasattr(child, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
+        return {
+            "inner": child.optimizer.state_dict(),
+            "masters": [
+                [p.detach().clone() for p in g] for g in child.shard_fp32_from_float16_groups
+            ],
+        }
+    return {"state_dict": child.state_dict()}
+
+
+def _load_optimizer_state(child, state: dict[str, Any]) -> None:
+    if "inner" in state:
+        child.optimizer.load_state_dict(state["inner"])
+        for group, saved in zip(
+            child.shard_fp32_from_float16_groups, state["masters"], strict=True
+        ):
+            for param, value in zip(group, saved, strict=True):
+                param.data.copy_(value)
+    else:
+        child.load_state_dict(state["state_dict"])
+
+
+def save_checkpoint(model: list, optimizer, directory: str) -> None:
+    """A fixed-DP, per-rank checkpoint: model state dict and every chained optimizer's state.
+
+    megatron-core 0.19.2's own "torch" format cannot serve here: beside a layer-wise optimizer
+    the DistributedOptimizer has no gloo group (``get_parameter_state_dp_zero`` asserts),
+    ``ChainedOptimizer.save_parameter_state`` drops the layer-wise child while
+    ``load_parameter_state`` indexes by child position, and the dp-zero loader expects TE's
+    FusedAdam state layout, not torch's. (torch_dist, megatron's default format, takes none
+    of these paths.) What matters to the plugin is that weights, masters and optimizer state
+    come back to the bit.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    os.makedirs(directory, exist_ok=True)
+    children = getattr(optimizer, "chained_optimizers", [optimizer])
+    torch.save(
+        {
+            "model": model[0].module.state_dict(),
+            "optimizers": [_optimizer_state(child) for child in children],
+        },
+        os.path.join(directory, f"rank{dist.get_rank()}.pt"),
+    )
+
+
+def load_checkpoint(model: list, optimizer, directory: str) -> None:
+    """Load what :func:`save_checkpoint` wrote into a freshly built model and optimizer."""
+    import os
+
+    import torch.distributed as dist
+
+    state = torch.load(os.path.join(directory, f"rank{dist.get_rank()}.pt"), weights_only=False)
+    model[0].module.load_state_dict(state["model"])
+    children = getattr(optimizer, "chained_optimizers", [optimizer])
+    for child, child_state in zip(children, state["optimizers"], strict=True):
+        _load_optimizer_state(child, child_state)
+
+
 def bucket_group_layout(model: list) -> list[list[str]]:
     """For each bucket group, who owns each bucket: "layerwise" or "distopt" (+ ":fp8")."""
     groups = []
@@ -470,15 +539,18 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
     record: dict | None = {} if scenario.snapshots else None
     overlapped = model[0].ddp_config.overlap_param_gather
     start = time.perf_counter()
-    for step in range(scenario.steps):
-        if overlapped and step == 0:
+    if scenario.load_dir is not None:
+        load_checkpoint(model, optimizer, scenario.load_dir)
+    first = scenario.first_step
+    for step in range(first, scenario.steps):
+        if overlapped and step == first:
             # megatron's loop: the first step runs without pre-hooks (weights are already in
             # place), hooks go on once a step has succeeded.
             from megatron.training.training import disable_forward_pre_hook
 
             disable_forward_pre_hook(model, param_sync=False)
         losses.append(train_step(scenario, model, optimizer, step, dp_rank, record))
-        if overlapped and step == 0:
+        if overlapped and step == first:
             from megatron.training.training import enable_forward_pre_hook
 
             enable_forward_pre_hook(model)
@@ -489,6 +561,8 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
             print(line, flush=True)
     final_sync(model, optimizer)
     elapsed = time.perf_counter() - start
+    if scenario.save_dir is not None:
+        save_checkpoint(model, optimizer, scenario.save_dir)
     params = param_snapshot(model[0].module)
     extra: dict[str, Any] = {
         "eval_losses": eval_losses,
