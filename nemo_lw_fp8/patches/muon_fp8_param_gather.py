@@ -332,6 +332,7 @@ def _build_overrides() -> list[Override]:
             "_enable_deferred_mxfp8_param_sync",
             _chained_enable_deferred_mxfp8_param_sync,
         ),
+        *_training_overrides(),
     ]
 
 

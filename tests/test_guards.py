@@ -1,0 +1,120 @@
+"""Every configuration rule: what it rejects, the message (flag + fix), and where it runs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from nemo_lw_fp8 import guards
+from nemo_lw_fp8.guards import ConfigError, Settings
+
+GOOD_MXFP8 = Settings(
+    optimizer="muon",
+    use_layer_wise_distributed_optimizer=True,
+    fp8_recipe="mxfp8",
+    fp8_param_gather=True,
+    reuse_grad_buf_for_mxfp8_param_ag=True,
+    overlap_param_gather=True,
+)
+
+BAD = {
+    "fp8-gather-needs-grad-buffer-reuse": (
+        dict(reuse_grad_buf_for_mxfp8_param_ag=False),
+        "--reuse-grad-buf-for-mxfp8-param-ag",
+    ),
+    "fp8-gather-recipe": (dict(fp8_recipe="blockwise"), "--fp8-recipe mxfp8"),
+    "fp8-gather-layout": (dict(layer_wise_layout="legacy"), "--no-use-layer-wise-param-layout"),
+    "fp8-gather-bf16": (dict(bf16=False), "--bf16"),
+}
+
+
+def test_supported_combinations_pass():
+    guards.check(GOOD_MXFP8)
+    guards.check(GOOD_MXFP8.__class__(**{**GOOD_MXFP8.__dict__, "overlap_param_gather": False}))
+    # FP8 compute with bf16 parameters works with any recipe.
+    guards.check(
+        Settings(
+            optimizer="muon", use_layer_wise_distributed_optimizer=True, fp8_recipe="blockwise"
+        )
+    )
+    # Adam with megatron's own MXFP8 param gather is upstream's business, not ours.
+    guards.check(
+        Settings(
+            optimizer="adam",
+            use_distributed_optimizer=True,
+            fp8_recipe="mxfp8",
+            fp8_param_gather=True,
+        )
+    )
+
+
+@pytest.mark.parametrize("rule", sorted(BAD))
+def test_each_rule_rejects_with_flag_and_fix(rule):
+    changes, flag = BAD[rule]
+    bad = Settings(**{**GOOD_MXFP8.__dict__, **changes})
+    with pytest.raises(ConfigError) as info:
+        guards.check(bad)
+    assert info.value.rule == rule
+    assert flag in str(info.value)
+    assert "Fix:" in str(info.value)
+
+
+def test_every_rule_is_tested():
+    assert {rule.name for rule in guards.RULES} == set(BAD)
+
+
+def test_dist_muon_counts_as_layer_wise():
+    settings = Settings(optimizer="dist_muon", fp8_recipe="mxfp8", fp8_param_gather=True)
+    assert [rule for rule, _ in guards.violations(settings)] == [
+        "fp8-gather-needs-grad-buffer-reuse"
+    ]
+
+
+def test_megatron_args_are_read():
+    args = SimpleNamespace(
+        optimizer="muon",
+        use_layer_wise_distributed_optimizer=True,
+        fp8_recipe="mxfp8",
+        fp8_param_gather=True,
+        reuse_grad_buf_for_mxfp8_param_ag=True,
+        use_layer_wise_param_layout=False,
+        bf16=True,
+        use_distributed_optimizer=True,
+        overlap_param_gather=False,
+    )
+    assert Settings.from_args(args).layer_wise_layout == "legacy"
+    with pytest.raises(ConfigError, match="fp8-gather-layout"):
+        guards.check(Settings.from_args(args))
+
+
+def test_validate_args_runs_the_rules_after_megatrons_own_checks():
+    from nemo_lw_fp8.patches.muon_fp8_param_gather import _make_validate_args
+
+    seen = []
+
+    def megatron_validate_args(args, defaults):
+        seen.append(args)
+        return args
+
+    validate_args = _make_validate_args(megatron_validate_args)
+    args = SimpleNamespace(**{**GOOD_MXFP8.__dict__, "reuse_grad_buf_for_mxfp8_param_ag": False})
+    with pytest.raises(ConfigError, match="fp8-gather-needs-grad-buffer-reuse"):
+        validate_args(args)
+    assert seen == [args], "megatron's own validation must run first"
+    good = SimpleNamespace(**GOOD_MXFP8.__dict__)
+    assert validate_args(good) is good
+
+
+def test_apply_hooks_megatron_validate_args():
+    from megatron.training import arguments
+
+    import nemo_lw_fp8
+
+    original = arguments.validate_args
+    nemo_lw_fp8.apply(["muon_fp8_param_gather"])
+    try:
+        assert arguments.validate_args.__wrapped__ is original
+    finally:
+        nemo_lw_fp8.revert()
+    assert arguments.validate_args is original
