@@ -152,6 +152,10 @@ _KNOWN_IMPORT_NOISE = (
     r".*MimoModelConfig is experimental.*",
     r".*imports from `dynamic_context.py` will be removed.*",
     r".*full scope is deprecated.*",
+    # The FP8-gather-off reference runs are MXFP8 without param gather on purpose.
+    r".*mxfp8 without using reuse_grad_buf_for_mxfp8_param_ag.*",
+    # Tiny test models register parameters in another order than their forward uses them.
+    r".*next bucket's parameter all-gather operation has already been dispatched.*",
 )
 
 
