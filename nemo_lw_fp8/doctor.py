@@ -5,8 +5,8 @@ For each tracked upstream change the status is one of:
 ``native``       the installed megatron-core already behaves as wanted (detected, not assumed);
 ``patched``      megatron-core lacks it and the plugin's patch is applied in this process;
 ``patchable``    megatron-core lacks it and the plugin has a patch (``nemo_lw_fp8.apply()``);
-``extended``     megatron-core has it for some optimizers; the plugin's extension is applied
-                 (``extendable``: the extension is available but not applied);
+``native (extended)``  megatron-core has it for some optimizers and the plugin's extension to the
+                 others is applied (``native (extendable)``: available, not applied);
 ``unavailable``  megatron-core lacks it and this plugin version cannot bring it (reason given).
 """
 
@@ -96,7 +96,7 @@ def upstream_status() -> list[ChangeStatus]:
         patch = registered.get(item.feature)
         if native and patch is not None and not patch.detect_native()[0]:
             # Upstream has the change for some optimizers; the plugin extends it further.
-            status = "extended" if patch.applied else "extendable"
+            status = "native (extended)" if patch.applied else "native (extendable)"
             reason = f"{reason}; layer-wise extension: {patch.summary}"
         elif native:
             status = "native"
@@ -132,9 +132,9 @@ def render(report: dict[str, object]) -> str:
     backend = report["fp8_backend"]
     lines.append(f"fp8 backend:           {backend['backend']} - {backend['reason']}")
     lines.append("")
-    lines.append(f"{'upstream change':<8} {'status':<12} {'what':<52} reason")
+    lines.append(f"{'change':<7} {'status':<20} {'what':<52} reason")
     for row in report["upstream"]:
-        lines.append(f"#{row['pr']:<7} {row['status']:<12} {row['title']:<52} {row['reason']}")
+        lines.append(f"#{row['pr']:<6} {row['status']:<20} {row['title']:<52} {row['reason']}")
     return "\n".join(lines)
 
 

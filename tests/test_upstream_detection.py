@@ -60,7 +60,7 @@ def test_doctor_reports_upstream_status():
     assert statuses == {
         3524: "native",
         4987: "patchable",
-        4994: "extendable",
+        4994: "native (extendable)",
         5464: "native",
         5388: "unavailable",
     }
@@ -75,7 +75,7 @@ def test_doctor_after_apply_reports_patched_and_extended():
     try:
         statuses = {row.pr: row.status for row in doctor.upstream_status()}
         assert statuses[4987] == "patched"
-        assert statuses[4994] == "extended"
+        assert statuses[4994] == "native (extended)"
         # Our own overrides never make a detector claim that upstream has the change.
         assert change(4987).detect()[0] is False
     finally:
