@@ -62,7 +62,7 @@ def test_doctor_reports_upstream_status():
         4987: "patchable",
         4994: "native (extendable)",
         5464: "native",
-        5388: "unavailable",
+        5388: "patchable",
     }
     assert report["versions"]["megatron-core"] == "0.19.2"
     assert report["accelerator"]["kind"] in ("cpu", "cuda")
@@ -71,11 +71,12 @@ def test_doctor_reports_upstream_status():
 def test_doctor_after_apply_reports_patched_and_extended():
     import nemo_lw_fp8
 
-    nemo_lw_fp8.apply(["muon_fp8_param_gather", "restage_forced_sync"])
+    nemo_lw_fp8.apply()
     try:
         statuses = {row.pr: row.status for row in doctor.upstream_status()}
         assert statuses[4987] == "patched"
         assert statuses[4994] == "native (extended)"
+        assert statuses[5388] == "patched"
         # Our own overrides never make a detector claim that upstream has the change.
         assert change(4987).detect()[0] is False
     finally:

@@ -25,7 +25,11 @@ from .framework import (
 )
 
 #: Patch modules shipped with the plugin (imported lazily: they import megatron-core).
-PATCH_MODULES: tuple[str, ...] = ("muon_fp8_param_gather", "restage_forced_sync")
+PATCH_MODULES: tuple[str, ...] = (
+    "muon_fp8_param_gather",
+    "restage_forced_sync",
+    "compact_layout",
+)
 
 
 def load_all() -> None:

@@ -52,11 +52,14 @@ class Patch:
     tested_versions: tuple[str, ...] = ("0.19.2",)
     requires: tuple[str, ...] = ()
     _saved: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
+    #: Position in the sequence of applications (revert goes newest first).
+    _order: int = field(default=0, repr=False)
     applied: bool = False
     native_reason: str | None = None
 
 
 _REGISTRY: dict[str, Patch] = {}
+_APPLY_COUNTER = 0
 
 
 def register(patch: Patch) -> Patch:
@@ -153,7 +156,10 @@ def _apply_one(patch: Patch, allow_untested: bool) -> str:
     except BaseException:
         _restore(saved)
         raise
+    global _APPLY_COUNTER
+    _APPLY_COUNTER += 1
     patch._saved = saved
+    patch._order = _APPLY_COUNTER
     patch.applied = True
     return "patched"
 
@@ -200,10 +206,33 @@ def apply(features: Iterable[str] | None = None, *, allow_untested: bool = False
     return {patch.name: _apply_one(patch, allow_untested) for patch in chosen}
 
 
+def _with_dependents(chosen: list[Patch]) -> list[Patch]:
+    """``chosen`` plus every applied patch that requires one of them (it wraps their objects)."""
+    result = list(chosen)
+    changed = True
+    while changed:
+        changed = False
+        for patch in _REGISTRY.values():
+            if patch in result or not patch.applied:
+                continue
+            if any(_REGISTRY[name] in result for name in patch.requires if name in _REGISTRY):
+                result.append(patch)
+                changed = True
+    return result
+
+
 def revert(features: Iterable[str] | None = None) -> None:
-    """Restore the original objects of the named patches (all by default), newest first."""
-    for patch in reversed(_resolve(features)):
+    """Restore the original objects of the named patches (all by default), newest first.
+
+    Patches that require a reverted one are reverted too: they wrap its objects.
+    """
+    chosen = _with_dependents(_resolve(features))
+    for patch in sorted(chosen, key=_apply_order, reverse=True):
         _revert_one(patch)
+
+
+def _apply_order(patch: Patch) -> int:
+    return patch._order
 
 
 def applied() -> list[str]:

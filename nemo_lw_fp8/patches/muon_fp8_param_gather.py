@@ -148,6 +148,8 @@ def stage_owned_masters(optimizer: Any) -> None:
             if not _quantized(model_param):
                 continue
             bucket, start, end = slots[model_param]
+            if bucket.param_data is None:
+                continue  # a compact-layout bucket: its gather packs masters itself
             bucket.param_data.view(-1)[start:end].copy_(main_param.detach().view(-1))
     # The buffer now holds new values: the next forward pre-hook must gather them again.
     for chunk in optimizer.model_chunks:

@@ -15,6 +15,8 @@ Distribution modes:
 ``layerwise_padded``  LayerWiseDistributedOptimizer with megatron 0.19.2's shard-aligned padded
                       layout (Muon matrices in layer-wise buffers, the rest under a sibling
                       DistributedOptimizer).
+``layerwise_compact`` the plugin's compact layout (needs ``plugin=True``): no padding in the
+                      Muon buffers, cost-balanced ownership, one gather per bucket group.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-DISTRIBUTIONS = ("ddp", "distopt", "layerwise_legacy", "layerwise_padded")
+DISTRIBUTIONS = ("ddp", "distopt", "layerwise_legacy", "layerwise_padded", "layerwise_compact")
 
 
 @dataclass(frozen=True)
@@ -232,12 +234,18 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
         fp8_param_gather=scenario.fp8_param_gather,
         reuse_grad_buf_for_mxfp8_param_ag=scenario.fp8_param_gather,
     )
+    if dist_mode == "layerwise_compact":
+        if not scenario.plugin:
+            raise ValueError("distribution='layerwise_compact' needs plugin=True")
+        from nemo_lw_fp8.patches.compact_layout import set_layer_wise_layout
+
+        set_layer_wise_layout(ddp_config, "compact")
     model = wrap_model_chunks_with_ddp(
         [module],
         config,
         ddp_config,
         use_layer_wise_distributed_optimizer=layer_wise,
-        use_layer_wise_param_layout=dist_mode == "layerwise_padded",
+        use_layer_wise_param_layout=dist_mode in ("layerwise_padded", "layerwise_compact"),
         disable_bucketing_per_chunk=[scenario.single_bucket_group],
     )
     opt_config = OptimizerConfig(

@@ -1,0 +1,404 @@
+"""Compact, decoupled layer-wise DDP buffers: no padding, balanced ownership, one gather per group.
+
+Behaviour (selected with :func:`set_layer_wise_layout` (ddp_config, ``"compact"``)):
+
+* Muon-managed (layer-wise) buffers are laid out without any padding and act as plain-DDP buffers:
+  an *effective* per-buffer config with ``use_distributed_optimizer=False`` (gradients are
+  all-reduced, parameters keep their own storage). Sibling non-Muon buffers (embeddings, biases,
+  norms) keep the standard DistributedOptimizer layout. Bucket groups never mix the two kinds:
+  ``partition_buckets`` runs separately per effective setting (also for force-single groups and
+  its FP8 "case 3").
+* Whole-parameter ownership minimises the largest per-rank Newton-Schulz cost
+  (:func:`nemo_lw_fp8.layout.assign_owners`), deterministic on every rank and after a resume.
+* Parameter sync issues exactly one ``all_gather_into_tensor`` per layer-wise bucket group and
+  step: each owner packs the bf16 cast of its fp32 masters into one segment (padded only in the
+  transient gather buffer to the longest segment of the group), and every rank copies the
+  gathered values into its weights (quantizing into MXFP8 weights from the same bf16 bytes). This
+  also serves MXFP8 FP8 param gather, bitwise equal to FP8 gather off, without staging anything
+  in the grad buffer.
+
+Mirrors Megatron-LM PR #5388 (compact decoupled layer-wise layout), with our own explicit setting
+(``"padded" | "compact" | "legacy"``; 0.19.2's ``use_layer_wise_param_layout`` keeps its meaning:
+True = padded, False = legacy), cost-balanced ownership instead of ping-pong, one even
+collective per group instead of #3524's uneven all_gather per bucket, and MXFP8 param gather
+supported (upstream rejected that combination).
+
+Patches: ``LayerWiseDistributedOptimizer.compute_full_param_layout`` and ``.shard_params``,
+``_ParamAndGradBuffer.__init__`` (effective config), ``partition_buckets`` as DDP calls it,
+``_ParamAndGradBucketGroup.start_param_sync`` / ``.finish_param_sync`` (compact groups only).
+
+Detection: upstream has it when ``DistributedDataParallelConfig`` carries a per-buffer layer-wise
+layout field (``use_layer_wise_param_layout``) - #5388's design.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import layout as layout_math
+from ..upstream import change
+from .framework import Override, Patch, register
+
+FEATURE = "compact_layout"
+
+#: Attribute on ``DistributedDataParallelConfig`` that holds our layout setting.
+LAYOUT_ATTR = "nemo_lw_fp8_layer_wise_layout"
+LAYOUTS = ("padded", "compact", "legacy")
+
+
+def set_layer_wise_layout(ddp_config: Any, layout: str) -> Any:
+    """Choose the layer-wise buffer layout on a megatron ``DistributedDataParallelConfig``.
+
+    ``"padded"``: megatron-core 0.19.2's shard-aligned layout (its default);
+    ``"compact"``: this module; ``"legacy"``: no layout (flatten + all_gather of whole params).
+    For ``"padded"`` and ``"compact"`` wrap with ``use_layer_wise_param_layout=True``; for
+    ``"legacy"`` with ``use_layer_wise_param_layout=False`` (megatron's own flag, unchanged).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layer_wise_layout must be one of {LAYOUTS}, got {layout!r}")
+    setattr(ddp_config, LAYOUT_ATTR, layout)
+    return ddp_config
+
+
+def is_compact(ddp_config: Any) -> bool:
+    return getattr(ddp_config, LAYOUT_ATTR, "padded") == "compact"
+
+
+def _effective_config(ddp_config: Any) -> Any:
+    """The per-buffer config of compact layer-wise buffers: plain DDP semantics."""
+    effective = copy.copy(ddp_config)
+    effective.use_distributed_optimizer = False
+    return effective
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def _make_compute_full_param_layout(original):
+    def compute_full_param_layout(
+        params,
+        bucket_size,
+        data_parallel_world_size,
+        ddp_config,
+        expert_data_parallel_world_size=None,
+    ):
+        full = original(
+            params,
+            bucket_size,
+            data_parallel_world_size,
+            ddp_config,
+            expert_data_parallel_world_size,
+        )
+        if not is_compact(ddp_config):
+            return full
+        from megatron.core.distributed.param_and_grad_buffer import (
+            _compute_default_per_buffer_param_layout,
+            group_params_for_buffers,
+        )
+
+        groups = group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32)
+        for key, (group_params, param_indices) in groups.items():
+            if not key.is_managed_by_layer_wise_optimizer:
+                continue
+            compact = _compute_default_per_buffer_param_layout(group_params, bucket_size)
+            compact.param_indices = param_indices
+            full.layouts[key] = compact
+        return full
+
+    return compute_full_param_layout
+
+
+def _layer_wise_params(params_with_names) -> bool:
+    return bool(params_with_names) and all(
+        getattr(param, "is_managed_by_layer_wise_optimizer", False)
+        for param, _ in params_with_names
+    )
+
+
+def _make_buffer_init(original):
+    def __init__(self, ddp_config, param_dtype, grad_dtype, params_with_names, *args, **kwargs):
+        if is_compact(ddp_config) and _layer_wise_params(params_with_names):
+            ddp_config = _effective_config(ddp_config)
+        original(self, ddp_config, param_dtype, grad_dtype, params_with_names, *args, **kwargs)
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
+def _make_partition_buckets(original):
+    def partition_buckets(buffers, force_single_bucket_group=False, **kwargs):
+        """Never group buckets whose effective ``use_distributed_optimizer`` differs."""
+        kinds: dict[bool, list[Any]] = {}
+        for buffer in buffers:
+            kinds.setdefault(bool(buffer.ddp_config.use_distributed_optimizer), []).append(buffer)
+        if len(kinds) <= 1:
+            return original(buffers, force_single_bucket_group, **kwargs)
+        groups = []
+        for subset in kinds.values():
+            groups += original(subset, force_single_bucket_group, **kwargs)
+        return groups
+
+    partition_buckets.__wrapped__ = original
+    return partition_buckets
+
+
+# --------------------------------------------------------------------------- ownership
+
+
+@dataclass
+class CompactGroup:
+    """What one compact bucket group gathers: per rank, the params it owns, in order."""
+
+    segments: list[list[torch.nn.Parameter]]
+    segment_numel: list[int]
+
+    @property
+    def gather_numel(self) -> int:
+        return max(self.segment_numel) if self.segment_numel else 0
+
+
+def _compact_groups(chunk: Any) -> list[Any]:
+    return [
+        group
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups
+        if group.buckets
+        and not group.ddp_config.use_distributed_optimizer
+        and all(
+            getattr(b.params_list[0], "is_managed_by_layer_wise_optimizer", False)
+            for b in group.buckets
+        )
+    ]
+
+
+def compact_owners(params: list[torch.nn.Parameter], world_size: int) -> list[int]:
+    """Cost-balanced owners for whole params (called by name, so tests can swap it)."""
+    costs = [layout_math.newton_schulz_cost(p.shape) if p.dim() >= 2 else 0 for p in params]
+    sizes = [p.numel() for p in params]
+    return layout_math.assign_owners(costs, world_size, sizes)
+
+
+def _shard_compact(optimizer: Any, optimizers: list[Any]) -> None:
+    """Ownership for compact buffers; narrows the optimizers' param groups to this rank."""
+    from megatron.core.utils import get_pg_rank, get_pg_size
+
+    dp_size, expt_size = get_pg_size(optimizer.dp_cp), get_pg_size(optimizer.expt_dp)
+    dp_rank, expt_rank = get_pg_rank(optimizer.dp_cp), get_pg_rank(optimizer.expt_dp)
+    param_groups = [group for opt in optimizers for group in opt.param_groups]
+    dense, expert = [], []
+    for group in param_groups:
+        (expert if group.get("is_expert_parallel", False) else dense).extend(group["params"])
+    owner: dict[torch.nn.Parameter, int] = {}
+    for params, size in ((dense, dp_size), (expert, expt_size)):
+        for param, rank in zip(params, compact_owners(params, size), strict=True):
+            owner[param] = rank
+    optimizer.dp_cp_params_list = [[p for p in dense if owner[p] == r] for r in range(dp_size)]
+    optimizer.expt_dp_params_list = (
+        [[p for p in expert if owner[p] == r] for r in range(expt_size)] if expert else None
+    )
+    optimizer._nemo_lw_fp8_owner = owner
+    for group in param_groups:
+        local = expt_rank if group.get("is_expert_parallel", False) else dp_rank
+        group["params"] = [p for p in group["params"] if owner[p] == local]
+
+
+def _attach_compact_groups(optimizer: Any, model_chunks: list[Any]) -> None:
+    owner = optimizer._nemo_lw_fp8_owner
+    for chunk in model_chunks:
+        for group in _compact_groups(chunk):
+            size = group.data_parallel_group.size()
+            segments: list[list[torch.nn.Parameter]] = [[] for _ in range(size)]
+            for bucket in group.buckets:
+                for param in bucket.params_list:
+                    segments[owner[param]].append(param)
+            group._nemo_lw_fp8_compact = CompactGroup(
+                segments, [sum(p.numel() for p in seg) for seg in segments]
+            )
+
+
+def _make_shard_params(original):
+    def shard_params(self, optimizers, full_param_layouts=None):
+        chunks = [c for c in (getattr(self, "_nemo_lw_fp8_chunks", None) or [])]
+        if full_param_layouts is None or not chunks or not is_compact(chunks[0].ddp_config):
+            return original(self, optimizers, full_param_layouts)
+        from megatron.core.utils import get_pg_size
+
+        if get_pg_size(self.dp_cp) == 1:
+            return original(self, optimizers, full_param_layouts)
+        _shard_compact(self, optimizers)
+        _attach_compact_groups(self, chunks)
+        return None
+
+    shard_params.__wrapped__ = original
+    return shard_params
+
+
+def _make_lw_init(original):
+    def __init__(
+        self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None
+    ):
+        # shard_params runs inside __init__ before model_chunks is stored; hand them over.
+        self._nemo_lw_fp8_chunks = model_chunks
+        original(self, optimizers, config, pg_collection, init_state_fn_list, model_chunks)
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
+# --------------------------------------------------------------------------- the gather
+
+
+def _source(param: torch.nn.Parameter) -> torch.Tensor:
+    """What the owner ships: its fp32 master if it has one, else the param itself."""
+    master = getattr(param, "main_param", None)
+    return master if master is not None else param
+
+
+def ranks_to_unpack(state: CompactGroup, my_rank: int) -> range:
+    """Every rank's segment, this rank's own included: the owner takes its weights from the
+    same bf16 bytes as everyone else (for MXFP8, the inner step does not touch them)."""
+    return range(len(state.segments))
+
+
+def _unpack(group: Any, state: CompactGroup, gathered: torch.Tensor) -> None:
+    from megatron.core.distributed.param_and_grad_buffer import (
+        _param_uses_quantized_storage,
+        copy_tensor_to_quantized_param,
+    )
+
+    stride = state.gather_numel
+    for rank in ranks_to_unpack(state, group.data_parallel_group.rank()):
+        offset = rank * stride
+        for param in state.segments[rank]:
+            values = gathered[offset : offset + param.numel()]
+            offset += param.numel()
+            if _param_uses_quantized_storage(param):
+                copy_tensor_to_quantized_param(param, values.view(param.shape))
+            else:
+                param.data.copy_(values.view(param.shape))
+
+
+def _compact_dispatch(group: Any, async_op: bool) -> None:
+    state: CompactGroup = group._nemo_lw_fp8_compact
+    process_group = group.data_parallel_group
+    rank = process_group.rank()
+    dtype = group.buckets[0].params_list[0].dtype
+    stride = state.gather_numel
+    send = torch.zeros(stride, dtype=dtype, device=group.buckets[0].grad_data.device)
+    offset = 0
+    with torch.no_grad():
+        for param in state.segments[rank]:
+            send[offset : offset + param.numel()].copy_(_source(param).detach().reshape(-1))
+            offset += param.numel()
+    gathered = torch.empty(stride * process_group.size(), dtype=dtype, device=send.device)
+    work = torch.distributed.all_gather_into_tensor(
+        gathered, send, group=process_group, async_op=async_op
+    )
+    group._nemo_lw_fp8_pending = gathered
+    group.param_gather_handle = work if async_op else None
+    if not async_op:
+        _finish_compact(group)
+
+
+def _finish_compact(group: Any) -> None:
+    gathered = getattr(group, "_nemo_lw_fp8_pending", None)
+    if gathered is not None:
+        group._nemo_lw_fp8_pending = None
+        with torch.no_grad():
+            _unpack(group, group._nemo_lw_fp8_compact, gathered)
+
+
+def compact_start_param_sync(group: Any, force_sync: bool = False) -> None:
+    """One all_gather_into_tensor of owner-packed bf16 values for the whole bucket group."""
+    if force_sync and group.param_gather_handle is not None:
+        group.param_gather_handle.wait()
+        group.param_gather_handle = None
+        _finish_compact(group)
+        return
+    if group._nemo_lw_fp8_compact.gather_numel == 0:
+        group.param_gather_dispatched = True
+        return
+    async_op = group.ddp_config.overlap_param_gather and not force_sync
+    _compact_dispatch(group, async_op)
+    group.param_gather_dispatched = True
+
+
+def compact_finish_param_sync(group: Any, skip_next_bucket_dispatch: bool = False) -> None:
+    if not group.param_gather_dispatched:
+        compact_start_param_sync(group)
+    if group.param_gather_handle is not None:
+        group.param_gather_handle.wait()
+        group.param_gather_handle = None
+        following = group.next_param_gather_bucket_group
+        dispatch_next = following is not None and not skip_next_bucket_dispatch
+        if dispatch_next and not following.param_gather_dispatched:
+            following.start_param_sync()
+        _finish_compact(group)
+
+
+def _make_start(original):
+    def start_param_sync(self, force_sync: bool = False):
+        if getattr(self, "_nemo_lw_fp8_compact", None) is not None:
+            return compact_start_param_sync(self, force_sync)
+        return original(self, force_sync)
+
+    start_param_sync.__wrapped__ = original
+    return start_param_sync
+
+
+def _make_finish(original):
+    def finish_param_sync(self, skip_next_bucket_dispatch: bool = False):
+        if getattr(self, "_nemo_lw_fp8_compact", None) is not None:
+            return compact_finish_param_sync(self, skip_next_bucket_dispatch)
+        return original(self, skip_next_bucket_dispatch)
+
+    finish_param_sync.__wrapped__ = original
+    return finish_param_sync
+
+
+# --------------------------------------------------------------------------- wiring
+
+
+def _build_overrides() -> list[Override]:
+    from megatron.core.distributed import distributed_data_parallel as ddp_module
+    from megatron.core.distributed import param_and_grad_buffer as buffer_module
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    lw = LayerWiseDistributedOptimizer
+    buffer_cls = buffer_module._ParamAndGradBuffer
+    group_cls = buffer_module._ParamAndGradBucketGroup
+    layout_fn = lw.__dict__["compute_full_param_layout"].__func__
+    return [
+        Override(
+            lw,
+            "compute_full_param_layout",
+            staticmethod(_make_compute_full_param_layout(layout_fn)),
+        ),
+        Override(lw, "shard_params", _make_shard_params(lw.__dict__["shard_params"])),
+        Override(lw, "__init__", _make_lw_init(lw.__init__)),
+        Override(buffer_cls, "__init__", _make_buffer_init(buffer_cls.__dict__["__init__"])),
+        Override(
+            ddp_module, "partition_buckets", _make_partition_buckets(ddp_module.partition_buckets)
+        ),
+        Override(
+            group_cls, "start_param_sync", _make_start(group_cls.__dict__["start_param_sync"])
+        ),
+        Override(
+            group_cls, "finish_param_sync", _make_finish(group_cls.__dict__["finish_param_sync"])
+        ),
+    ]
+
+
+PATCH = register(
+    Patch(
+        name=FEATURE,
+        upstream_pr=5388,
+        summary="compact layer-wise buffers, cost-balanced ownership, one gather per group",
+        detect_native=change(5388).detect,
+        build_overrides=_build_overrides,
+        requires=("muon_fp8_param_gather",),
+    )
+)

@@ -1,0 +1,255 @@
+"""The compact layer-wise layout: bitwise parity, zero padding, homogeneous bucket groups,
+deterministic cost-balanced ownership, and one param-gather collective per bucket group."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.testing.harness import BootOptions, run_on_ranks
+from nemo_lw_fp8.testing.parity import assert_fp8_gather_parity
+from nemo_lw_fp8.testing.training import Scenario, train
+
+FP8 = BootOptions(fp8_emulation=True)
+COMPACT = Scenario(optimizer="muon", distribution="layerwise_compact", plugin=True)
+needs_te = pytest.mark.skipif(
+    te_backend.te_package_dirs() is None, reason="the MXFP8 emulation needs TE's Python package"
+)
+
+
+def _same(reference: list[dict], candidate: list[dict], label: str) -> None:
+    for rank, (a, b) in enumerate(zip(reference, candidate, strict=True)):
+        assert a["losses"] == b["losses"], f"{label}: rank {rank} losses"
+        for name, value in a["params"].items():
+            assert torch.equal(value, b["params"][name]), f"{label}: rank {rank} {name}"
+    assert len({r["digest"] for r in candidate}) == 1
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_compact_equals_plain_muon(world_size):
+    reference = run_on_ranks(train, Scenario(optimizer="muon"), world_size=world_size)
+    for overlap in (False, True):
+        compact = run_on_ranks(train, COMPACT.with_(overlap=overlap), world_size=world_size)
+        assert compact[0]["layer_wise"]
+        _same(reference, compact, f"compact overlap={overlap}")
+
+
+def test_compact_tiny_gpt_equals_plain_muon():
+    gpt = Scenario(optimizer="muon", model="gpt", steps=3)
+    reference = run_on_ranks(train, gpt)
+    compact = run_on_ranks(train, COMPACT.with_(model="gpt", steps=3, overlap=True))
+    _same(reference, compact, "compact gpt")
+
+
+@needs_te
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_compact_with_mxfp8_param_gather_on_equals_off(world_size, overlap):
+    base = COMPACT.with_(model="fp8mlp", fp8=True, micro_batch=32, snapshots=True, overlap=overlap)
+    off = run_on_ranks(train, base, world_size=world_size, boot=FP8)
+    on = run_on_ranks(train, base.with_(fp8_param_gather=True), world_size=world_size, boot=FP8)
+    assert_fp8_gather_parity(off, on)
+
+
+def train_with_owner_skipping_itself(scenario: Scenario) -> dict:
+    """Mutation: the owner does not take its own weights from the gathered bf16 bytes."""
+    from nemo_lw_fp8.patches import compact_layout
+
+    saved = compact_layout.ranks_to_unpack
+    compact_layout.ranks_to_unpack = lambda state, me: [
+        r for r in range(len(state.segments)) if r != me
+    ]
+    try:
+        return train(scenario)
+    finally:
+        compact_layout.ranks_to_unpack = saved
+
+
+@needs_te
+def test_owner_must_unpack_its_own_segment_for_mxfp8():
+    base = COMPACT.with_(model="fp8mlp", fp8=True, micro_batch=32, snapshots=True)
+    off = run_on_ranks(train, base, boot=FP8)
+    on = run_on_ranks(train_with_owner_skipping_itself, base.with_(fp8_param_gather=True), boot=FP8)
+    with pytest.raises(AssertionError):
+        assert_fp8_gather_parity(off, on)
+
+
+# --------------------------------------------------------------------------- layout facts
+
+
+def layout_facts(scenario: Scenario) -> dict:
+    """Buffers, bucket groups and ownership as this rank built them."""
+    from nemo_lw_fp8.testing.training import build_model, wrap_and_build_optimizer
+
+    module, config = build_model(scenario)
+    model, optimizer = wrap_and_build_optimizer(module, config, scenario)
+    chunk = model[0]
+    names = {id(p): n for n, p in module.named_parameters()}
+    buffers = [
+        {
+            "layer_wise": bool(getattr(b.params[0], "is_managed_by_layer_wise_optimizer", False)),
+            "numel": b.numel,
+            "numel_unpadded": b.numel_unpadded,
+            "distopt": bool(b.ddp_config.use_distributed_optimizer),
+        }
+        for b in chunk.buffers + chunk.expert_parallel_buffers
+    ]
+    groups = [
+        sorted(
+            {
+                bool(getattr(b.params_list[0], "is_managed_by_layer_wise_optimizer", False))
+                for b in g.buckets
+            }
+        )
+        for g in chunk.bucket_groups + chunk.expert_parallel_bucket_groups
+    ]
+    layer_wise = next(
+        opt
+        for opt in [optimizer, *getattr(optimizer, "chained_optimizers", [])]
+        if hasattr(opt, "dp_cp_params_list")
+    )
+    owners = {
+        names[id(p)]: rank for rank, ps in enumerate(layer_wise.dp_cp_params_list) for p in ps
+    }
+    return {"buffers": buffers, "groups": groups, "owners": owners}
+
+
+@pytest.mark.parametrize("single_bucket_group", [False, True])
+def test_zero_padding_and_homogeneous_groups(single_bucket_group):
+    scenario = COMPACT.with_(single_bucket_group=single_bucket_group, bucket_size=2000)
+    facts = run_on_ranks(layout_facts, scenario, world_size=4)
+    buffers = facts[0]["buffers"]
+    muon = [b for b in buffers if b["layer_wise"]]
+    assert muon and all(b["numel"] == b["numel_unpadded"] for b in muon), muon
+    assert all(not b["distopt"] for b in muon) and all(
+        b["distopt"] for b in buffers if not b["layer_wise"]
+    )
+    assert all(len(kinds) == 1 for kinds in facts[0]["groups"]), facts[0]["groups"]
+    # Ownership is the same on every rank and covers every Muon matrix once.
+    assert all(f["owners"] == facts[0]["owners"] for f in facts)
+
+
+def test_stock_padded_layout_pads():
+    """Control: megatron's own padded layout does pad these buffers (the test above can fail)."""
+    scenario = Scenario(optimizer="muon", distribution="layerwise_padded")
+    buffers = run_on_ranks(layout_facts, scenario, world_size=4)[0]["buffers"]
+    assert any(b["layer_wise"] and b["numel"] > b["numel_unpadded"] for b in buffers)
+
+
+def test_ownership_is_cost_balanced_and_repeatable():
+    from nemo_lw_fp8 import layout
+
+    first = run_on_ranks(layout_facts, COMPACT, world_size=4)[0]["owners"]
+    again = run_on_ranks(layout_facts, COMPACT, world_size=4)[0]["owners"]
+    assert first == again
+    module_shapes = {
+        "net.0.weight": (64, 32),
+        "net.3.weight": (64, 64),
+        "net.6.weight": (48, 64),
+        "net.9.weight": (64, 48),
+        "net.12.weight": (16, 64),
+    }
+    costs = [layout.newton_schulz_cost(module_shapes[n]) for n in sorted(first)]
+    owners = [first[n] for n in sorted(first)]
+    loads = layout.rank_loads(costs, owners, 4)
+    # With 5 matrices on 4 ranks the best possible max load is the largest matrix.
+    assert max(loads) == max(costs)
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+@contextlib.contextmanager
+def _counting_collectives(groups):
+    """Count torch.distributed gathers issued while one of ``groups`` syncs its params."""
+    import torch.distributed as dist
+
+    # "launches": what NCCL runs; an all_gather of unequal sizes is one broadcast per rank.
+    counts = {"calls": 0, "launches": 0, "uneven_all_gather_as_broadcasts": 0}
+    active = {"depth": 0}
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_gather_into_tensor")}
+
+    def wrap(name):
+        def counted(*args, **kwargs):
+            if active["depth"]:
+                counts["calls"] += 1
+                tensors = args[0] if name == "all_gather" else [args[0]]
+                if name == "all_gather" and len({t.numel() for t in tensors}) > 1:
+                    counts["uneven_all_gather_as_broadcasts"] += len(tensors)
+                    counts["launches"] += len(tensors)
+                else:
+                    counts["launches"] += 1
+            return originals[name](*args, **kwargs)
+
+        return counted
+
+    saved_methods = []
+    for group in groups:
+        method = group.start_param_sync
+
+        def marked(*args, _method=method, **kwargs):
+            active["depth"] += 1
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                active["depth"] -= 1
+
+        group.start_param_sync = marked
+        saved_methods.append(group)
+    for name in originals:
+        setattr(dist, name, wrap(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        for group in saved_methods:
+            del group.start_param_sync
+
+
+def count_layer_wise_gathers(scenario: Scenario) -> dict:
+    """Param-gather collectives of the layer-wise bucket groups during steps 1 and 2."""
+    from megatron.core import parallel_state
+
+    from nemo_lw_fp8.testing.training import build_model, train_step, wrap_and_build_optimizer
+
+    module, config = build_model(scenario)
+    model, optimizer = wrap_and_build_optimizer(module, config, scenario)
+    chunk = model[0]
+    legacy = scenario.distribution == "layerwise_legacy"
+    groups = [
+        g
+        for g in chunk.bucket_groups
+        # On the legacy path the layer-wise optimizer owns every bucket.
+        if legacy
+        or all(
+            getattr(b.params_list[0], "is_managed_by_layer_wise_optimizer", False)
+            for b in g.buckets
+        )
+    ]
+    rank = parallel_state.get_data_parallel_rank()
+    train_step(scenario, model, optimizer, 0, rank)
+    with _counting_collectives(groups) as counts:
+        for step in (1, 2):
+            train_step(scenario, model, optimizer, step, rank)
+    return {**counts, "groups": len(groups), "steps": 2}
+
+
+def test_compact_issues_one_collective_per_bucket_group_per_step():
+    scenario = COMPACT.with_(bucket_size=2000)
+    counts = run_on_ranks(count_layer_wise_gathers, scenario, world_size=4)[0]
+    assert counts["groups"] >= 2
+    assert counts["calls"] == counts["groups"] * counts["steps"], counts
+    assert counts["launches"] == counts["calls"]
+    # Stock 0.19.2's legacy layer-wise path: an uneven all_gather per bucket (NCCL runs it as
+    # one broadcast per rank).
+    legacy = run_on_ranks(
+        count_layer_wise_gathers,
+        Scenario(optimizer="muon", distribution="layerwise_legacy", overlap=True, bucket_size=2000),
+        world_size=4,
+    )[0]
+    assert legacy["uneven_all_gather_as_broadcasts"] > 0, legacy
+    assert legacy["launches"] > counts["launches"], (legacy, counts)
