@@ -1,9 +1,10 @@
 """``make demo``: real training runs on two CPU ranks with megatron-core and layer-wise Muon.
 
-1. A tiny GPT (megatron-core's local layer spec) wrapped in megatron-core DDP with the
-   shard-aligned layer-wise layout, trained by ``LayerWiseDistributedOptimizer`` (Muon for the
-   matrices, a sibling DistributedOptimizer running Adam for embeddings, norms and biases), with
-   overlapped gradient reduce and parameter gather and the plugin's patches applied.
+1. A tiny GPT (megatron-core's local layer spec) wrapped in megatron-core DDP with the plugin's
+   compact layer-wise layout (no padding, cost-balanced ownership, one gather per bucket group),
+   trained by ``LayerWiseDistributedOptimizer`` (Muon for the matrices, a sibling
+   DistributedOptimizer running Adam for embeddings, norms and biases), with overlapped gradient
+   reduce and parameter gather.
 2. MXFP8: a small model whose linear layers compute in MXFP8 (TE 2.20.2's own MXFP8 classes over
    the exact CPU emulation), trained twice with layer-wise Muon: FP8 param gather off (bf16
    weights, quantized on the fly) and on (persistent MXFP8 weights, bf16 masters staged in the
@@ -17,14 +18,13 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from .testing.harness import BootOptions, run_on_ranks, shutdown_pools
+from .testing.parity import assert_fp8_gather_parity
 from .testing.training import GPT_SEQ, Scenario, train
 
 GPT_SCENARIO = Scenario(
     optimizer="muon",
-    distribution="layerwise_padded",
+    distribution="layerwise_compact",
     overlap=True,
     model="gpt",
     steps=30,
@@ -36,7 +36,7 @@ GPT_SCENARIO = Scenario(
 
 MXFP8_SCENARIO = Scenario(
     optimizer="muon",
-    distribution="layerwise_padded",
+    distribution="layerwise_compact",
     overlap=True,
     model="fp8mlp",
     fp8=True,
@@ -51,8 +51,8 @@ MXFP8_SCENARIO = Scenario(
 def _gpt_run(steps: int, world_size: int) -> bool:
     scenario = GPT_SCENARIO.with_(steps=steps)
     print(
-        f"[1/2] tiny GPT, {world_size} CPU ranks (gloo), megatron-core DDP, layer-wise Muon "
-        f"({scenario.distribution}, overlapped gathers), {scenario.steps} steps",
+        f"[1/2] tiny GPT, {world_size} CPU ranks (gloo), megatron-core DDP, layer-wise Muon, "
+        f"compact layout, overlapped gathers, {scenario.steps} steps",
         flush=True,
     )
     results = run_on_ranks(train, scenario, progress=True, world_size=world_size, timeout=600)
@@ -69,27 +69,10 @@ def _gpt_run(steps: int, world_size: int) -> bool:
     return identical
 
 
-def _bitwise_equal(off: list[dict], on: list[dict]) -> list[str]:
-    """What differs between the two runs (empty when they are bitwise identical)."""
-    diffs = []
-    for rank, (a, b) in enumerate(zip(off, on, strict=True)):
-        if a["losses"] != b["losses"] or a["eval_losses"] != b["eval_losses"]:
-            diffs.append(f"rank {rank}: losses")
-        for key in ("effective_weights", "masters"):
-            diffs += [
-                f"rank {rank}: {key} {name}"
-                for name, value in a[key].items()
-                if not torch.equal(value, b[key][name])
-            ]
-        if not torch.equal(a["probe_output"], b["probe_output"]):
-            diffs.append(f"rank {rank}: forward output")
-    return diffs
-
-
 def _mxfp8_run(world_size: int) -> bool:
     print(
         f"\n[2/2] MXFP8 linear layers (TE classes over the CPU emulation), layer-wise Muon, "
-        f"{world_size} ranks, overlapped gathers, an eval after step "
+        f"compact layout, {world_size} ranks, overlapped gathers, an eval after step "
         f"{MXFP8_SCENARIO.eval_after[0] + 1}: FP8 param gather OFF vs ON",
         flush=True,
     )
@@ -105,17 +88,18 @@ def _mxfp8_run(world_size: int) -> bool:
     print(f"  {'step':>4}  {'loss, gather OFF':>18}  {'loss, gather ON':>18}")
     for step, (a, b) in enumerate(zip(off[0]["losses"], on[0]["losses"], strict=True)):
         print(f"  {step + 1:>4}  {a:>18.10f}  {b:>18.10f}  {'=' if a == b else '!='}")
-    diffs = _bitwise_equal(off, on)
     weights = sum(len(r["effective_weights"]) for r in on)
     masters = sum(len(r["masters"]) for r in on)
-    if diffs:
-        print(f"  parity              DIFFERENT: {', '.join(diffs[:6])}")
-    else:
-        print(
-            f"  parity              bitwise identical: losses, eval loss, forward output, "
-            f"{weights} MXFP8 weights and {masters} fp32 masters across {world_size} ranks"
-        )
-    return not diffs
+    try:
+        assert_fp8_gather_parity(off, on)
+    except AssertionError as difference:
+        print(f"  parity              DIFFERENT: {difference}")
+        return False
+    print(
+        f"  parity              bitwise identical: losses, eval loss, forward output, every "
+        f"main_grad, {weights} MXFP8 weights and {masters} fp32 masters across {world_size} ranks"
+    )
+    return True
 
 
 def run(steps: int = GPT_SCENARIO.steps, world_size: int = 2) -> int:
