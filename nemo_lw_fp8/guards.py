@@ -40,6 +40,9 @@ class Settings:
     reuse_grad_buf_for_mxfp8_param_ag: bool = False
     overlap_param_gather: bool = False
     bf16: bool = True
+    num_distributed_optimizer_instances: int = 1
+    #: megatron's own flag (True: a layer-wise param layout is computed; False: legacy path).
+    use_layer_wise_param_layout: bool = True
 
     @property
     def layer_wise(self) -> bool:
@@ -115,6 +118,29 @@ def _fp8_gather_bf16(s: Settings) -> str | None:
     return None
 
 
+def _compact_single_instance(s: Settings) -> str | None:
+    compact = s.layer_wise and s.layer_wise_layout == "compact"
+    if compact and s.num_distributed_optimizer_instances != 1:
+        return (
+            f"layer_wise_layout='compact' needs one distributed-optimizer instance, got "
+            f"--num-distributed-optimizer-instances {s.num_distributed_optimizer_instances}: "
+            "Muon buffers all-reduce over the whole data-parallel group. Fix: set "
+            "--num-distributed-optimizer-instances 1, or use layer_wise_layout='padded'."
+        )
+    return None
+
+
+def _compact_needs_param_layout(s: Settings) -> str | None:
+    if s.layer_wise and s.layer_wise_layout == "compact" and not s.use_layer_wise_param_layout:
+        return (
+            "layer_wise_layout='compact' is built from the layer-wise param layout, but "
+            "--no-use-layer-wise-param-layout (use_layer_wise_param_layout=False) selects "
+            "megatron's legacy path. Fix: drop --no-use-layer-wise-param-layout (keep "
+            "use_layer_wise_param_layout=True), or use layer_wise_layout='legacy'."
+        )
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         "fp8-gather-needs-grad-buffer-reuse",
@@ -124,6 +150,16 @@ RULES: tuple[Rule, ...] = (
     Rule("fp8-gather-recipe", "layer-wise FP8 gather supports MXFP8 only", _fp8_gather_recipe),
     Rule("fp8-gather-layout", "layer-wise FP8 gather needs a param layout", _fp8_gather_layout),
     Rule("fp8-gather-bf16", "layer-wise FP8 gather needs bf16 training", _fp8_gather_bf16),
+    Rule(
+        "compact-single-instance",
+        "compact layout needs one distributed-optimizer instance",
+        _compact_single_instance,
+    ),
+    Rule(
+        "compact-needs-param-layout",
+        "compact layout needs use_layer_wise_param_layout=True",
+        _compact_needs_param_layout,
+    ),
 )
 
 

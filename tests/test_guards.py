@@ -26,11 +26,20 @@ BAD = {
     "fp8-gather-recipe": (dict(fp8_recipe="blockwise"), "--fp8-recipe mxfp8"),
     "fp8-gather-layout": (dict(layer_wise_layout="legacy"), "--no-use-layer-wise-param-layout"),
     "fp8-gather-bf16": (dict(bf16=False), "--bf16"),
+    "compact-single-instance": (
+        dict(layer_wise_layout="compact", num_distributed_optimizer_instances=2),
+        "--num-distributed-optimizer-instances 1",
+    ),
+    "compact-needs-param-layout": (
+        dict(layer_wise_layout="compact", use_layer_wise_param_layout=False),
+        "--no-use-layer-wise-param-layout",
+    ),
 }
 
 
 def test_supported_combinations_pass():
     guards.check(GOOD_MXFP8)
+    guards.check(Settings(**{**GOOD_MXFP8.__dict__, "layer_wise_layout": "compact"}))
     guards.check(GOOD_MXFP8.__class__(**{**GOOD_MXFP8.__dict__, "overlap_param_gather": False}))
     # FP8 compute with bf16 parameters works with any recipe.
     guards.check(

@@ -235,12 +235,14 @@ def _chained_enable_deferred_mxfp8_param_sync(self) -> list[tuple[Any, Any]]:
 
 def _check_guards(optimizer: Any) -> None:
     ddp_config = optimizer.model_chunks[0].ddp_config if optimizer.model_chunks else None
-    layout = "padded" if optimizer.use_buffer_param_sync else "legacy"
+    has_layout = bool(optimizer.use_buffer_param_sync)
+    chosen = getattr(ddp_config, "nemo_lw_fp8_layer_wise_layout", None)
     settings = guards.Settings.from_megatron(
         optimizer.config,
         ddp_config,
         use_layer_wise_distributed_optimizer=True,
-        layer_wise_layout=getattr(optimizer, "_nemo_lw_fp8_layout", layout),
+        use_layer_wise_param_layout=has_layout,
+        layer_wise_layout=chosen or ("padded" if has_layout else "legacy"),
     )
     guards.check(settings)
 
