@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,10 +15,18 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="versions, accelerator, FP8 backend, upstream status")
     doctor.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    # `plan` has its own parser (nemo_lw_fp8.planner.main); listed here for --help.
+    sub.add_parser("plan", help="per-rank memory and communication: padded vs compact vs Adam")
+
     demo = sub.add_parser("demo", help="train a tiny GPT on 2 CPU ranks with layer-wise Muon")
     demo.add_argument("--steps", type=int, default=30)
     demo.add_argument("--world-size", type=int, default=2)
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        from . import planner
+
+        return planner.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from . import doctor as doctor_mod

@@ -5,20 +5,25 @@ rank computes the same answer, before and after a resume, and the planner can ru
 
 * :func:`newton_schulz_cost` - the work Muon does on one parameter.
 * :func:`assign_owners` - which data-parallel rank updates each whole parameter, balancing that
-  work (the largest per-rank cost bounds the optimizer step).
+  work (the largest per-rank cost bounds the optimizer step); :func:`assign_owners_joint` does it
+  for dense and expert matrices together, balancing each rank's total.
 * :func:`compact_offsets` - the compact persistent layout: each rank's parameters back to back,
   no padding at all.
 * :func:`pack_for_even_all_gather` - how that compact layout is gathered with one
-  ``all_gather_into_tensor``: padding lives only in a transient gather buffer.
-* :func:`stock_padded_layout` / :func:`stock_distopt_layout` - megatron-core 0.19.2's own
-  layouts, computed by *calling* megatron's layout code on meta-device stand-ins, for comparison.
+  ``all_gather_into_tensor``: padding lives only in a transient gather buffer;
+  :func:`group_for_even_all_gather` merges consecutive buckets so that padding stays bounded.
+* :func:`stock_padded_layout`, :func:`stock_distopt_layout`, :func:`default_buckets` -
+  megatron-core 0.19.2's own layouts, computed by *calling* megatron's layout code on
+  meta-device stand-ins, for comparison and for the compact bucketing.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
-from collections.abc import Sequence
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 # --------------------------------------------------------------------------- cost
@@ -59,8 +64,8 @@ def assign_owners(
     Greedy LPT (longest processing time first): parameters in order of decreasing cost, ties by
     decreasing size (``sizes``, e.g. bytes; zero if not given), then increasing index; each goes
     to the rank with the smallest load so far, the lowest rank id on ties. ``initial_loads``
-    (default zeros) is work a rank already has, e.g. its expert matrices when the dense matrices
-    are assigned over the full data-parallel group afterwards (a joint assignment).
+    (default zeros) is work a rank already has, e.g. the dense matrices it owns when its expert
+    matrices are assigned afterwards (:func:`assign_owners_joint`).
 
     Deterministic: the result depends only on the arguments (no hashing, no randomness, no rank
     or process-group state), so every rank computes the same owners, and a resumed job the same
@@ -97,6 +102,62 @@ def assign_owners(
         owners[i] = rank
         heapq.heappush(heap, (load + int(costs[i]), rank))
     return owners
+
+
+@dataclass(frozen=True)
+class JointOwnership:
+    """Owners of the dense and the expert Muon matrices of one model replica.
+
+    ``dense[i]``: data-parallel rank of dense matrix ``i``. ``expert[e][j]``: rank, inside
+    expert-data-parallel group ``e``, of that group's expert matrix ``j`` (every group holds
+    different experts of the same shapes, so ``j`` indexes the shapes). ``rank_cost[r]``:
+    Newton-Schulz total of data-parallel rank ``r`` (dense plus expert).
+    """
+
+    dense: list[int]
+    expert: list[list[int]]
+    rank_cost: list[int]
+
+
+def default_expert_groups(dp: int, ep: int) -> list[list[int]]:
+    """Expert-data-parallel groups as lists of data-parallel ranks, in group-rank order, for
+    TP = CP = PP = 1 and megatron's default ``tp-cp-ep-dp-pp`` order: an expert-parallel group
+    is ``ep`` consecutive ranks, so rank ``r`` is member ``r // ep`` of group ``r % ep``."""
+    if dp % ep:
+        raise ValueError(f"ep={ep} does not divide dp={dp}")
+    return [[e + k * ep for k in range(dp // ep)] for e in range(ep)]
+
+
+def assign_owners_joint(
+    dense_costs: Sequence[int],
+    expert_costs: Sequence[int],
+    dp: int,
+    expert_groups: Sequence[Sequence[int]],
+    dense_sizes: Sequence[int] | None = None,
+    expert_sizes: Sequence[int] | None = None,
+) -> JointOwnership:
+    """Cost-balanced owners for dense matrices (over the data-parallel group) and expert
+    matrices (over each expert-data-parallel group), balancing each rank's *total* work.
+
+    Dense matrices go first (attention, dense MLP and shared experts are the largest items, so
+    this is close to a single LPT pass over everything), then each expert-data-parallel group
+    assigns its expert matrices starting from its members' dense loads (``initial_loads``), so a
+    rank that drew a large dense matrix gets fewer experts. ``expert_groups[e]`` lists the
+    data-parallel ranks of group ``e`` in group-rank order (:func:`default_expert_groups`).
+    Deterministic like :func:`assign_owners`; every rank computes every group's answer.
+    """
+    members = [r for group in expert_groups for r in group]
+    if expert_costs and sorted(members) != list(range(dp)):
+        raise ValueError("expert_groups must partition the data-parallel ranks")
+    dense = assign_owners(dense_costs, dp, dense_sizes)
+    cost = rank_loads(dense_costs, dense, dp)
+    expert: list[list[int]] = []
+    for group in expert_groups:
+        owners = assign_owners(expert_costs, len(group), expert_sizes, [cost[r] for r in group])
+        for k, load in enumerate(rank_loads(expert_costs, owners, len(group))):
+            cost[group[k]] += load
+        expert.append(owners)
+    return JointOwnership(dense=dense, expert=expert, rank_cost=cost)
 
 
 def rank_loads(values: Sequence[int], owners: Sequence[int], world_size: int) -> list[int]:
@@ -212,6 +273,58 @@ def pack_for_even_all_gather(
     )
 
 
+def group_for_even_all_gather(
+    buckets: Sequence[tuple[Sequence[int], Sequence[int]]],
+    world_size: int,
+    tolerance: float = 0.1,
+) -> list[tuple[list[int], EvenGatherPlan]]:
+    """Merge consecutive compact buckets into gather groups of bounded transient padding.
+
+    ``buckets`` are ``(sizes, owners)`` per bucket, in the order the gathers are issued (forward
+    order). With whole-parameter ownership one bucket rarely splits evenly over many ranks (a
+    64M-element bucket of 29M-element expert matrices touches two or three of 64 ranks), so a
+    bucket-by-bucket even gather would pad by up to ``world_size``-fold. A group therefore grows
+    bucket by bucket until its :func:`pack_for_even_all_gather` padding is at most ``tolerance``
+    of its elements; a tail that never gets there joins the previous group when that pads less.
+    Each group is one ``all_gather_into_tensor``, so there are never more gathers than buckets;
+    ``tolerance = math.inf`` gives one gather per bucket, ``tolerance = 0`` waits for perfect
+    balance.
+
+    Returns ``[(bucket indices, plan)]``; the plan's parameter order is the buckets' parameters
+    concatenated in the order given.
+    """
+    closed: list[tuple[list[int], list[int], list[int]]] = []  # (buckets, sizes, owners)
+    members: list[int] = []
+    sizes: list[int] = []
+    owners: list[int] = []
+    segments = [0] * world_size  # running per-rank segment sizes of the open group
+    for index, (bucket_sizes, bucket_owners) in enumerate(buckets):
+        members.append(index)
+        for size, owner in zip(bucket_sizes, bucket_owners, strict=True):
+            sizes.append(int(size))
+            owners.append(int(owner))
+            segments[owner] += int(size)
+        total = sum(segments)
+        if world_size * max(segments) - total <= tolerance * total:
+            closed.append((members, sizes, owners))
+            members, sizes, owners = [], [], []
+            segments = [0] * world_size
+    if members:
+        if closed:
+            prev_members, prev_sizes, prev_owners = closed[-1]
+            separate = (
+                pack_for_even_all_gather(prev_sizes, prev_owners, world_size).transient_padding
+                + pack_for_even_all_gather(sizes, owners, world_size).transient_padding
+            )
+            merged = pack_for_even_all_gather(prev_sizes + sizes, prev_owners + owners, world_size)
+            if merged.transient_padding < separate:
+                closed[-1] = (prev_members + members, prev_sizes + sizes, prev_owners + owners)
+                members = []
+        if members:
+            closed.append((members, sizes, owners))
+    return [(m, pack_for_even_all_gather(z, o, world_size)) for m, z, o in closed]
+
+
 # --------------------------------------------------------------------------- stock megatron
 
 
@@ -222,15 +335,34 @@ class StockLayout:
     ``owners[i]``: the shard (data-parallel rank) that updates parameter ``i`` (layer-wise
     layouts only; ``None`` for the distributed-optimizer byte-level layout). ``buckets``: per
     bucket ``(start, end, unpadded numel)``; ``padding_numel = numel - sum(param numels)``;
-    ``rank_numel`` / ``rank_cost``: owned elements and Newton-Schulz cost per rank (layer-wise).
+    ``bucket_params[b]``: indices of the parameters in bucket ``b`` (backprop order).
+    ``rank_numel``: elements each rank updates (layer-wise: whole owned parameters;
+    distributed optimizer: parameter elements inside the rank's byte range of every bucket).
+    ``rank_cost``: Newton-Schulz cost per rank (layer-wise only).
     """
 
     numel: int
     padding_numel: int
     buckets: list[tuple[int, int, int]]
+    bucket_params: list[list[int]]
     owners: list[int] | None = None
     rank_numel: list[int] | None = None
     rank_cost: list[int] | None = None
+
+
+@contextmanager
+def _quiet_megatron() -> Iterator[None]:
+    """megatron warns at import and in ``log_single_rank`` about things a pure layout
+    computation does not use (no TE/Apex, no CUDA, no process group to read the rank from)."""
+    torch_logger = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_logger.level
+    torch_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch_logger.setLevel(level)
 
 
 def _stand_ins(shapes: Sequence[Sequence[int]], shared_embedding: Sequence[bool] | None):
@@ -256,6 +388,24 @@ def _ddp_config(pad_buckets_for_high_nccl_busbw: bool):
     )
 
 
+def _bucket_params(layout, params) -> list[list[int]]:
+    """Parameter indices per bucket, in backprop order (start offset order)."""
+    per_bucket: list[list[tuple[int, int]]] = [[] for _ in layout.bucket_indices]
+    for index, p in enumerate(params):
+        start, _, bucket_id = layout.param_index_map[p]
+        per_bucket[bucket_id].append((start, index))
+    return [[index for _, index in sorted(entries)] for entries in per_bucket]
+
+
+def _buckets(layout) -> list[tuple[int, int, int]]:
+    return [
+        (start, end, unpadded)
+        for (start, end), unpadded in zip(
+            layout.bucket_indices, layout.per_bucket_numel_unpadded, strict=True
+        )
+    ]
+
+
 def stock_padded_layout(
     shapes: Sequence[Sequence[int]],
     dp: int,
@@ -271,32 +421,29 @@ def stock_padded_layout(
     params), then reads ownership the way ``_shard_params_from_layout`` does: a parameter
     belongs to the shard its start falls in. Every rank allocates the whole padded buffer.
     """
-    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+    with _quiet_megatron():
+        from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 
-    params = _stand_ins(shapes, shared_embedding)
-    layout = LayerWiseDistributedOptimizer._compute_per_buffer_param_layout(
-        params, bucket_size, dp, _ddp_config(pad_buckets_for_high_nccl_busbw)
-    )
+        params = _stand_ins(shapes, shared_embedding)
+        layout = LayerWiseDistributedOptimizer._compute_per_buffer_param_layout(
+            params, bucket_size, dp, _ddp_config(pad_buckets_for_high_nccl_busbw)
+        )
     numels = [p.numel() for p in params]
     costs = [newton_schulz_cost(tuple(p.shape)) for p in params]
     owners = []
     for p in params:
         start, end, bucket_id = layout.param_index_map[p]
-        b_start, b_end = layout.bucket_indices[bucket_id]
-        shard = (b_end - b_start) // layout.num_optimizer_shards
-        owner = (start - b_start) // shard
-        assert end <= b_start + (owner + 1) * shard, "megatron layout crosses a shard"
+        bucket_start, bucket_end = layout.bucket_indices[bucket_id]
+        shard = (bucket_end - bucket_start) // layout.num_optimizer_shards
+        owner = (start - bucket_start) // shard
+        assert end <= bucket_start + (owner + 1) * shard, "megatron layout crosses a shard"
         owners.append(owner)
     numel = layout.bucket_indices[-1][1] if layout.bucket_indices else 0
     return StockLayout(
         numel=numel,
         padding_numel=numel - sum(numels),
-        buckets=[
-            (s, e, u)
-            for (s, e), u in zip(
-                layout.bucket_indices, layout.per_bucket_numel_unpadded, strict=True
-            )
-        ],
+        buckets=_buckets(layout),
+        bucket_params=_bucket_params(layout, params),
         owners=owners,
         rank_numel=rank_loads(numels, owners, dp),
         rank_cost=rank_loads(costs, owners, dp),
@@ -311,23 +458,55 @@ def stock_distopt_layout(
     shared_embedding: Sequence[bool] | None = None,
     pad_buckets_for_high_nccl_busbw: bool = False,
 ) -> StockLayout:
-    """megatron-core 0.19.2's ``DistributedOptimizer`` (byte-level, Adam) layout of one buffer,
-    by calling ``DistributedOptimizer._compute_per_buffer_param_layout`` on stand-ins: params
-    start 64-element aligned, bucket ends are padded to a multiple of ``lcm(dp, 128)``."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    """megatron-core 0.19.2's ``DistributedOptimizer`` (byte-level, Adam) layout of one buffer.
 
-    params = _stand_ins(shapes, shared_embedding)
-    layout = DistributedOptimizer._compute_per_buffer_param_layout(
-        params, bucket_size, dp, _ddp_config(pad_buckets_for_high_nccl_busbw)
-    )
+    Calls ``DistributedOptimizer._compute_per_buffer_param_layout`` on stand-ins: params start
+    64-element aligned, bucket ends are padded to a multiple of ``lcm(dp, 128)``. Each bucket is
+    cut into ``dp`` equal byte ranges; ``rank_numel[r]`` counts the parameter elements inside
+    rank ``r``'s ranges (what its fp32 masters and Adam states cover).
+    """
+    with _quiet_megatron():
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        params = _stand_ins(shapes, shared_embedding)
+        layout = DistributedOptimizer._compute_per_buffer_param_layout(
+            params, bucket_size, dp, _ddp_config(pad_buckets_for_high_nccl_busbw)
+        )
+    rank_numel = [0] * dp
+    for p in params:
+        start, end, bucket_id = layout.param_index_map[p]
+        bucket_start, bucket_end = layout.bucket_indices[bucket_id]
+        shard = (bucket_end - bucket_start) // dp
+        if end == start:
+            continue
+        for rank in range((start - bucket_start) // shard, (end - 1 - bucket_start) // shard + 1):
+            lo = bucket_start + rank * shard
+            rank_numel[rank] += min(end, lo + shard) - max(start, lo)
     numel = layout.bucket_indices[-1][1] if layout.bucket_indices else 0
     return StockLayout(
         numel=numel,
         padding_numel=numel - sum(p.numel() for p in params),
-        buckets=[
-            (s, e, u)
-            for (s, e), u in zip(
-                layout.bucket_indices, layout.per_bucket_numel_unpadded, strict=True
-            )
-        ],
+        buckets=_buckets(layout),
+        bucket_params=_bucket_params(layout, params),
+        rank_numel=rank_numel,
+    )
+
+
+def default_buckets(shapes: Sequence[Sequence[int]], bucket_size: int | None) -> StockLayout:
+    """megatron's unpadded DDP layout (``_compute_default_per_buffer_param_layout``): backprop
+    order, a bucket closes once it holds ``bucket_size`` elements. It is the layout of plain DDP,
+    of the legacy layer-wise path, and the bucketing the compact layout starts from."""
+    with _quiet_megatron():
+        from megatron.core.distributed.param_and_grad_buffer import (
+            _compute_default_per_buffer_param_layout,
+        )
+
+        params = _stand_ins(shapes, None)
+        layout = _compute_default_per_buffer_param_layout(params, bucket_size)
+    numel = layout.bucket_indices[-1][1] if layout.bucket_indices else 0
+    return StockLayout(
+        numel=numel,
+        padding_numel=numel - sum(p.numel() for p in params),
+        buckets=_buckets(layout),
+        bucket_params=_bucket_params(layout, params),
     )

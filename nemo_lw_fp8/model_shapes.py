@@ -210,7 +210,9 @@ class ModelSpec:
             _matrix(f"{p}.mlp.router.weight", experts, h, quantized=False),
         ]
         if self.moe_router_expert_bias:
-            specs.append(ParamSpec(f"{p}.mlp.router.expert_bias", (experts,), False, trainable=False))
+            specs.append(
+                ParamSpec(f"{p}.mlp.router.expert_bias", (experts,), False, trainable=False)
+            )
         for fc, shape in (("linear_fc1", (self._fc1_rows(ffn), h)), ("linear_fc2", (h, ffn))):
             specs += [
                 ParamSpec(
@@ -231,9 +233,7 @@ class ModelSpec:
                 _matrix(f"{p}.mlp.shared_experts.linear_fc2.weight", h, shared),
             ]
             if self.moe_shared_expert_gate:
-                specs.append(
-                    _matrix(f"{p}.mlp.shared_experts.gate_weight", 1, h, quantized=False)
-                )
+                specs.append(_matrix(f"{p}.mlp.shared_experts.gate_weight", 1, h, quantized=False))
         return specs
 
     def params(self) -> list[ParamSpec]:

@@ -253,3 +253,52 @@ def test_compact_issues_one_collective_per_bucket_group_per_step():
     )[0]
     assert legacy["uneven_all_gather_as_broadcasts"] > 0, legacy
     assert legacy["launches"] > counts["launches"], (legacy, counts)
+
+
+# --------------------------------------------------------------------------- planner vs reality
+
+
+def allocated_buffers(scenario: Scenario) -> list[dict]:
+    """The grad (and param) storage megatron really allocated, per buffer."""
+    from nemo_lw_fp8.testing.training import build_model, wrap_and_build_optimizer
+
+    module, config = build_model(scenario)
+    model, _ = wrap_and_build_optimizer(module, config, scenario)
+    return [
+        {
+            "muon": bool(getattr(b.params[0], "is_managed_by_layer_wise_optimizer", False)),
+            "grad_bytes": b.grad_data.numel() * b.grad_data.element_size(),
+            "param_bytes": 0 if b.param_data is None else b.param_data.numel() * 2,
+        }
+        for b in model[0].buffers
+    ]
+
+
+def _mlp_specs():
+    from nemo_lw_fp8.model_shapes import ParamSpec
+    from nemo_lw_fp8.testing.training import TinyMLP
+
+    return [
+        ParamSpec(name, tuple(p.shape), muon=p.dim() == 2)
+        for name, p in TinyMLP().named_parameters()
+    ]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("distribution", ["layerwise_padded", "layerwise_compact"])
+def test_planner_bytes_equal_allocated_buffers(world_size, distribution):
+    from nemo_lw_fp8.planner import plan
+
+    scenario = Scenario(optimizer="muon", distribution=distribution, plugin=True)
+    real = run_on_ranks(allocated_buffers, scenario, world_size=world_size)[0]
+    key = "stock_padded" if distribution == "layerwise_padded" else "compact"
+    planned = plan(_mlp_specs(), dp=world_size, fp8_param_gather=False)["layouts"][key]
+    for muon in (True, False):
+        prefix = "muon/" if muon else "adam/"
+        planned_numel = sum(b["numel"] for b in planned["buffers"] if b["name"].startswith(prefix))
+        real_grad = sum(b["grad_bytes"] for b in real if b["muon"] == muon)
+        assert real_grad == planned_numel * 4, (distribution, prefix, real, planned["buffers"])
+        real_param = sum(b["param_bytes"] for b in real if b["muon"] == muon)
+        # Compact Muon buffers keep params in their own storage: no param buffer at all.
+        expected_param = 0 if (muon and key == "compact") else planned_numel * 2
+        assert real_param == expected_param, (distribution, prefix, real)

@@ -1,0 +1,656 @@
+"""Memory, Newton-Schulz balance and communication of layer-wise Muon layouts, per rank.
+
+``plan()`` compares, for one model at a given data- and expert-parallel size (TP = PP = CP = 1):
+
+* ``stock_padded``: megatron-core 0.19.2's padded layer-wise layout (Muon on the matrices, a
+  sibling ``DistributedOptimizer`` running Adam on embeddings, output layer and vectors),
+  computed by megatron's own layout code (:func:`nemo_lw_fp8.layout.stock_padded_layout`);
+* ``compact``: the same optimizers with compact (zero-padding) Muon buffers, ownership from
+  :func:`nemo_lw_fp8.layout.assign_owners_joint` (by Newton-Schulz cost) and one even
+  ``all_gather_into_tensor`` per gather group
+  (:func:`nemo_lw_fp8.layout.group_for_even_all_gather`);
+* ``adam_distopt``: Adam on everything through megatron's ``DistributedOptimizer``.
+
+It needs no GPU and no process group: megatron's layout functions run on meta-device stand-ins.
+The reference for every number is docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import layout as lo
+from .model_shapes import ParamSpec, param_shapes
+
+PARAM_BYTES = 2  # bf16 model parameters and bf16 on the wire (also for MXFP8 param gather)
+MASTER_BYTES = 4  # fp32 master weights
+MUON_STATE_BYTES = 4  # Muon momentum, fp32
+ADAM_STATE_BYTES = 8  # Adam exp_avg + exp_avg_sq, fp32
+GRAD_BYTES = {"fp32": 4, "bf16": 2}
+MEMORY_FIELDS = ("params", "grads", "masters", "optimizer_states")
+
+ASSUMPTIONS = (
+    "TP = PP = CP = 1: the data-parallel group is every rank; an expert-parallel group is ep "
+    "consecutive ranks, so global rank r is member r // ep of expert-data-parallel group r % ep "
+    "(megatron's default tp-cp-ep-dp-pp order), a group of dp / ep ranks.",
+    "Each rank holds num_experts / ep experts of every MoE layer; expert matrices are sharded "
+    "over the expert-data-parallel group, everything else over the data-parallel group.",
+    "bucket_size defaults to megatron DDP's max(40M, 1M * dp) elements (overlap_grad_reduce on); "
+    "without overlap_grad_reduce each buffer is one bucket.",
+    "Muon-managed: 2-D and not embedding/output (megatron's is_managed_by_layer_wise_optimizer); "
+    "the router weight is Muon-managed. Adam (sibling DistributedOptimizer) takes the rest.",
+    "fp8_param_gather = MXFP8 with reuse_grad_buf_for_mxfp8_param_ag: TE linear weights are "
+    "persistent MXFP8 tensors (rowwise + columnwise codes and E8M0 scales) and the bf16 param "
+    "buffer aliases the gradient buffer; router, embeddings, output layer and norms stay bf16 in "
+    "their own buffers. Off: every parameter is bf16 in a persistent param buffer.",
+    "fp32 masters for every parameter a rank updates; Muon keeps one fp32 momentum, Adam two fp32 "
+    "moments. TE's high-precision init copies and activations are not counted.",
+    "Gather bytes are bf16 (2 per element, padding included) for every layout; wire bytes per "
+    "rank use ring formulas: (w - 1) / w of the gathered or reduce-scattered buffer, twice that "
+    "for an all-reduce.",
+    "Collectives are counted per step for groups of more than one rank. stock_padded: one "
+    "coalesced all_gather_into_tensor per bucket group (megatron's _coalescing_manager in "
+    "start_param_sync), separately for the layer-wise and the Adam optimizer when a bucket group "
+    "mixes both (partition_buckets case 3 puts non-FP8 buckets into the last FP8 group). "
+    "stock_legacy: the uneven all_gather of the legacy path, which NCCL runs as one broadcast per "
+    "rank, over megatron's unpadded, untagged buckets. compact: one all_gather_into_tensor per "
+    "gather group (consecutive bucket groups merged until the transient padding is within "
+    "gather_padding_tolerance) plus Adam's; for expert groups the busiest EP index is reported.",
+    "compact gradients are all-reduced per bucket (upstream PR #5388's compact path); the padded "
+    "and Adam layouts reduce-scatter.",
+)
+
+
+def mxfp8_weight_bytes(shape: Sequence[int]) -> int:
+    """Bytes of a persistent MXFP8 weight: rowwise and columnwise e4m3 codes plus their padded
+    E8M0 scales (rowwise ``roundup(M, 128) x roundup(K / 32, 4)``, columnwise
+    ``roundup(M / 32, 4) x roundup(K, 128)``), leading dimensions flattened into ``M``."""
+
+    def up(x: int, m: int) -> int:
+        return -(-x // m) * m
+
+    k = int(shape[-1])
+    m = math.prod(int(d) for d in shape[:-1])
+    rowwise_scales = up(m, 128) * up(-(-k // 32), 4)
+    columnwise_scales = up(-(-m // 32), 4) * up(k, 128)
+    return 2 * m * k + rowwise_scales + columnwise_scales
+
+
+@dataclass
+class _Buffer:
+    """One DDP buffer of one rank: megatron's BufferKey without the (common) grad dtype."""
+
+    name: str
+    muon: bool
+    expert: bool
+    fp8: bool
+    specs: list[ParamSpec]  # model-definition (forward) order
+    indices: list[int]  # position of each spec in the rank's parameter list
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.specs)
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [s.shape for s in self.specs]
+
+
+def _buffers(specs: list[ParamSpec], fp8: bool, layer_wise: bool) -> list[_Buffer]:
+    """Split a rank's trainable parameters by buffer key, as ``group_params_for_buffers`` does
+    (quantized storage, expert-parallel, layer-wise tag), keeping first-seen key order."""
+    groups: dict[tuple[bool, bool, bool], list[int]] = {}
+    for i, s in enumerate(specs):
+        key = (layer_wise and s.muon, s.expert_parallel, fp8 and s.quantized)
+        groups.setdefault(key, []).append(i)
+    buffers = []
+    for (muon, expert, is_fp8), members in groups.items():
+        name = "/".join(
+            (
+                "muon" if muon else "adam",
+                "expert" if expert else "dense",
+                "mxfp8" if is_fp8 else "bf16",
+            )
+        )
+        buffers.append(_Buffer(name, muon, expert, is_fp8, [specs[i] for i in members], members))
+    return buffers
+
+
+def _bucket_groups(bucket_counts: list[tuple[bool, int]]) -> list[list[tuple[int, int]]]:
+    """megatron's ``partition_buckets`` for the buffers of one process group.
+
+    ``bucket_counts``: ``(is_fp8_buffer, number of buckets)`` per buffer, in buffer order.
+    Returns the bucket groups as lists of ``(buffer index, bucket index)``, in megatron's order
+    (backprop order: the last group holds the first layers). Without an FP8 buffer each bucket is
+    its own group; with one, each FP8 bucket is a group and every other bucket joins the last
+    FP8 group (``reduce_scatter_with_fp32_accumulation`` off).
+    """
+    fp8 = [i for i, (is_fp8, _) in enumerate(bucket_counts) if is_fp8]
+    if not fp8:
+        return [[(i, b)] for i, (_, n) in enumerate(bucket_counts) for b in range(n)]
+    assert len(fp8) == 1, "megatron allows one FP8 buffer per process group"
+    groups = [[(fp8[0], b)] for b in range(bucket_counts[fp8[0]][1])]
+    others = [(i, b) for i, (is_fp8, n) in enumerate(bucket_counts) if not is_fp8 for b in range(n)]
+    if groups:
+        groups[-1].extend(others)
+    elif others:
+        groups.append(others)
+    return groups
+
+
+def _ring(world: int, nbytes: int, all_reduce: bool = False) -> int:
+    """Bytes one rank receives in a ring collective over ``nbytes`` of buffer."""
+    if world <= 1:
+        return 0
+    return (2 if all_reduce else 1) * nbytes * (world - 1) // world
+
+
+class _Acc:
+    """Per-rank memory and per-step communication of one layout."""
+
+    def __init__(self, dp: int) -> None:
+        self.mem = {f: [0] * dp for f in MEMORY_FIELDS}
+        self.padding_numel = 0
+        self.muon_padding_numel = 0
+        self.padding_bytes = 0
+        self.buffers: list[dict[str, Any]] = []
+        self.gather = {
+            "collectives": 0,
+            "muon_collectives": 0,
+            "adam_collectives": 0,
+            "output_bytes": 0,
+            "wire_bytes_per_rank": 0,
+            "padding_bytes": 0,
+        }
+        self.grad = {"collectives": 0, "buffer_bytes": 0, "wire_bytes_per_rank": 0, "ops": set()}
+
+    def add_all(self, field: str, nbytes: int) -> None:
+        for r in range(len(self.mem[field])):
+            self.mem[field][r] += nbytes
+
+    def add_gather(self, world: int, nbytes: int, padding: int = 0) -> None:
+        if world > 1:
+            self.gather["output_bytes"] += nbytes
+            self.gather["wire_bytes_per_rank"] += _ring(world, nbytes)
+            self.gather["padding_bytes"] += padding
+
+    def add_grad(self, world: int, nbytes: int, all_reduce: bool) -> None:
+        if world > 1:
+            self.grad["buffer_bytes"] += nbytes
+            self.grad["wire_bytes_per_rank"] += _ring(world, nbytes, all_reduce)
+            self.grad["ops"].add("all_reduce" if all_reduce else "reduce_scatter")
+
+    def report(self, description: str, ns: list[int] | None, extra: dict | None = None) -> dict:
+        dp = len(self.mem["params"])
+        totals = [sum(self.mem[f][r] for f in MEMORY_FIELDS) for r in range(dp)]
+        worst = max(range(dp), key=lambda r: (totals[r], -r))
+        per_rank = {f: self.mem[f][worst] for f in MEMORY_FIELDS}
+        per_rank["total"] = totals[worst]
+        mean = {f: sum(self.mem[f]) / dp for f in MEMORY_FIELDS}
+        mean["total"] = sum(totals) / dp
+        grad = dict(self.grad)
+        grad["op"] = "+".join(sorted(grad.pop("ops"))) or "none"
+        out = {
+            "description": description,
+            "bytes_per_rank": per_rank,
+            "worst_rank": worst,
+            "bytes_per_rank_mean": mean,
+            "padding_numel": self.padding_numel,
+            "muon_padding_numel": self.muon_padding_numel,
+            "padding_bytes": self.padding_bytes,
+            "buffers": self.buffers,
+            "newton_schulz": None,
+            "param_gather": dict(self.gather),
+            "grad_sync": grad,
+        }
+        if ns is not None:
+            mean_ns = sum(ns) / dp
+            out["newton_schulz"] = {
+                "max": max(ns),
+                "mean": mean_ns,
+                "max_over_mean": lo.imbalance(ns),
+            }
+        if extra:
+            out.update(extra)
+        return out
+
+
+def _local_specs(specs: Sequence[ParamSpec], ep: int) -> list[ParamSpec]:
+    local = []
+    for s in specs:
+        if not s.trainable:
+            continue
+        view = s.local(ep)
+        if view is not None:
+            local.append(view)
+    return local
+
+
+def _rank_view(values: list[int], expert: bool, dp: int, ep: int) -> list[int]:
+    """A group-local per-rank vector as a vector over global ranks."""
+    return [values[r // ep] for r in range(dp)] if expert else list(values)
+
+
+@dataclass
+class _Ownership:
+    """Our owners: ``dense[i]`` (data-parallel rank) for dense Muon spec ``i``;
+    ``expert[e][i]`` (expert-data-parallel rank) for expert spec ``i`` in the expert-data-parallel
+    group of expert-parallel index ``e``; ``cost[r]``: Newton-Schulz total of global rank ``r``."""
+
+    dense: dict[int, int]
+    expert: list[dict[int, int]]
+    cost: list[int]
+
+
+def _our_owners(specs: list[ParamSpec], dp: int, ep: int) -> _Ownership:
+    """Our owners (:func:`nemo_lw_fp8.layout.assign_owners_joint`) keyed by spec index."""
+    dense = [i for i, s in enumerate(specs) if s.muon and not s.expert_parallel]
+    expert = [i for i, s in enumerate(specs) if s.muon and s.expert_parallel]
+    joint = lo.assign_owners_joint(
+        [lo.newton_schulz_cost(specs[i].shape) for i in dense],
+        [lo.newton_schulz_cost(specs[i].shape) for i in expert],
+        dp,
+        lo.default_expert_groups(dp, ep),
+        [specs[i].numel for i in dense],
+        [specs[i].numel for i in expert],
+    )
+    return _Ownership(
+        dict(zip(dense, joint.dense, strict=True)),
+        [dict(zip(expert, owners, strict=True)) for owners in joint.expert],
+        joint.rank_cost,
+    )
+
+
+def _param_bytes(buf: _Buffer, numel: int) -> int:
+    """Persistent parameter bytes of a buffer on every rank: MXFP8 weights (their bf16 param
+    buffer aliases the gradient buffer), or a bf16 buffer of ``numel`` elements."""
+    if buf.fp8:
+        return sum(mxfp8_weight_bytes(s.shape) for s in buf.specs)
+    return numel * PARAM_BYTES
+
+
+def plan(
+    model: str | Sequence[ParamSpec],
+    dp: int,
+    ep: int = 1,
+    bucket_size: int | None = None,
+    fp8_param_gather: bool = True,
+    grad_dtype: str = "fp32",
+    *,
+    overlap_grad_reduce: bool = True,
+    gather_padding_tolerance: float = 0.1,
+) -> dict[str, Any]:
+    """Per-rank bytes, Newton-Schulz balance and per-step communication of the three layouts.
+
+    ``model``: a name from :data:`nemo_lw_fp8.model_shapes.SPECS` or an explicit list of
+    :class:`ParamSpec` (full model, all experts). ``dp``: data-parallel size = world size;
+    ``ep``: expert-parallel size (divides ``dp`` and the expert count). ``bucket_size``:
+    elements per DDP bucket, ``None`` for megatron's default. Returns a JSON-ready dict
+    (docs/planner.md describes every field).
+    """
+    if dp < 1 or ep < 1 or dp % ep:
+        raise ValueError(f"need dp >= 1, ep >= 1 and ep dividing dp; got dp={dp}, ep={ep}")
+    if grad_dtype not in GRAD_BYTES:
+        raise ValueError(f"grad_dtype must be one of {sorted(GRAD_BYTES)}, got {grad_dtype!r}")
+    name = model if isinstance(model, str) else "custom"
+    all_specs = param_shapes(model) if isinstance(model, str) else list(model)
+    edp = dp // ep
+    if bucket_size is None and overlap_grad_reduce:
+        bucket_size = max(40_000_000, 1_000_000 * dp)
+    if not overlap_grad_reduce:
+        bucket_size = None
+    g = GRAD_BYTES[grad_dtype]
+    specs = _local_specs(all_specs, ep)
+
+    def world(buf: _Buffer) -> int:
+        return edp if buf.expert else dp
+
+    # -------------------------------------------------------------- layer-wise (a) and (b)
+    buffers = _buffers(specs, fp8_param_gather, layer_wise=True)
+    own = _our_owners(specs, dp, ep)
+
+    def our_owners(buf: _Buffer, e: int) -> list[int]:
+        """Our owner of each parameter of a Muon buffer (expert buffers: in EP group ``e``)."""
+        table = own.expert[e] if buf.expert else own.dense
+        return [table[i] for i in buf.indices]
+
+    def our_rank_numel(buf: _Buffer) -> list[int]:
+        """Elements each global rank updates in a Muon buffer under our ownership."""
+        if not buf.expert:
+            return lo.rank_loads([s.numel for s in buf.specs], our_owners(buf, 0), dp)
+        per_group = [
+            lo.rank_loads([s.numel for s in buf.specs], our_owners(buf, e), edp) for e in range(ep)
+        ]
+        return [per_group[r % ep][r // ep] for r in range(dp)]
+
+    stock, compact = _Acc(dp), _Acc(dp)
+    stock_ns = [0] * dp
+    # per process group (expert or not): (buffer, stock layout, compact layout)
+    per_group: dict[bool, list[tuple[_Buffer, lo.StockLayout, lo.StockLayout]]] = {
+        False: [],
+        True: [],
+    }
+
+    for buf in buffers:
+        w = world(buf)
+        if buf.muon:
+            padded = lo.stock_padded_layout(buf.shapes, w, bucket_size)
+            flat = lo.default_buckets(buf.shapes, bucket_size)
+            stock_rank = _rank_view(padded.rank_numel or [], buf.expert, dp, ep)
+            compact_rank = our_rank_numel(buf)
+            state_bytes = MUON_STATE_BYTES
+            for r, cost in enumerate(_rank_view(padded.rank_cost or [], buf.expert, dp, ep)):
+                stock_ns[r] += cost
+        else:
+            padded = flat = lo.stock_distopt_layout(buf.shapes, w, bucket_size)
+            stock_rank = compact_rank = _rank_view(padded.rank_numel or [], buf.expert, dp, ep)
+            state_bytes = ADAM_STATE_BYTES
+        per_group[buf.expert].append((buf, padded, flat))
+        for acc, layout, rank_numel in ((stock, padded, stock_rank), (compact, flat, compact_rank)):
+            padding = layout.numel - buf.numel
+            acc.padding_numel += padding
+            if buf.muon:
+                acc.muon_padding_numel += padding
+            acc.padding_bytes += padding * (g + (0 if buf.fp8 else PARAM_BYTES))
+            acc.buffers.append(
+                {
+                    "name": buf.name,
+                    "world": w,
+                    "params": len(buf.specs),
+                    "numel": layout.numel,
+                    "padding_numel": padding,
+                    "buckets": len(layout.buckets),
+                }
+            )
+            acc.add_all("params", _param_bytes(buf, layout.numel))
+            acc.add_all("grads", layout.numel * g)
+            for r, n in enumerate(rank_numel):
+                acc.mem["masters"][r] += n * MASTER_BYTES
+                acc.mem["optimizer_states"][r] += n * state_bytes
+            # compact Muon buckets all-reduce (no shards); the other layouts reduce-scatter
+            all_reduce = acc is compact and buf.muon
+            for start, end, _ in layout.buckets:
+                acc.add_grad(w, (end - start) * g, all_reduce)
+            if acc is stock or not buf.muon:  # compact Muon gathers are planned below
+                for start, end, unpadded in layout.buckets:
+                    acc.add_gather(
+                        w, (end - start) * PARAM_BYTES, (end - start - unpadded) * PARAM_BYTES
+                    )
+
+    # collectives per bucket group (megatron's partition_buckets), per process group
+    transient_peak = transient_extra = transient_padding = 0
+    for expert, members in per_group.items():
+        w = edp if expert else dp
+        if w <= 1 or not members:
+            continue
+        for acc, which in ((stock, 1), (compact, 2)):
+            groups = _bucket_groups([(m[0].fp8, len(m[which].buckets)) for m in members])
+            acc.grad["collectives"] += len(groups)
+            acc.gather["adam_collectives"] += sum(
+                any(not members[i][0].muon for i, _ in grp) for grp in groups
+            )
+            if acc is stock:
+                acc.gather["muon_collectives"] += sum(
+                    any(members[i][0].muon for i, _ in grp) for grp in groups
+                )
+                continue
+            # compact: the Muon buckets of each bucket group form one gather unit; consecutive
+            # units merge until the even gather's padding is within the tolerance. Expert
+            # groups own differently per EP index: keep the busiest one (per metric).
+            worst = {"collectives": 0, "output": 0, "wire": 0, "padding": 0}
+            for e in range(ep if expert else 1):
+                owners_of = {i: our_owners(m[0], e) for i, m in enumerate(members) if m[0].muon}
+                units: list[tuple[list[int], list[int]]] = []
+                unit_grad_bytes: list[int] = []
+                for grp in reversed(groups):  # forward order, as the gathers are issued
+                    sizes: list[int] = []
+                    unit_owners: list[int] = []
+                    for i, b in grp:
+                        buf, _, flat = members[i]
+                        if not buf.muon:
+                            continue
+                        for p in flat.bucket_params[b]:
+                            sizes.append(buf.specs[p].numel)
+                            unit_owners.append(owners_of[i][p])
+                    if sizes:
+                        units.append((sizes, unit_owners))
+                        unit_grad_bytes.append(sum(sizes) * g)
+                grouped = lo.group_for_even_all_gather(units, w, gather_padding_tolerance)
+                stats = {"collectives": len(grouped), "output": 0, "wire": 0, "padding": 0}
+                for unit_ids, gplan in grouped:
+                    nbytes = gplan.gather_numel * PARAM_BYTES
+                    stats["output"] += nbytes
+                    stats["wire"] += _ring(w, nbytes)
+                    stats["padding"] += gplan.transient_padding
+                    transient_peak = max(transient_peak, nbytes)
+                    grad_region = sum(unit_grad_bytes[u] for u in unit_ids)
+                    transient_extra = max(transient_extra, nbytes - grad_region)
+                worst = {k: max(worst[k], stats[k]) for k in worst}
+            acc.gather["muon_collectives"] += worst["collectives"]
+            acc.gather["output_bytes"] += worst["output"]
+            acc.gather["wire_bytes_per_rank"] += worst["wire"]
+            acc.gather["padding_bytes"] += worst["padding"] * PARAM_BYTES
+            transient_padding += worst["padding"]
+    for acc in (stock, compact):
+        acc.gather["collectives"] = acc.gather["muon_collectives"] + acc.gather["adam_collectives"]
+
+    # legacy uneven gather: untagged unpadded buffers, one broadcast per rank per bucket
+    legacy = {"collectives": 0, "output_bytes": 0}
+    for buf in _buffers(specs, fp8_param_gather, layer_wise=False):
+        w = world(buf)
+        if w <= 1:
+            continue
+        flat_legacy = lo.default_buckets(buf.shapes, bucket_size)
+        legacy["collectives"] += w * len(flat_legacy.buckets)
+        legacy["output_bytes"] += flat_legacy.numel * PARAM_BYTES
+
+    # -------------------------------------------------------------- (c) Adam everywhere
+    adam_acc = _Acc(dp)
+    adam_entries: dict[bool, list[tuple[bool, int]]] = {False: [], True: []}
+    for buf in _buffers(specs, fp8_param_gather, layer_wise=False):
+        w = world(buf)
+        layout = lo.stock_distopt_layout(buf.shapes, w, bucket_size)
+        padding = layout.numel - buf.numel
+        adam_acc.padding_numel += padding
+        adam_acc.padding_bytes += padding * (g + (0 if buf.fp8 else PARAM_BYTES))
+        adam_acc.buffers.append(
+            {
+                "name": buf.name,
+                "world": w,
+                "params": len(buf.specs),
+                "numel": layout.numel,
+                "padding_numel": padding,
+                "buckets": len(layout.buckets),
+            }
+        )
+        adam_acc.add_all("params", _param_bytes(buf, layout.numel))
+        adam_acc.add_all("grads", layout.numel * g)
+        per_rank = _rank_view(layout.rank_numel, buf.expert, dp, ep)
+        for r in range(dp):
+            adam_acc.mem["masters"][r] += per_rank[r] * MASTER_BYTES
+            adam_acc.mem["optimizer_states"][r] += per_rank[r] * ADAM_STATE_BYTES
+        for start, end, _ in layout.buckets:
+            adam_acc.add_gather(w, (end - start) * PARAM_BYTES)
+            adam_acc.add_grad(w, (end - start) * g, all_reduce=False)
+        adam_entries[buf.expert].append((buf.fp8, len(layout.buckets)))
+    for expert, entries in adam_entries.items():
+        w = edp if expert else dp
+        if w > 1 and entries:
+            n = len(_bucket_groups(entries))
+            adam_acc.grad["collectives"] += n
+            adam_acc.gather["adam_collectives"] += n
+            adam_acc.gather["collectives"] += n
+
+    layouts = {
+        "stock_padded": stock.report(
+            "megatron-core 0.19.2 padded layer-wise layout (Muon) + DistributedOptimizer (Adam)",
+            stock_ns,
+        ),
+        "compact": compact.report(
+            "compact Muon buffers, cost-balanced ownership, one even gather per gather group",
+            own.cost,
+            {
+                "transient_gather": {
+                    "padding_numel": transient_padding,
+                    "peak_bytes": transient_peak,
+                    "extra_bytes": max(0, transient_extra),
+                    "gather_padding_tolerance": gather_padding_tolerance,
+                }
+            },
+        ),
+        "adam_distopt": adam_acc.report("Adam on every parameter via DistributedOptimizer", None),
+    }
+    stock_total = layouts["stock_padded"]["bytes_per_rank"]["total"]
+    compact_total = layouts["compact"]["bytes_per_rank"]["total"]
+    muon_local = sum(s.numel for s in specs if s.muon)
+    return {
+        "model": name,
+        "dp": dp,
+        "ep": ep,
+        "expert_dp": edp,
+        "bucket_size": bucket_size,
+        "fp8_param_gather": fp8_param_gather,
+        "grad_dtype": grad_dtype,
+        "params": {
+            "total": sum(s.numel for s in all_specs),
+            "trainable": sum(s.numel for s in all_specs if s.trainable),
+            "per_rank": sum(s.numel for s in specs),
+            "muon_per_rank": muon_local,
+            "adam_per_rank": sum(s.numel for s in specs) - muon_local,
+        },
+        "layouts": layouts,
+        "stock_legacy_param_gather": legacy,
+        "summary": {
+            "compact_over_stock_bytes": compact_total / stock_total if stock_total else 1.0,
+            "bytes_saved_per_rank": stock_total - compact_total,
+            "stock_padding_bytes": layouts["stock_padded"]["padding_bytes"],
+            "newton_schulz_max_over_mean": {
+                "stock_padded": layouts["stock_padded"]["newton_schulz"]["max_over_mean"],
+                "compact": layouts["compact"]["newton_schulz"]["max_over_mean"],
+            },
+            "param_gather_collectives": {
+                "stock_legacy": legacy["collectives"],
+                "stock_padded": layouts["stock_padded"]["param_gather"]["collectives"],
+                "compact": layouts["compact"]["param_gather"]["collectives"],
+                "adam_distopt": layouts["adam_distopt"]["param_gather"]["collectives"],
+            },
+        },
+        "assumptions": list(ASSUMPTIONS),
+    }
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def _unit(nbytes: float) -> tuple[str, float]:
+    """Decimal unit that keeps the table readable for this size."""
+    for name, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return name, scale
+    return "B", 1.0
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The plan as a fixed-width table (decimal units: GB = 1e9 bytes)."""
+    names = ("stock_padded", "compact", "adam_distopt")
+    lays = [result["layouts"][n] for n in names]
+    unit, scale = _unit(max(x["bytes_per_rank"]["total"] for x in lays))
+
+    def fmt(nbytes: float) -> str:
+        return f"{nbytes / scale:.2f}"
+
+    transient = lays[1]["transient_gather"]
+    rows: list[tuple[str, ...]] = [("per rank", *names)]
+    for field in (*MEMORY_FIELDS, "total"):
+        rows.append((f"{field} {unit}", *(fmt(x["bytes_per_rank"][field]) for x in lays)))
+    rows += [
+        (f"mean total {unit}", *(fmt(x["bytes_per_rank_mean"]["total"]) for x in lays)),
+        (f"persistent padding {unit}", *(fmt(x["padding_bytes"]) for x in lays)),
+        (f"transient gather peak {unit}", "-", fmt(transient["peak_bytes"]), "-"),
+        (f"  beyond idle grad buffer {unit}", "-", fmt(transient["extra_bytes"]), "-"),
+        (
+            "Newton-Schulz max/mean",
+            *(
+                f"{x['newton_schulz']['max_over_mean']:.3f}" if x["newton_schulz"] else "-"
+                for x in lays
+            ),
+        ),
+        ("param gathers / step", *(str(x["param_gather"]["collectives"]) for x in lays)),
+        (f"gathered {unit} / step", *(fmt(x["param_gather"]["output_bytes"]) for x in lays)),
+        ("grad sync", *(x["grad_sync"]["op"] for x in lays)),
+        (
+            f"grad sync wire {unit} / rank",
+            *(fmt(x["grad_sync"]["wire_bytes_per_rank"]) for x in lays),
+        ),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        f"{result['model']}: dp={result['dp']} ep={result['ep']} "
+        f"(expert dp {result['expert_dp']}), "
+        f"bucket_size={result['bucket_size']}, fp8_param_gather={result['fp8_param_gather']}, "
+        f"grads {result['grad_dtype']}; {result['params']['per_rank']:,} params per rank"
+    ]
+    for i, row in enumerate(rows):
+        lines.append(
+            "  ".join(
+                c.ljust(widths[j]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(row)
+            )
+        )
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    summary = result["summary"]
+    lines.append(
+        f"compact / stock bytes: {summary['compact_over_stock_bytes']:.3f} "
+        f"({fmt(summary['bytes_saved_per_rank'])} {unit} saved per rank); legacy uneven gather: "
+        f"{summary['param_gather_collectives']['stock_legacy']} collectives / step"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``nemo-lw-fp8 plan MODEL --dp N [--ep N] ...``: print the plan (table or JSON)."""
+    from .model_shapes import SPECS
+
+    parser = argparse.ArgumentParser(
+        prog="nemo-lw-fp8 plan",
+        description="Per-rank memory, Newton-Schulz balance and collectives of layer-wise Muon "
+        "layouts (stock padded vs compact vs Adam), computed without a GPU.",
+    )
+    parser.add_argument("model", choices=sorted(SPECS))
+    parser.add_argument("--dp", type=int, required=True, help="data-parallel size (= world size)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket")
+    parser.add_argument(
+        "--no-overlap-grad-reduce", action="store_true", help="one bucket per buffer"
+    )
+    parser.add_argument(
+        "--no-fp8-param-gather", action="store_true", help="bf16 parameters, no MXFP8"
+    )
+    parser.add_argument("--grad-dtype", choices=sorted(GRAD_BYTES), default="fp32")
+    parser.add_argument("--gather-padding-tolerance", type=float, default=0.1)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    try:
+        result = plan(
+            args.model,
+            args.dp,
+            args.ep,
+            bucket_size=args.bucket_size,
+            fp8_param_gather=not args.no_fp8_param_gather,
+            grad_dtype=args.grad_dtype,
+            overlap_grad_reduce=not args.no_overlap_grad_reduce,
+            gather_padding_tolerance=args.gather_padding_tolerance,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,349 @@
+"""nemo_lw_fp8.model_shapes and nemo_lw_fp8.planner."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from nemo_lw_fp8 import planner
+from nemo_lw_fp8.model_shapes import SPECS, ModelSpec, ParamSpec, param_shapes, total_params
+
+# ----------------------------------------------------------------------------- model shapes
+
+
+@pytest.mark.parametrize(
+    ("name", "published"), [("deepseek-v3", 671e9), ("qwen3-235b-a22b", 235e9)]
+)
+def test_parameter_totals_match_published_sizes(name, published):
+    total = total_params(param_shapes(name))
+    assert abs(total - published) / published < 0.01
+    assert SPECS[name].published_params == published
+
+
+def test_deepseek_v3_shapes():
+    specs = {s.name: s for s in param_shapes("deepseek-v3")}
+    attn = "decoder.layers.5.self_attention"
+    assert specs[f"{attn}.linear_q_down_proj.weight"].shape == (1536, 7168)
+    assert specs[f"{attn}.linear_q_up_proj.weight"].shape == (128 * 192, 1536)
+    assert specs[f"{attn}.linear_kv_down_proj.weight"].shape == (512 + 64, 7168)
+    assert specs[f"{attn}.linear_kv_up_proj.weight"].shape == (128 * 256, 512)
+    assert specs[f"{attn}.linear_proj.weight"].shape == (7168, 128 * 128)
+    assert specs["decoder.layers.2.mlp.linear_fc1.weight"].shape == (2 * 18432, 7168)
+    assert "decoder.layers.3.mlp.linear_fc1.weight" not in specs  # MoE from layer 3
+    router = specs["decoder.layers.3.mlp.router.weight"]
+    assert router.shape == (256, 7168) and router.muon and not router.quantized
+    bias = specs["decoder.layers.3.mlp.router.expert_bias"]
+    assert not bias.trainable and not bias.muon
+    expert = specs["decoder.layers.60.mlp.experts.linear_fc2.weight255"]
+    assert expert.shape == (7168, 2048) and expert.expert_parallel and expert.muon
+    shared = specs["decoder.layers.60.mlp.shared_experts.linear_fc1.weight"]
+    assert shared.shape == (4096, 7168) and not shared.expert_parallel
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert specs[name].shape == (129280, 7168) and not specs[name].muon
+    assert sum(1 for s in specs.values() if s.expert_parallel) == 58 * 2 * 256
+
+
+def test_qwen3_shapes_and_muon_routing():
+    specs = param_shapes("qwen3-235b-a22b")
+    by_name = {s.name: s for s in specs}
+    attn = "decoder.layers.93.self_attention"
+    assert by_name[f"{attn}.linear_qkv.weight"].shape == ((64 + 2 * 4) * 128, 4096)
+    assert by_name[f"{attn}.linear_proj.weight"].shape == (4096, 64 * 128)
+    assert by_name[f"{attn}.q_layernorm.weight"].shape == (128,)
+    assert by_name["decoder.layers.0.mlp.experts.linear_fc1.weight127"].shape == (3072, 4096)
+    # megatron's rule: Muon iff 2-D and not embedding / output
+    for s in specs:
+        assert s.muon == (len(s.shape) == 2 and not s.embedding_or_output), s.name
+
+
+def test_more_models_need_only_hyper_parameters():
+    """DeepSeek-V2-Lite (MLA without q LoRA, 2 shared experts), Qwen3-30B-A3B and
+    Qwen3-Next-80B-A3B (Gated DeltaNet on 3 of 4 layers, gated attention, gated shared expert)
+    are plain ModelSpec instances; their totals match the published sizes."""
+    models = [
+        ModelSpec(
+            name="deepseek-v2-lite",
+            num_layers=27,
+            hidden_size=2048,
+            vocab_size=102400,
+            num_attention_heads=16,
+            multi_latent_attention=True,
+            q_lora_rank=None,
+            ffn_hidden_size=10944,
+            first_k_dense_replace=1,
+            num_moe_experts=64,
+            moe_ffn_hidden_size=1408,
+            moe_shared_expert_intermediate_size=2 * 1408,
+            published_params=15.7e9,
+        ),
+        ModelSpec(
+            name="qwen3-30b-a3b",
+            num_layers=48,
+            hidden_size=2048,
+            vocab_size=151936,
+            num_attention_heads=32,
+            num_query_groups=4,
+            kv_channels=128,
+            qk_layernorm=True,
+            num_moe_experts=128,
+            moe_ffn_hidden_size=768,
+            published_params=30.5e9,
+        ),
+        ModelSpec(
+            name="qwen3-next-80b-a3b",
+            num_layers=48,
+            hidden_size=2048,
+            vocab_size=151936,
+            num_attention_heads=16,
+            num_query_groups=2,
+            kv_channels=256,
+            qk_layernorm=True,
+            attention_output_gate=True,
+            linear_attention_freq=4,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            num_moe_experts=512,
+            moe_ffn_hidden_size=512,
+            moe_shared_expert_intermediate_size=512,
+            moe_shared_expert_gate=True,
+            published_params=80e9,
+        ),
+    ]
+    for model in models:
+        specs = model.params()
+        assert abs(total_params(specs) - model.published_params) / model.published_params < 0.01
+        for s in specs:  # megatron's Muon rule holds for every builder
+            assert s.muon == (len(s.shape) == 2 and not s.embedding_or_output), s.name
+    nxt = {s.name: s for s in models[2].params()}
+    assert nxt["decoder.layers.0.in_proj.weight"].shape == (2 * 2048 + 2 * 4096 + 64, 2048)
+    assert nxt["decoder.layers.0.conv1d.weight"].shape == (2 * 2048 + 4096, 1, 4)
+    assert "decoder.layers.3.self_attention.linear_qkv.weight" in nxt  # every 4th: attention
+    assert nxt["decoder.layers.3.self_attention.linear_qkv.weight"].shape == (
+        2 * 16 * 256 + 2 * 2 * 256,
+        2048,
+    )
+    assert nxt["decoder.layers.0.mlp.shared_experts.gate_weight"].shape == (1, 2048)
+    lite = {s.name: s for s in models[0].params()}
+    assert lite["decoder.layers.0.self_attention.linear_q_proj.weight"].shape == (16 * 192, 2048)
+
+
+def test_param_spec_local_expert_view():
+    e = ParamSpec("w3", (8, 4), True, expert_parallel=True, expert_index=3, num_experts=8)
+    assert e.local(1) is e and e.local(2) is e and e.local(4) is None
+    grouped = ParamSpec("g", (8, 4, 6), False, expert_parallel=True, num_experts=8)
+    assert grouped.local(4).shape == (2, 4, 6)
+    with pytest.raises(ValueError):
+        e.local(3)
+    local = [s.local(64) for s in param_shapes("deepseek-v3")]
+    assert sum(1 for s in local if s is not None and s.expert_parallel) == 58 * 2 * 4
+
+
+def test_unknown_model():
+    with pytest.raises(KeyError, match="known"):
+        param_shapes("gpt-5")
+
+
+# ----------------------------------------------------------------------------- planner
+
+
+@pytest.fixture(scope="module")
+def big_plans():
+    return {
+        "deepseek-v3": planner.plan("deepseek-v3", 64, 64),
+        "qwen3-235b-a22b": planner.plan("qwen3-235b-a22b", 64, 32),
+    }
+
+
+def test_plan_fields(big_plans):
+    result = big_plans["qwen3-235b-a22b"]
+    json.dumps(result)  # JSON-ready
+    for key in ("model", "dp", "ep", "expert_dp", "bucket_size", "fp8_param_gather", "grad_dtype"):
+        assert key in result
+    assert result["expert_dp"] == 2 and result["bucket_size"] == 64_000_000
+    assert set(result["layouts"]) == {"stock_padded", "compact", "adam_distopt"}
+    for lay in result["layouts"].values():
+        assert set(lay["bytes_per_rank"]) == {*planner.MEMORY_FIELDS, "total"}
+        for key in ("padding_numel", "padding_bytes", "param_gather", "grad_sync", "buffers"):
+            assert key in lay
+        for key in ("collectives", "output_bytes", "wire_bytes_per_rank"):
+            assert key in lay["param_gather"]
+    for name in ("stock_padded", "compact"):
+        ns = result["layouts"][name]["newton_schulz"]
+        assert ns["max"] >= ns["mean"] > 0 and ns["max_over_mean"] >= 1
+    assert result["layouts"]["adam_distopt"]["newton_schulz"] is None
+    assert "transient_gather" in result["layouts"]["compact"]
+    assert result["summary"]["param_gather_collectives"]["stock_legacy"] > 0
+    assert result["assumptions"]
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-235b-a22b"])
+def test_compact_beats_stock_at_dp64(big_plans, name):
+    result = big_plans[name]
+    stock, compact = result["layouts"]["stock_padded"], result["layouts"]["compact"]
+    assert compact["bytes_per_rank"]["total"] < stock["bytes_per_rank"]["total"]
+    assert compact["muon_padding_numel"] == 0 < stock["muon_padding_numel"]
+    assert compact["newton_schulz"]["max_over_mean"] <= 1.05
+    assert compact["newton_schulz"]["max_over_mean"] < stock["newton_schulz"]["max_over_mean"]
+    assert compact["param_gather"]["muon_collectives"] <= stock["param_gather"]["muon_collectives"]
+    # the same parameters: grads differ by exactly the stock padding
+    g = planner.GRAD_BYTES[result["grad_dtype"]]
+    diff = stock["bytes_per_rank"]["grads"] - compact["bytes_per_rank"]["grads"]
+    assert diff == stock["muon_padding_numel"] * g
+
+
+def test_tiny_model_by_hand():
+    """Two Muon matrices A (64x128) and B (64x64) and a norm (64), dp 2, bf16 params, fp32
+    grads, one bucket.
+
+    stock: LPT puts A on shard 0 and B on shard 1, shards padded to 8192: Muon buffer 16384
+    (4096 padding); Adam buffer for the norm 64 -> padded to lcm(2, 128) = 128.
+    compact: Muon buffer 12288, same owners (A costs more than B).
+    adam_distopt: one buffer, backprop order B [0, 4096), A [4096, 12288), norm [12288, 12352),
+    end padded to 12416; rank 0's half [0, 6208) holds 6208 parameter elements.
+    """
+    specs = [
+        ParamSpec("norm", (64,), muon=False),
+        ParamSpec("a", (64, 128), muon=True),
+        ParamSpec("b", (64, 64), muon=True),
+    ]
+    r = planner.plan(specs, dp=2, fp8_param_gather=False, grad_dtype="fp32")
+    stock, compact, adam = (r["layouts"][k] for k in ("stock_padded", "compact", "adam_distopt"))
+    # rank 0 is the busiest: A (8192) as Muon + the whole norm (64) as Adam
+    master0 = 8192 * 4 + 64 * 4
+    states0 = 8192 * 4 + 64 * 8
+    assert stock["worst_rank"] == 0
+    assert stock["bytes_per_rank"] == {
+        "params": (16384 + 128) * 2,
+        "grads": (16384 + 128) * 4,
+        "masters": master0,
+        "optimizer_states": states0,
+        "total": (16384 + 128) * 6 + master0 + states0,
+    }
+    assert stock["padding_numel"] == 4096 + 64 and stock["muon_padding_numel"] == 4096
+    assert stock["padding_bytes"] == (4096 + 64) * 6
+    assert compact["bytes_per_rank"] == {
+        "params": (12288 + 128) * 2,
+        "grads": (12288 + 128) * 4,
+        "masters": master0,
+        "optimizer_states": states0,
+        "total": (12288 + 128) * 6 + master0 + states0,
+    }
+    assert compact["muon_padding_numel"] == 0
+    assert adam["bytes_per_rank"] == {
+        "params": 12416 * 2,
+        "grads": 12416 * 4,
+        "masters": 6208 * 4,
+        "optimizer_states": 6208 * 8,
+        "total": 12416 * 6 + 6208 * 12,
+    }
+    # Newton-Schulz: A = 64*128*64, B = 64*64*64 on separate ranks in both layouts
+    for lay in (stock, compact):
+        assert lay["newton_schulz"]["max"] == 64 * 128 * 64
+        assert lay["newton_schulz"]["max_over_mean"] == pytest.approx(4 / 3)
+    # gathers: stock one Muon + one Adam bucket group; compact one even gather of 2 x 8192
+    assert stock["param_gather"]["collectives"] == 2
+    assert stock["param_gather"]["output_bytes"] == (16384 + 128) * 2
+    assert compact["param_gather"]["collectives"] == 2
+    assert compact["param_gather"]["output_bytes"] == (2 * 8192 + 128) * 2
+    assert compact["transient_gather"]["peak_bytes"] == 2 * 8192 * 2
+    assert compact["transient_gather"]["extra_bytes"] == 0  # fits in 12288 fp32 grads
+    assert adam["param_gather"]["collectives"] == 1
+    assert r["stock_legacy_param_gather"] == {"collectives": 2, "output_bytes": 12352 * 2}
+    # grads: stock reduce-scatters, compact all-reduces its Muon bucket
+    assert stock["grad_sync"]["op"] == "reduce_scatter"
+    assert compact["grad_sync"]["op"] == "all_reduce+reduce_scatter"
+    assert compact["grad_sync"]["wire_bytes_per_rank"] == 12288 * 4 + 128 * 4 // 2
+
+
+def test_mxfp8_weight_bytes():
+    # rowwise + columnwise codes, scales padded to (128, 4) and (4, 128) tiles
+    assert planner.mxfp8_weight_bytes((128, 128)) == 2 * 128 * 128 + 128 * 4 + 4 * 128
+    assert planner.mxfp8_weight_bytes((4096, 7168)) == (2 * 4096 * 7168 + 4096 * 224 + 128 * 7168)
+    assert planner.mxfp8_weight_bytes((2, 64, 64)) == planner.mxfp8_weight_bytes((128, 64))
+
+
+def test_fp8_params_alias_the_grad_buffer():
+    """With fp8_param_gather the Muon MXFP8 weights replace the bf16 param buffer, so stock
+    padding costs only gradient bytes there."""
+    specs = [ParamSpec("a", (64, 128), muon=True, quantized=True), ParamSpec("b", (64, 64), True)]
+    r = planner.plan(specs, dp=2, fp8_param_gather=True, grad_dtype="bf16")
+    stock = r["layouts"]["stock_padded"]
+    names = {b["name"]: b for b in stock["buffers"]}
+    assert set(names) == {"muon/dense/mxfp8", "muon/dense/bf16"}
+    fp8 = names["muon/dense/mxfp8"]
+    bf16 = names["muon/dense/bf16"]
+    assert stock["padding_bytes"] == fp8["padding_numel"] * 2 + bf16["padding_numel"] * 4
+    assert stock["bytes_per_rank"]["params"] == (
+        planner.mxfp8_weight_bytes((64, 128)) + bf16["numel"] * 2
+    )
+
+
+def test_stock_buffers_match_megatron_full_layout():
+    """The planner's stock buffers are exactly what megatron's compute_full_param_layout builds
+    for the same (tagged) stand-in parameters."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer.layer_wise_optimizer import (
+            LayerWiseDistributedOptimizer,
+            is_managed_by_layer_wise_optimizer,
+        )
+
+    dp, ep, bucket = 64, 32, 64_000_000
+    specs = [s.local(ep) for s in param_shapes("qwen3-235b-a22b")]
+    params = []
+    for s in specs:
+        if s is None or not s.trainable:
+            continue
+        p = torch.nn.Parameter(torch.empty(s.shape, device="meta", dtype=torch.bfloat16))
+        p.is_embedding_or_output_parameter = s.embedding_or_output
+        p.allreduce = not s.expert_parallel
+        p.is_managed_by_layer_wise_optimizer = is_managed_by_layer_wise_optimizer(p)
+        assert p.is_managed_by_layer_wise_optimizer == s.muon
+        params.append(p)
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = LayerWiseDistributedOptimizer.compute_full_param_layout(
+            params, bucket, dp, cfg, expert_data_parallel_world_size=dp // ep
+        )
+    megatron = {
+        (k.is_managed_by_layer_wise_optimizer, k.is_expert_parallel): (
+            v.bucket_indices[-1][1],
+            len(v.bucket_indices),
+        )
+        for k, v in full.layouts.items()
+    }
+    result = planner.plan("qwen3-235b-a22b", dp, ep, bucket, fp8_param_gather=False)
+    ours = {
+        (b["name"].startswith("muon"), "/expert/" in b["name"]): (b["numel"], b["buckets"])
+        for b in result["layouts"]["stock_padded"]["buffers"]
+    }
+    assert ours == megatron
+
+
+def test_plan_arguments_and_main(capsys):
+    with pytest.raises(ValueError):
+        planner.plan("tiny-moe", 6, 4)
+    with pytest.raises(ValueError):
+        planner.plan("tiny-moe", 2, grad_dtype="fp16")
+    single = planner.plan("tiny-moe", 2, overlap_grad_reduce=False)
+    assert single["bucket_size"] is None
+    assert all(b["buckets"] == 1 for b in single["layouts"]["compact"]["buffers"])
+    assert planner.main(["tiny-moe", "--dp", "4", "--ep", "2", "--json"]) == 0
+    parsed = json.loads(capsys.readouterr().out)
+    assert parsed["expert_dp"] == 2 and parsed["model"] == "tiny-moe"
+    assert planner.main(["tiny-moe", "--dp", "2", "--no-fp8-param-gather"]) == 0
+    out = capsys.readouterr().out
+    assert "stock_padded" in out and "Newton-Schulz max/mean" in out
+    with pytest.raises(SystemExit):
+        planner.main(["tiny-moe", "--dp", "3", "--ep", "2"])
+    assert math.isclose(
+        planner.plan("tiny-moe", 4, 2)["params"]["total"], total_params(param_shapes("tiny-moe"))
+    )
