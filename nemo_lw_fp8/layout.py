@@ -273,6 +273,22 @@ def pack_for_even_all_gather(
     )
 
 
+#: Default bound on the transient padding of an even compact gather, relative to its payload.
+DEFAULT_GATHER_PADDING_TOLERANCE = 0.1
+
+
+def even_gather_fits(segment_numel: Sequence[int], tolerance: float) -> bool:
+    """Whether one even ``all_gather_into_tensor`` (every segment padded to the longest) pads at
+    most ``tolerance`` of the payload; otherwise an uneven ``all_gather`` of the same segments
+    moves only real bytes (NCCL runs it as one broadcast per rank). Used by the compact layout
+    patch per bucket group and by the planner, so both describe the same collectives."""
+    total = sum(int(n) for n in segment_numel)
+    if total == 0:
+        return True
+    padding = len(segment_numel) * max(int(n) for n in segment_numel) - total
+    return padding <= tolerance * total
+
+
 def group_for_even_all_gather(
     buckets: Sequence[tuple[Sequence[int], Sequence[int]]],
     world_size: int,

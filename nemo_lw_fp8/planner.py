@@ -399,8 +399,7 @@ def plan(
                     any(members[i][0].muon for i, _ in grp) for grp in groups
                 )
                 continue
-            # compact: the Muon buckets of each bucket group form one gather unit; consecutive
-            # units merge until the even gather's padding is within the tolerance. Expert
+            # compact: the Muon buckets of each bucket group form one gather unit. Expert
             # groups own differently per EP index: keep the busiest one (per metric).
             worst = {"collectives": 0, "output": 0, "wire": 0, "padding": 0}
             for e in range(ep if expert else 1):
@@ -420,15 +419,20 @@ def plan(
                     if sizes:
                         units.append((sizes, unit_owners))
                         unit_grad_bytes.append(sum(sizes) * g)
-                grouped = lo.group_for_even_all_gather(units, w, gather_padding_tolerance)
-                stats = {"collectives": len(grouped), "output": 0, "wire": 0, "padding": 0}
-                for unit_ids, gplan in grouped:
-                    nbytes = gplan.gather_numel * PARAM_BYTES
+                # As the compact patch does it: one gather per bucket group, even when its
+                # transient padding is within the tolerance, else uneven (real bytes only).
+                stats = {"collectives": len(units), "output": 0, "wire": 0, "padding": 0}
+                for (sizes, unit_owners), grad_region in zip(units, unit_grad_bytes, strict=True):
+                    segments = lo.rank_loads(sizes, unit_owners, w)
+                    if lo.even_gather_fits(segments, gather_padding_tolerance):
+                        gplan = lo.pack_for_even_all_gather(sizes, unit_owners, w)
+                        nbytes = gplan.gather_numel * PARAM_BYTES
+                        stats["padding"] += gplan.transient_padding
+                    else:
+                        nbytes = sum(sizes) * PARAM_BYTES
                     stats["output"] += nbytes
                     stats["wire"] += _ring(w, nbytes)
-                    stats["padding"] += gplan.transient_padding
                     transient_peak = max(transient_peak, nbytes)
-                    grad_region = sum(unit_grad_bytes[u] for u in unit_ids)
                     transient_extra = max(transient_extra, nbytes - grad_region)
                 worst = {k: max(worst[k], stats[k]) for k in worst}
             acc.gather["muon_collectives"] += worst["collectives"]

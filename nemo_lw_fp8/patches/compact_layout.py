@@ -10,12 +10,13 @@ Behaviour (selected with :func:`set_layer_wise_layout` (ddp_config, ``"compact"`
   its FP8 "case 3").
 * Whole-parameter ownership minimises the largest per-rank Newton-Schulz cost
   (:func:`nemo_lw_fp8.layout.assign_owners`), deterministic on every rank and after a resume.
-* Parameter sync issues exactly one ``all_gather_into_tensor`` per layer-wise bucket group and
-  step: each owner packs the bf16 cast of its fp32 masters into one segment (padded only in the
-  transient gather buffer to the longest segment of the group), and every rank copies the
-  gathered values into its weights (quantizing into MXFP8 weights from the same bf16 bytes). This
-  also serves MXFP8 FP8 param gather, bitwise equal to FP8 gather off, without staging anything
-  in the grad buffer.
+* Parameter sync issues exactly one gather collective per layer-wise bucket group and step: each
+  owner packs the bf16 cast of its fp32 masters into one segment; the group uses one even
+  ``all_gather_into_tensor`` (segments padded to the longest, in a transient buffer only) when that
+  padding is within ``gather_padding_tolerance`` of the payload, else one uneven ``all_gather`` of
+  the same segments (real bytes only). Every rank copies the gathered values into its weights
+  (quantizing into MXFP8 weights from the same bf16 bytes). This also serves MXFP8 FP8 param
+  gather, bitwise equal to FP8 gather off, without staging anything in the grad buffer.
 
 Mirrors Megatron-LM PR #5388 (compact decoupled layer-wise layout), with our own explicit setting
 (``"padded" | "compact" | "legacy"``; 0.19.2's ``use_layer_wise_param_layout`` keeps its meaning:
@@ -45,22 +46,35 @@ from .framework import Override, Patch, register
 
 FEATURE = "compact_layout"
 
-#: Attribute on ``DistributedDataParallelConfig`` that holds our layout setting.
+#: Attributes on ``DistributedDataParallelConfig`` that hold our settings.
 LAYOUT_ATTR = "nemo_lw_fp8_layer_wise_layout"
+TOLERANCE_ATTR = "nemo_lw_fp8_gather_padding_tolerance"
 LAYOUTS = ("padded", "compact", "legacy")
 
 
-def set_layer_wise_layout(ddp_config: Any, layout: str) -> Any:
+def set_layer_wise_layout(
+    ddp_config: Any,
+    layout: str,
+    gather_padding_tolerance: float = layout_math.DEFAULT_GATHER_PADDING_TOLERANCE,
+) -> Any:
     """Choose the layer-wise buffer layout on a megatron ``DistributedDataParallelConfig``.
 
     ``"padded"``: megatron-core 0.19.2's shard-aligned layout (its default);
     ``"compact"``: this module; ``"legacy"``: no layout (flatten + all_gather of whole params).
     For ``"padded"`` and ``"compact"`` wrap with ``use_layer_wise_param_layout=True``; for
     ``"legacy"`` with ``use_layer_wise_param_layout=False`` (megatron's own flag, unchanged).
+
+    ``gather_padding_tolerance`` (compact): a bucket group gathers with one even
+    ``all_gather_into_tensor`` when padding every owner's segment to the longest costs at most
+    this fraction of the payload, else with one uneven ``all_gather`` (real bytes only).
+    ``math.inf`` always takes the even gather.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layer_wise_layout must be one of {LAYOUTS}, got {layout!r}")
+    if gather_padding_tolerance < 0:
+        raise ValueError(f"gather_padding_tolerance must be >= 0, got {gather_padding_tolerance}")
     setattr(ddp_config, LAYOUT_ATTR, layout)
+    setattr(ddp_config, TOLERANCE_ATTR, gather_padding_tolerance)
     return ddp_config
 
 
@@ -155,10 +169,20 @@ class CompactGroup:
 
     segments: list[list[torch.nn.Parameter]]
     segment_numel: list[int]
+    #: One even all_gather_into_tensor (segments padded to the longest) or one uneven all_gather.
+    even: bool
 
     @property
     def gather_numel(self) -> int:
-        return max(self.segment_numel) if self.segment_numel else 0
+        """Elements of the gathered buffer."""
+        if self.even:
+            return max(self.segment_numel) * len(self.segment_numel) if self.segment_numel else 0
+        return sum(self.segment_numel)
+
+    def segment_start(self, rank: int) -> int:
+        if self.even:
+            return rank * max(self.segment_numel)
+        return sum(self.segment_numel[:rank])
 
 
 def _compact_groups(chunk: Any) -> list[Any]:
@@ -214,8 +238,12 @@ def _attach_compact_groups(optimizer: Any, model_chunks: list[Any]) -> None:
             for bucket in group.buckets:
                 for param in bucket.params_list:
                     segments[owner[param]].append(param)
+            numel = [sum(p.numel() for p in seg) for seg in segments]
+            tolerance = getattr(
+                chunk.ddp_config, TOLERANCE_ATTR, layout_math.DEFAULT_GATHER_PADDING_TOLERANCE
+            )
             group._nemo_lw_fp8_compact = CompactGroup(
-                segments, [sum(p.numel() for p in seg) for seg in segments]
+                segments, numel, layout_math.even_gather_fits(numel, tolerance)
             )
 
 
@@ -269,9 +297,8 @@ def _unpack(group: Any, state: CompactGroup, gathered: torch.Tensor) -> None:
         copy_tensor_to_quantized_param,
     )
 
-    stride = state.gather_numel
     for rank in ranks_to_unpack(state, group.data_parallel_group.rank()):
-        offset = rank * stride
+        offset = state.segment_start(rank)
         for param in state.segments[rank]:
             values = gathered[offset : offset + param.numel()]
             offset += param.numel()
@@ -282,21 +309,33 @@ def _unpack(group: Any, state: CompactGroup, gathered: torch.Tensor) -> None:
 
 
 def _compact_dispatch(group: Any, async_op: bool) -> None:
+    """Pack this rank's owned masters (bf16) and issue the group's single gather collective."""
     state: CompactGroup = group._nemo_lw_fp8_compact
     process_group = group.data_parallel_group
     rank = process_group.rank()
     dtype = group.buckets[0].params_list[0].dtype
-    stride = state.gather_numel
-    send = torch.zeros(stride, dtype=dtype, device=group.buckets[0].grad_data.device)
+    device = group.buckets[0].grad_data.device
+    gathered = torch.empty(state.gather_numel, dtype=dtype, device=device)
+    send = torch.zeros(
+        max(state.segment_numel) if state.even else state.segment_numel[rank],
+        dtype=dtype,
+        device=device,
+    )
     offset = 0
     with torch.no_grad():
         for param in state.segments[rank]:
             send[offset : offset + param.numel()].copy_(_source(param).detach().reshape(-1))
             offset += param.numel()
-    gathered = torch.empty(stride * process_group.size(), dtype=dtype, device=send.device)
-    work = torch.distributed.all_gather_into_tensor(
-        gathered, send, group=process_group, async_op=async_op
-    )
+    if state.even:
+        work = torch.distributed.all_gather_into_tensor(
+            gathered, send, group=process_group, async_op=async_op
+        )
+    else:
+        outputs = [
+            gathered[state.segment_start(r) :][: state.segment_numel[r]]
+            for r in range(process_group.size())
+        ]
+        work = torch.distributed.all_gather(outputs, send, group=process_group, async_op=async_op)
     group._nemo_lw_fp8_pending = gathered
     group.param_gather_handle = work if async_op else None
     if not async_op:

@@ -67,6 +67,8 @@ class Scenario:
     load_dir: str | None = None
     #: Save a checkpoint after the last step (after megatron's end-of-training sync).
     save_dir: str | None = None
+    #: Compact layout: transient padding allowed for an even gather (None: the default).
+    gather_padding_tolerance: float | None = None
 
     def with_(self, **changes: Any) -> Scenario:
         return replace(self, **changes)
@@ -239,7 +241,10 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
             raise ValueError("distribution='layerwise_compact' needs plugin=True")
         from nemo_lw_fp8.patches.compact_layout import set_layer_wise_layout
 
-        set_layer_wise_layout(ddp_config, "compact")
+        if scenario.gather_padding_tolerance is None:
+            set_layer_wise_layout(ddp_config, "compact")
+        else:
+            set_layer_wise_layout(ddp_config, "compact", scenario.gather_padding_tolerance)
     model = wrap_model_chunks_with_ddp(
         [module],
         config,
