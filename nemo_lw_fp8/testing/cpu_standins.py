@@ -9,11 +9,12 @@ import this file.
 Stand-ins (each can be installed and removed on its own):
 
 ``cuda_runtime``
-    ``torch.cuda.current_device`` / ``Stream`` / ``current_stream`` / ``stream`` / ``Event`` /
-    ``synchronize`` / ``empty_cache``. Call sites: ``_ParamAndGradBuffer.__init__``
-    (``device=torch.cuda.current_device()``), ``DistributedDataParallel.__init__`` (communication
-    stream), ``_ParamAndGradBucketGroup.start_grad_sync`` / ``finish_grad_sync`` (stream waits),
-    ``free_overlap_buffers`` (synchronize / empty_cache).
+    ``torch.cuda.current_device`` (returns the CPU device) / ``Stream`` / ``current_stream`` /
+    ``stream`` / ``Event`` / ``synchronize`` / ``empty_cache``. Call sites:
+    ``_ParamAndGradBuffer.__init__`` (``device=torch.cuda.current_device()``, also inside autograd
+    backward: MoE's ``_gather_along_first_dim``), ``DistributedDataParallel.__init__``
+    (communication stream), ``_ParamAndGradBucketGroup.start_grad_sync`` / ``finish_grad_sync``
+    (stream waits), ``free_overlap_buffers`` (synchronize / empty_cache).
 ``cuda_device``
     A ``TorchFunctionMode`` that maps every CUDA device argument (``device='cuda'``, ``device=0``,
     ``.cuda()``, ``.to('cuda')``) to the CPU and reports CUDA type strings from ``Tensor.type()``.
@@ -49,6 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -147,7 +150,10 @@ def _install_cuda_runtime() -> Callable[[], None]:
     return _swap_attrs(
         torch.cuda,
         {
-            "current_device": lambda: 0,
+            # The CPU device itself, not 0: ``device=torch.cuda.current_device()`` must land on
+            # the CPU also where the device-redirect mode is not active (autograd backward of
+            # megatron's custom Functions, e.g. ``_gather_along_first_dim`` in MoE dispatch).
+            "current_device": lambda: _CPU,
             "Stream": _NoOpStream,
             "Event": _NoOpEvent,
             "current_stream": lambda device=None: _DEFAULT_STREAM,
@@ -169,9 +175,6 @@ def _is_cuda_device(device: Any) -> bool:
         return device.startswith("cuda")
     # A bare int device index means a CUDA ordinal in torch's factory functions.
     return isinstance(device, int) and not isinstance(device, bool)
-
-
-_CPU = torch.device("cpu")
 
 
 class CudaToCpuMode(TorchFunctionMode):

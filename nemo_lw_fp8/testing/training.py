@@ -69,6 +69,8 @@ class Scenario:
     save_dir: str | None = None
     #: Compact layout: transient padding allowed for an even gather (None: the default).
     gather_padding_tolerance: float | None = None
+    #: Expert-parallel size the model is built for (run it with ParallelSpec(ep=...)).
+    ep: int = 1
 
     def with_(self, **changes: Any) -> Scenario:
         return replace(self, **changes)
@@ -159,13 +161,15 @@ GPT_SEQ = 16
 
 
 def build_gpt(config) -> torch.nn.Module:
-    """A tiny GPTModel on megatron-core's local (non-TE) layer spec."""
+    """A tiny GPTModel on megatron-core's local (non-TE) layer spec (MoE when the config has
+    experts)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=spec,
         vocab_size=GPT_VOCAB,
         max_sequence_length=GPT_SEQ,
         pre_process=True,
@@ -194,6 +198,18 @@ def build_model(scenario: Scenario):
     seed_all(scenario.seed)
     if scenario.model == "gpt":
         config = transformer_config()
+        module = build_gpt(config)
+    elif scenario.model == "moe_gpt":
+        # Experts without biases: megatron 0.19.2's layer-wise + DistOpt path cannot hold
+        # expert-parallel parameters that Muon does not manage.
+        config = transformer_config(
+            num_moe_experts=4,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=64,
+            add_bias_linear=False,
+            moe_token_dispatcher_type="allgather",
+            expert_model_parallel_size=scenario.ep,
+        )
         module = build_gpt(config)
     elif scenario.model == "mlp":
         config = transformer_config()
@@ -278,7 +294,7 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
 def _rank_batch(scenario: Scenario, module: torch.nn.Module, step: int, dp_rank: int):
     """Deterministic per-(step, rank) inputs, independent of the global RNG."""
     generator = torch.Generator().manual_seed(scenario.seed * 1000 + step * 17 + dp_rank)
-    if scenario.model == "gpt":
+    if scenario.model in ("gpt", "moe_gpt"):
         shape = (scenario.micro_batch, GPT_SEQ + 1)
         if scenario.data == "pattern":
             # Each row counts up by a row-specific stride: next token = previous + stride.
@@ -295,7 +311,7 @@ def _rank_batch(scenario: Scenario, module: torch.nn.Module, step: int, dp_rank:
 
 def forward_loss(scenario: Scenario, model, batch) -> torch.Tensor:
     inputs, target = batch
-    if scenario.model == "gpt":
+    if scenario.model in ("gpt", "moe_gpt"):
         positions = torch.arange(GPT_SEQ).unsqueeze(0).expand_as(inputs)
         per_token = model(inputs, positions, None, labels=target)
         return per_token.float().mean()
