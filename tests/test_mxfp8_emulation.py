@@ -16,6 +16,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from te_test_support import ThreadedMaxAllReduce
 
 from nemo_lw_fp8.emulation import mxfp8 as mx
 
@@ -479,23 +480,6 @@ def test_shard_cuts_give_full_quantize_bytes(ranks, trial):
     assert torch.equal(torch.cat(cols), full.columnwise_data.reshape(-1))
 
 
-class _ThreadedMaxAllReduce:
-    """Simulates a MAX all-reduce between ``world`` threads (one per rank) in one process."""
-
-    def __init__(self, world: int) -> None:
-        self.barrier = threading.Barrier(world)
-        self.buffers: list[torch.Tensor] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, buffer: torch.Tensor) -> None:
-        with self.lock:
-            self.buffers.append(buffer)
-        self.barrier.wait()
-        reduced = torch.stack(self.buffers).amax(0)
-        self.barrier.wait()
-        buffer.copy_(reduced)
-
-
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_quantize_shard_with_all_reduce_hook(ranks):
     rng = random.Random(ranks)
@@ -504,7 +488,7 @@ def test_quantize_shard_with_all_reduce_hook(ranks):
     full = mx.quantize(x)
     flat = x.reshape(-1)
     cuts = _cuts(flat.numel(), ranks, rng)
-    hook = _ThreadedMaxAllReduce(ranks)
+    hook = ThreadedMaxAllReduce(ranks)
     results: dict[int, mx.ShardQuantization] = {}
 
     def rank(i: int) -> None:

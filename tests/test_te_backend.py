@@ -11,59 +11,12 @@ refuses to run at all then).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
+from te_test_support import TE_PATH, needs_te, run_te_script
 
 from nemo_lw_fp8.emulation import te_backend
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _te_search_path() -> list[str] | None:
-    """sys.path entries for the subprocess, or None when TE's Python package is not installed."""
-    return te_backend.te_package_dirs()
-
-
-TE_PATH = _te_search_path()
-needs_te = pytest.mark.skipif(
-    TE_PATH is None,
-    reason=(
-        "Transformer Engine's Python package is not installed (pip install --no-deps "
-        "transformer-engine==2.20.2 einops pydantic onnxscript, or point NEMO_LW_FP8_TE_PATH "
-        "at a folder holding it)"
-    ),
-)
-
-
-def _run(script: str, *, timeout: int = 240) -> dict:
-    env = dict(os.environ)
-    paths = [str(REPO), *(TE_PATH or [])]
-    paths += [p for p in sys.path if p]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env["NEMO_LW_FP8_TE_PATH"] = os.pathsep.join(TE_PATH or [])
-    env.pop("NVTE_PROJECT_BUILDING", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        cwd=str(REPO),
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise AssertionError(
-            f"subprocess failed (rc={proc.returncode})\nstdout:\n{proc.stdout[-4000:]}\n"
-            f"stderr:\n{proc.stderr[-6000:]}"
-        )
-    return json.loads(lines[-1][len("RESULT ") :])
-
 
 MAIN_SCRIPT = r"""
 import os, sys, json, pickle, io, random, threading
@@ -278,7 +231,7 @@ print("RESULT " + json.dumps(R))
 def backend_results() -> dict:
     if TE_PATH is None:
         pytest.skip("Transformer Engine's Python package is not installed")
-    return _run(MAIN_SCRIPT)
+    return run_te_script(MAIN_SCRIPT)
 
 
 @needs_te
@@ -358,7 +311,7 @@ def test_megatron_imported_first_is_refused():
     te_loaded = any(name.startswith("transformer_engine") for name in sys.modules)
     print("RESULT " + json.dumps({"error": out, "te_imported": te_loaded}))
     """
-    r = _run(script)
+    r = run_te_script(script)
     assert "megatron.core.fp8_utils.HAVE_TE" in r["error"] and "before" in r["error"]
     assert r["te_imported"] is False
 

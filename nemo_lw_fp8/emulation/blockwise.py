@@ -141,7 +141,9 @@ def _round_up(a: int, b: int) -> int:
 
 def _check_block_dim(block_dim: int) -> int:
     if block_dim not in (1, 2):
-        raise ValueError(f"block_dim must be 1 (1x128 blocks) or 2 (128x128 tiles), got {block_dim}")
+        raise ValueError(
+            f"block_dim must be 1 (1x128 blocks) or 2 (128x128 tiles), got {block_dim}"
+        )
     return block_dim
 
 
@@ -372,9 +374,7 @@ def quantize(
         xc = _pad2d(x32, rows_p, cols).view(m_tiles, BLOCK_LEN, cols)
         scale = scales(_abs_ignoring_nan(xc).amax(dim=1))  # [m_tiles, cols]
         codes = saturating_cast(xc * scale[:, None, :], fp8_dtype).view(rows_p, cols)
-        result.columnwise_data = (
-            codes[:rows].t().contiguous().view(columnwise_data_shape(shape))
-        )
+        result.columnwise_data = codes[:rows].t().contiguous().view(columnwise_data_shape(shape))
         result.columnwise_scale_inv[:, :cols] = scale_inv_from_scale(scale)
     return result
 
@@ -425,10 +425,7 @@ def dequantize_codes(
     fp8_max(fp8_dtype)
     _check_block_dim(block_dim)
     stored = tuple(codes.shape)
-    if columnwise:
-        logical = (*stored[1:], stored[0]) if stored else ()
-    else:
-        logical = stored
+    logical = stored[1:] + stored[:1] if columnwise else stored  # back to [*leading, K]
     # The stored codes as a 2-D [A, B] matrix (B blocked for 1-D scales).
     if columnwise:
         a, b = (stored[0] if stored else 1), math.prod(stored[1:])
@@ -444,7 +441,9 @@ def dequantize_codes(
         scale = scale_inv[:a_tiles, :b_tiles].to(torch.float32)
         out = (tiles * scale[:, None, :, None]).view(a_tiles * BLOCK_LEN, b_tiles * BLOCK_LEN)
     else:
-        blocks = _pad2d(values.to(torch.float32), a, b_tiles * BLOCK_LEN).view(a, b_tiles, BLOCK_LEN)
+        blocks = _pad2d(values.to(torch.float32), a, b_tiles * BLOCK_LEN).view(
+            a, b_tiles, BLOCK_LEN
+        )
         scale = scale_inv[:b_tiles, :a].to(torch.float32).t()
         out = (blocks * scale[:, :, None]).view(a, b_tiles * BLOCK_LEN)
     out = out[:a, :b].to(dtype)

@@ -493,9 +493,7 @@ def _blockwise_quantize_data(
     )
 
 
-def _blockwise_new_output(
-    src: torch.Tensor, quantizer: Any, skip: bool
-) -> Any:
+def _blockwise_new_output(src: torch.Tensor, quantizer: Any, skip: bool) -> Any:
     """``Float8BlockQuantizer::create_tensor`` plus the quantise kernel."""
     _, tensor_cls, storage_cls = _blockwise_classes()
     shape = tuple(src.shape)
@@ -605,9 +603,13 @@ def _blockwise_update(src: torch.Tensor, quantizer: Any, output: Any, skip: bool
     if not (quantizer.rowwise_usage or quantizer.columnwise_usage):
         raise ValueError("Either rowwise or columnwise output data need to be allocated.")
     data = _blockwise_quantize_data(
-        src.to(device), quantizer, fp8, block_dim, quantizer.rowwise_usage,
+        src.to(device),
+        quantizer,
+        fp8,
+        block_dim,
+        quantizer.rowwise_usage,
         quantizer.columnwise_usage,
-    )  # fmt: skip
+    )
     with torch.no_grad():
         for direction in ("rowwise", "columnwise"):
             codes = getattr(data, f"{direction}_data")
@@ -637,9 +639,10 @@ def _blockwise_quantize(
     return _blockwise_update(src, quantizer, output, skip)
 
 
-def fp8_transpose(input: torch.Tensor, dtype: Any, *, out: torch.Tensor | None = None):  # noqa: A002
+def fp8_transpose(input: torch.Tensor, dtype: Any, *, out: torch.Tensor | None):  # noqa: A002
     """``tex.fp8_transpose``: the ``[M, N]`` byte matrix of ``input`` (``N`` its last dim)
-    transposed into ``out`` (new uint8 ``[N, *leading]`` tensor when None)."""
+    transposed into ``out`` (a new uint8 ``[N, *leading]`` tensor when None). As in TE's
+    binding, ``out`` is a required keyword argument."""
     if int(dtype) not in (int(DType.kFloat8E4M3), int(DType.kFloat8E5M2), int(DType.kByte)):
         raise ValueError(f"fp8_transpose expects an FP8 dtype, got {dtype!r}")
     shape = tuple(input.shape)
@@ -718,7 +721,9 @@ def fp8_block_scaling_partial_cast(
     _check_tile_grid(scale, int(h), int(w), "scale")
     if out.numel() != inp.numel():
         raise ValueError(f"output holds {out.numel()} elements, the shard {inp.numel()}")
-    codes = _bw.partial_cast(inp, scale, (int(h), int(w)), int(start_offset), _torch_dtype(out_dtype))
+    codes = _bw.partial_cast(
+        inp, scale, (int(h), int(w)), int(start_offset), _torch_dtype(out_dtype)
+    )
     with torch.no_grad():
         out.copy_(codes.view(out.shape))
 

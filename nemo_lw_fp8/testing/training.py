@@ -82,13 +82,18 @@ class Scenario:
 class TinyMLP(torch.nn.Module):
     """Linear layers with biases and LayerNorms: Muon matrices plus Adam vectors."""
 
-    def __init__(self, widths: tuple[int, ...] = (32, 64, 64, 48, 64, 16)):
+    def __init__(
+        self,
+        widths: tuple[int, ...] = (32, 64, 64, 48, 64, 16),
+        linear: Any = torch.nn.Linear,
+        norm_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         layers: list[torch.nn.Module] = []
         for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
-            layers.append(torch.nn.Linear(fan_in, fan_out, bias=True))
+            layers.append(linear(fan_in, fan_out, bias=True))
             if i < len(widths) - 2:
-                layers.append(torch.nn.LayerNorm(fan_out))
+                layers.append(torch.nn.LayerNorm(fan_out, dtype=norm_dtype))
                 layers.append(torch.nn.GELU())
         self.net = torch.nn.Sequential(*layers)
         self.in_features = widths[0]
@@ -98,25 +103,14 @@ class TinyMLP(torch.nn.Module):
         return self.net(x)
 
 
-class TinyFP8MLP(torch.nn.Module):
-    """MXFP8 linear layers (weights: Muon matrices) with bf16 biases and LayerNorms (Adam)."""
+class TinyFP8MLP(TinyMLP):
+    """MXFP8 linear layers (weights: Muon matrices) with bf16 biases and LayerNorms (Adam);
+    widths are multiples of 32, as MXFP8 needs."""
 
     def __init__(self, widths: tuple[int, ...] = (32, 64, 64, 96, 64, 32)):
-        super().__init__()
         from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear
 
-        layers: list[torch.nn.Module] = []
-        for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
-            layers.append(MXFP8Linear(fan_in, fan_out, bias=True))
-            if i < len(widths) - 2:
-                layers.append(torch.nn.LayerNorm(fan_out, dtype=torch.bfloat16))
-                layers.append(torch.nn.GELU())
-        self.net = torch.nn.Sequential(*layers)
-        self.in_features = widths[0]
-        self.out_features = widths[-1]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        super().__init__(widths, linear=MXFP8Linear, norm_dtype=torch.bfloat16)
 
 
 def _build_fp8_mlp(scenario: Scenario) -> torch.nn.Module:
