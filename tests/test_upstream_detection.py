@@ -61,7 +61,7 @@ def test_doctor_reports_upstream_status():
         3524: "native",
         4987: "patchable",
         4994: "native (extendable)",
-        5464: "native",
+        5464: "native (extendable)",
         5388: "patchable",
     }
     assert report["versions"]["megatron-core"] == "0.19.2"
@@ -77,6 +77,7 @@ def test_doctor_after_apply_reports_patched_and_extended():
         assert statuses[4987] == "patched"
         assert statuses[4994] == "native (extended)"
         assert statuses[5388] == "patched"
+        assert statuses[5464] == "native (extended)"
         # Our own overrides never make a detector claim that upstream has the change.
         assert change(4987).detect()[0] is False
     finally:

@@ -29,6 +29,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "muon_fp8_param_gather",
     "restage_forced_sync",
     "compact_layout",
+    "grouped_weight_layerwise",
 )
 
 

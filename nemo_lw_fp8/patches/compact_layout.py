@@ -198,9 +198,21 @@ def _compact_groups(chunk: Any) -> list[Any]:
     ]
 
 
+def _cost(param: torch.nn.Parameter) -> int:
+    """Newton-Schulz cost; a single grouped expert weight counts as its E matrices."""
+    from .grouped_weight_layerwise import grouped_members
+
+    if param.dim() < 2:
+        return 0
+    members = grouped_members(param)
+    if members > 1 and param.dim() == 2:
+        return layout_math.newton_schulz_cost((members, param.shape[0] // members, param.shape[1]))
+    return layout_math.newton_schulz_cost(param.shape)
+
+
 def compact_owners(params: list[torch.nn.Parameter], world_size: int) -> list[int]:
     """Cost-balanced owners for whole params (called by name, so tests can swap it)."""
-    costs = [layout_math.newton_schulz_cost(p.shape) if p.dim() >= 2 else 0 for p in params]
+    costs = [_cost(p) for p in params]
     sizes = [p.numel() for p in params]
     return layout_math.assign_owners(costs, world_size, sizes)
 

@@ -1,0 +1,96 @@
+"""Muon on a single grouped expert weight orthogonalises each expert's matrix, not the stack.
+
+Behaviour: Transformer Engine's single grouped expert weight (``GroupedLinear`` with
+``single_grouped_weight=True``) is ONE parameter of logical shape ``(E * out, in)``. megatron-core
+0.19.2 routes every 2-D non-embedding parameter to Muon, so Newton-Schulz ran on the stacked
+``E*out x in`` matrix: orthogonalising across experts, with a spectral scale computed for the
+stack. This patch makes Muon treat the parameter as E independent matrices: each expert's slice
+of the momentum is orthogonalised and scaled on its own (bitwise what E separate weights get).
+
+Mirrors the layer-wise Muon side of Megatron-LM PR #5464 (whose numerical fixes megatron-core
+0.19.2 already has for Adam's DistributedOptimizer).
+
+Patches: ``megatron.core.optimizer.emerging_optimizers.TensorParallelMuon.orthogonalize``.
+
+Detection: native when megatron's ``TensorParallelMuon.orthogonalize`` itself splits grouped
+tensors (its source mentions grouped members); 0.19.2 splits only fused QKV weights.
+
+A parameter is a grouped weight with E members when it is TE's ``GroupedTensor`` (E =
+``num_tensors``) or carries ``nemo_lw_fp8_grouped_members = E`` (CPU expert layers of our own).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from .framework import Override, Patch, register
+
+FEATURE = "grouped_weight_layerwise"
+MEMBERS_ATTR = "nemo_lw_fp8_grouped_members"
+
+
+def grouped_members(param: torch.Tensor) -> int:
+    """How many expert matrices ``param`` stacks (1 for an ordinary matrix)."""
+    members = getattr(param, MEMBERS_ATTR, None)
+    if members:
+        return int(members)
+    try:
+        from megatron.core.fp8_utils import _unwrap_parameter_data, is_grouped_tensor
+    except ImportError:
+        return 1
+    if is_grouped_tensor(param):
+        return int(getattr(_unwrap_parameter_data(param), "num_tensors", 1) or 1)
+    return 1
+
+
+def _detect_native() -> tuple[bool, str]:
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    from .framework import unpatched_own_attr
+
+    source = inspect.getsource(unpatched_own_attr(TensorParallelMuon, "orthogonalize"))
+    if "grouped" in source:
+        return True, "TensorParallelMuon orthogonalises grouped expert weights per member"
+    return False, "Muon orthogonalises a single grouped expert weight as one stacked matrix"
+
+
+def _make_orthogonalize(original):
+    def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        members = grouped_members(p)
+        if members <= 1:
+            return original(self, p, grad, **kwargs)
+        rows, cols = grad.shape[0], grad.shape[-1]
+        if grad.dim() != 2 or rows % members:
+            raise RuntimeError(
+                f"grouped weight with {members} members has momentum of shape "
+                f"{tuple(grad.shape)}: its first dimension must split evenly into members"
+            )
+        per_expert = grad.view(members, rows // members, cols)
+        # One Newton-Schulz per expert, exactly as for separate weights (a batched 3-D run
+        # would reorder the arithmetic).
+        updates = [original(self, p, member, **kwargs) for member in per_expert]
+        return torch.stack(updates).view(grad.shape)
+
+    orthogonalize.__wrapped__ = original
+    return orthogonalize
+
+
+def _build_overrides() -> list[Override]:
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    original = TensorParallelMuon.__dict__["orthogonalize"]
+    return [Override(TensorParallelMuon, "orthogonalize", _make_orthogonalize(original))]
+
+
+PATCH = register(
+    Patch(
+        name=FEATURE,
+        upstream_pr=5464,
+        summary="Muon orthogonalises each expert of a single grouped weight on its own",
+        detect_native=_detect_native,
+        build_overrides=_build_overrides,
+    )
+)
