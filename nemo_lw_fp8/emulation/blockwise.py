@@ -59,12 +59,15 @@ codes concatenate to the full quantise's rowwise bytes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from . import mxfp8 as _mx
+
+# The MAX all-reduce hook of the distributed cast is the same as MXFP8's (re-exported here).
+from .mxfp8 import AllReduceMax, torch_distributed_max_all_reduce
 
 __all__ = [
     "BLOCK_LEN",
@@ -564,19 +567,6 @@ def partial_cast(
     codes = codes.view((t1 - t0) * BLOCK_LEN, k_tiles * BLOCK_LEN)[:, :cols].reshape(-1)
     offset = start_offset - t0 * BLOCK_LEN * cols
     return codes[offset : offset + n].clone()
-
-
-AllReduceMax = Callable[[torch.Tensor], "torch.Tensor | None"]
-"""A MAX all-reduce over data-parallel ranks: reduces its argument in place (or returns it)."""
-
-
-def torch_distributed_max_all_reduce(group: object | None = None) -> AllReduceMax:
-    """The hook for real runs: ``torch.distributed.all_reduce(..., op=MAX, group=group)``."""
-
-    def _reduce(buffer: torch.Tensor) -> None:
-        torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
-
-    return _reduce
 
 
 @dataclass
