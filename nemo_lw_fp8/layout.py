@@ -11,7 +11,7 @@ rank computes the same answer, before and after a resume, and the planner can ru
   no padding at all.
 * :func:`pack_for_even_all_gather` - how that compact layout is gathered with one
   ``all_gather_into_tensor``: padding lives only in a transient gather buffer;
-  :func:`group_for_even_all_gather` merges consecutive buckets so that padding stays bounded.
+  :func:`even_gather_fits` decides per bucket group whether that padding is small enough.
 * :func:`stock_padded_layout`, :func:`stock_distopt_layout`, :func:`default_buckets` -
   megatron-core 0.19.2's own layouts, computed by *calling* megatron's layout code on
   meta-device stand-ins, for comparison and for the compact bucketing.
@@ -287,61 +287,6 @@ def even_gather_fits(segment_numel: Sequence[int], tolerance: float) -> bool:
         return True
     padding = len(segment_numel) * max(int(n) for n in segment_numel) - total
     return padding <= tolerance * total
-
-
-def group_for_even_all_gather(
-    buckets: Sequence[tuple[Sequence[int], Sequence[int]]],
-    world_size: int,
-    tolerance: float = 0.1,
-) -> list[tuple[list[int], EvenGatherPlan]]:
-    """Merge consecutive compact buckets into gather groups of bounded transient padding.
-
-    ``buckets`` are ``(sizes, owners)`` per bucket, in the order the gathers are issued (forward
-    order). With whole-parameter ownership one bucket rarely splits evenly over many ranks (a
-    64M-element bucket of 29M-element expert matrices touches two or three of 64 ranks), so a
-    bucket-by-bucket even gather would pad by up to ``world_size``-fold. A group therefore grows
-    bucket by bucket until its :func:`pack_for_even_all_gather` padding is at most ``tolerance``
-    of its elements; a tail that never gets there joins the previous group when that pads less.
-    Each group is one ``all_gather_into_tensor``, so there are never more gathers than buckets;
-    ``tolerance = math.inf`` gives one gather per bucket, ``tolerance = 0`` waits for perfect
-    balance.
-
-    Returns ``[(bucket indices, plan)]``; the plan's parameter order is the buckets' parameters
-    concatenated in the order given.
-    """
-    closed: list[tuple[list[int], list[int], list[int]]] = []  # (buckets, sizes, owners)
-    members: list[int] = []
-    sizes: list[int] = []
-    owners: list[int] = []
-    segments = [0] * world_size  # running per-rank segment sizes of the open group
-    for index, (bucket_sizes, bucket_owners) in enumerate(buckets):
-        members.append(index)
-        for size, owner in zip(bucket_sizes, bucket_owners, strict=True):
-            sizes.append(int(size))
-            owners.append(int(owner))
-            segments[owner] += int(size)
-        total = sum(segments)
-        if world_size * max(segments) - total <= tolerance * total:
-            closed.append((members, sizes, owners))
-            members, sizes, owners = [], [], []
-            segments = [0] * world_size
-    if members:
-        if closed:
-            prev_members, prev_sizes, prev_owners = closed[-1]
-            separate = (
-                pack_for_even_all_gather(prev_sizes, prev_owners, world_size).transient_padding
-                + pack_for_even_all_gather(sizes, owners, world_size).transient_padding
-            )
-            merged = pack_for_even_all_gather(prev_sizes + sizes, prev_owners + owners, world_size)
-            if merged.transient_padding < separate:
-                closed[-1] = (prev_members + members, prev_sizes + sizes, prev_owners + owners)
-                members = []
-        if members:
-            closed.append((members, sizes, owners))
-    return [(m, pack_for_even_all_gather(z, o, world_size)) for m, z, o in closed]
-
-
-# --------------------------------------------------------------------------- stock megatron
 
 
 @dataclass(frozen=True)

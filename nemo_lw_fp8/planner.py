@@ -6,9 +6,9 @@
   sibling ``DistributedOptimizer`` running Adam on embeddings, output layer and vectors),
   computed by megatron's own layout code (:func:`nemo_lw_fp8.layout.stock_padded_layout`);
 * ``compact``: the same optimizers with compact (zero-padding) Muon buffers, ownership from
-  :func:`nemo_lw_fp8.layout.assign_owners_joint` (by Newton-Schulz cost) and one even
-  ``all_gather_into_tensor`` per gather group
-  (:func:`nemo_lw_fp8.layout.group_for_even_all_gather`);
+  :func:`nemo_lw_fp8.layout.assign_owners_joint` (by Newton-Schulz cost) and one gather per
+  Muon bucket group, even or uneven (:func:`nemo_lw_fp8.layout.even_gather_fits`), as the
+  compact patch does it;
 * ``adam_distopt``: Adam on everything through megatron's ``DistributedOptimizer``.
 
 It needs no GPU and no process group: megatron's layout functions run on meta-device stand-ins.

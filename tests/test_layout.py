@@ -211,32 +211,14 @@ def test_even_all_gather_plan_reproduces_every_rank_buffer():
     assert plan.fits_in(plan.gather_numel * 2) and not plan.fits_in(plan.gather_numel * 2 - 1)
 
 
-def test_group_for_even_all_gather_bounds_padding():
-    rng = random.Random(7)
-    world = 8
-    buckets = []
-    for _ in range(30):
-        sizes = [rng.choice([100, 400, 1600]) for _ in range(rng.randint(1, 6))]
-        owners = [rng.randrange(world) for _ in sizes]
-        buckets.append((sizes, owners))
-    groups = lo.group_for_even_all_gather(buckets, world, tolerance=0.25)
-    assert [b for members, _ in groups for b in members] == list(range(30))
-    for members, plan in groups[:-1]:
-        assert plan.transient_padding <= 0.25 * plan.layout.numel
-        assert plan.layout.numel == sum(sum(buckets[b][0]) for b in members)
-    assert len(lo.group_for_even_all_gather(buckets, world, tolerance=math.inf)) == 30
-    assert len(groups) <= 30
-
-
-def test_group_for_even_all_gather_tail_joins_previous_group_when_that_pads_less():
-    # [100 | 90] closes (10 padding <= 10% of 190); the tail [. | 10] alone pads 10, merged 0
-    groups = lo.group_for_even_all_gather([([100, 90], [0, 1]), ([10], [1])], 2)
-    assert len(groups) == 1
-    members, plan = groups[0]
-    assert members == [0, 1] and plan.transient_padding == 0 and plan.segment == 100
-    # merging would not help: the tail stays its own group
-    groups = lo.group_for_even_all_gather([([100, 100], [0, 1]), ([10], [0])], 2)
-    assert [m for m, _ in groups] == [[0], [1]]
+def test_even_gather_fits_bounds_the_padding():
+    # segments 100 and 90: an even gather pads 10, 5.3% of 190
+    assert lo.even_gather_fits([100, 90], 0.1)
+    assert not lo.even_gather_fits([100, 90], 0.05)
+    assert lo.even_gather_fits([0, 0], 0.0)
+    assert not lo.even_gather_fits([8192, 4096], 0.1) and lo.even_gather_fits(
+        [8192, 4096], math.inf
+    )
 
 
 # ----------------------------------------------------------------------------- stock

@@ -261,7 +261,7 @@ def _attach_compact_groups(optimizer: Any, model_chunks: list[Any]) -> None:
 
 def _make_shard_params(original):
     def shard_params(self, optimizers, full_param_layouts=None):
-        chunks = [c for c in (getattr(self, "_nemo_lw_fp8_chunks", None) or [])]
+        chunks = getattr(self, "_nemo_lw_fp8_chunks", None) or []
         if full_param_layouts is None or not chunks or not is_compact(chunks[0].ddp_config):
             return original(self, optimizers, full_param_layouts)
         from megatron.core.utils import get_pg_size

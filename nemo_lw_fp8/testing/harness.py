@@ -261,8 +261,7 @@ class RankPool:
             self._procs.append(proc)
             self._conns.append(parent_conn)
         self.alive = True
-        results = self._collect(STARTUP_TIMEOUT_S, what="start-up")
-        del results
+        self._collect(STARTUP_TIMEOUT_S, what="start-up")
 
     def run(
         self,
