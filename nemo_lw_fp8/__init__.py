@@ -7,7 +7,8 @@ Public entry points::
     nemo_lw_fp8.applied()          # which patches are active
     nemo_lw_fp8.revert()           # put every original object back
 
-Importing this package does not import megatron-core; :func:`apply` does.
+Importing this package does not import megatron-core; :func:`apply` does. It does hide an
+incompatible NVRx's async checkpointing from megatron (:mod:`nemo_lw_fp8.compat`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __version__ = "0.1.0"
+
+from .compat import hide_old_nvrx_async_checkpointing as _hide_old_nvrx
+
+# Must run before megatron.core is imported (see nemo_lw_fp8/compat.py); a no-op unless an
+# NVRx older than 0.6 is installed.
+_hide_old_nvrx()
 
 
 def apply(features: Iterable[str] | None = None, *, allow_untested: bool = False) -> dict[str, str]:

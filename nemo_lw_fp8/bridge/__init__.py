@@ -1,0 +1,216 @@
+"""Megatron-Bridge integration: layer-wise Muon + FP8 param gather from Bridge configs.
+
+Guarded optional integration: importing this package needs Megatron-Bridge 0.6.2 (``pip install
+'nemo-lw-fp8[bridge]'``); without it, :func:`require_bridge` raises an ``ImportError`` naming the
+install command. Nothing in the core plugin imports this package.
+
+Pieces:
+
+* :class:`LayerWiseMuonConfig` / :func:`layer_wise_muon_fp8_with_cosine_annealing`: the optimizer
+  factory, in the style of Bridge's ``recipes/utils/optimizer_utils.py``. The config is Bridge's
+  ``OptimizerConfig`` plus the plugin's two layout fields; Bridge's ``setup_optimizer`` calls its
+  ``provide()`` hook, which applies the plugin's patches and builds megatron's layer-wise Muon.
+* :func:`finalize`: run when the ``ConfigContainer`` is validated (patched into
+  ``ConfigContainer.validate`` by ``patches/bridge_config_guards.py``, and called by the plugin's
+  launchers): applies the patches, runs every guard of :mod:`nemo_lw_fp8.guards` on the whole
+  container, and hands the layout to the DDP config.
+* :func:`settings_from_config`: the flat guard view of a ``ConfigContainer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+BRIDGE_VERSION = "0.6.2"
+INSTALL_HINT = "pip install 'nemo-lw-fp8[bridge]' (Megatron-Bridge 0.6.2, nemo-run 0.11.1)"
+
+
+def require_bridge() -> None:
+    """Fail with an actionable message when Megatron-Bridge is not installed."""
+    try:
+        import megatron.bridge  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            f"this feature needs Megatron-Bridge: {INSTALL_HINT}. ({error})"
+        ) from error
+
+
+require_bridge()
+
+from megatron.bridge.training.config import (  # noqa: E402
+    OptimizerConfig as _BridgeOptimizerConfig,
+)
+from megatron.bridge.training.config import SchedulerConfig  # noqa: E402
+
+LAYOUTS = ("padded", "compact", "legacy")
+
+
+@dataclasses.dataclass
+class LayerWiseMuonConfig(_BridgeOptimizerConfig):
+    """Bridge's ``OptimizerConfig`` for layer-wise Muon, plus the plugin's layout settings.
+
+    ``layer_wise_layout``: ``"compact"`` (no padding, cost-balanced whole-matrix owners; the
+    plugin's default), ``"padded"`` (megatron 0.19.2's shard-aligned layout) or ``"legacy"``
+    (flatten + all_gather; no FP8 param gather). ``gather_padding_tolerance``: compact layout's
+    even-vs-uneven gather threshold (see ``docs/compact-layout.md``).
+    """
+
+    layer_wise_layout: str = "compact"
+    gather_padding_tolerance: float = 0.1
+
+    def provide(
+        self,
+        model_chunks: Any,
+        config_overrides: Any = None,
+        use_gloo_process_groups: bool = False,
+        pg_collection: Any = None,
+    ) -> Any:
+        """Bridge's optimizer hook: patch megatron, check the rules, build layer-wise Muon."""
+        from megatron.core.optimizer.muon import get_megatron_muon_optimizer
+
+        import nemo_lw_fp8
+
+        from .. import guards
+
+        nemo_lw_fp8.apply()
+        chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
+        ddp_config = getattr(chunks[0], "ddp_config", None)
+        guards.check(guards.Settings.from_megatron(self, ddp_config, **self._layout_settings()))
+        return get_megatron_muon_optimizer(
+            config=self,
+            model_chunks=model_chunks,
+            config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups,
+            layer_wise_distributed_optimizer=True,
+            pg_collection=pg_collection,
+        )
+
+    def _layout_settings(self) -> dict[str, Any]:
+        return {
+            "layer_wise_layout": self.layer_wise_layout,
+            "use_layer_wise_param_layout": self.layer_wise_layout != "legacy",
+        }
+
+
+def layer_wise_muon_fp8_with_cosine_annealing(
+    *,
+    max_lr: float = 2e-4,
+    min_lr: float | None = None,
+    lr_warmup_iters: int = 2000,
+    lr_decay_iters: int | None = None,
+    weight_decay: float = 0.1,
+    clip_grad: float = 1.0,
+    muon_momentum: float = 0.95,
+    muon_use_nesterov: bool = True,
+    muon_scale_mode: str = "spectral",
+    muon_num_ns_steps: int = 5,
+    muon_extra_scale_factor: float = 1.0,
+    muon_scalar_optimizer: str = "adam",
+    layer_wise_layout: str = "compact",
+    gather_padding_tolerance: float = 0.1,
+    overlap_param_gather: bool = True,
+    start_weight_decay: float = 0.033,
+    end_weight_decay: float = 0.033,
+) -> tuple[LayerWiseMuonConfig, SchedulerConfig]:
+    """Optimizer + scheduler configs for layer-wise Muon with FP8 param gather.
+
+    The FP8 settings themselves (``fp8_recipe``, ``fp8_param_gather``, grad-buffer reuse) come
+    from the recipe's mixed-precision preset, as everywhere in Megatron-Bridge; this factory
+    chooses the optimizer, the layer-wise layout and overlapped param gather. ``min_lr``
+    defaults to a tenth of ``max_lr`` (Bridge's Muon helper leaves it ``None``, which its
+    scheduler rejects).
+    """
+    if layer_wise_layout not in LAYOUTS:
+        raise ValueError(f"layer_wise_layout must be one of {LAYOUTS}, got {layer_wise_layout!r}")
+    optimizer = LayerWiseMuonConfig(
+        optimizer="dist_muon",
+        lr=max_lr,
+        min_lr=0.1 * max_lr if min_lr is None else min_lr,
+        weight_decay=weight_decay,
+        bf16=True,
+        fp16=False,
+        clip_grad=clip_grad,
+        muon_momentum=muon_momentum,
+        muon_nesterov=muon_use_nesterov,
+        muon_scale_mode=muon_scale_mode,
+        muon_num_ns_steps=muon_num_ns_steps,
+        muon_extra_scale_factor=muon_extra_scale_factor,
+        muon_scalar_optimizer=muon_scalar_optimizer,
+        use_distributed_optimizer=False,
+        use_layer_wise_distributed_optimizer=True,
+        overlap_param_gather=overlap_param_gather,
+        layer_wise_layout=layer_wise_layout,
+        gather_padding_tolerance=gather_padding_tolerance,
+    )
+    scheduler = SchedulerConfig(
+        start_weight_decay=start_weight_decay,
+        end_weight_decay=end_weight_decay,
+        weight_decay_incr_style="constant",
+        lr_decay_style="cosine",
+        lr_warmup_iters=lr_warmup_iters,
+        lr_warmup_init=0.0,
+        lr_decay_iters=lr_decay_iters,
+        override_opt_param_scheduler=True,
+    )
+    return optimizer, scheduler
+
+
+def uses_plugin(cfg: Any) -> bool:
+    """Whether a ``ConfigContainer`` asks for the plugin (its optimizer is ours)."""
+    return isinstance(getattr(cfg, "optimizer", None), LayerWiseMuonConfig)
+
+
+def settings_from_config(cfg: Any) -> Any:
+    """The guards' flat view of a Bridge ``ConfigContainer`` (model, ddp, optimizer, precision)."""
+    from .. import guards
+
+    names = {f.name for f in dataclasses.fields(guards.Settings)}
+    values: dict[str, Any] = {}
+    mixed = cfg.mixed_precision if not isinstance(cfg.mixed_precision, str) else None
+    for source in (cfg.model, mixed, cfg.ddp, cfg.optimizer):
+        if source is None:
+            continue
+        for name in names:
+            if hasattr(source, name):
+                values[name] = getattr(source, name)
+    if getattr(cfg.model, "fp8", None) is None and not getattr(mixed, "fp8", None):
+        values["fp8_recipe"] = None
+    optimizer = cfg.optimizer
+    if isinstance(optimizer, LayerWiseMuonConfig):
+        values.update(optimizer._layout_settings())
+    values["use_distributed_optimizer"] = bool(getattr(cfg.ddp, "use_distributed_optimizer", False))
+    return guards.Settings(**values)
+
+
+def finalize(cfg: Any) -> Any:
+    """Apply the patches, check every rule on ``cfg``, hand the layout to the DDP config.
+
+    Idempotent; raises :class:`nemo_lw_fp8.guards.ConfigError` for an unsupported combination
+    (nothing is corrected silently).
+    """
+    import nemo_lw_fp8
+
+    from .. import guards
+
+    if not uses_plugin(cfg):
+        return cfg
+    nemo_lw_fp8.apply()
+    guards.check(settings_from_config(cfg))
+    from ..patches.compact_layout import set_layer_wise_layout
+
+    optimizer = cfg.optimizer
+    set_layer_wise_layout(cfg.ddp, optimizer.layer_wise_layout, optimizer.gather_padding_tolerance)
+    return cfg
+
+
+__all__ = [
+    "BRIDGE_VERSION",
+    "LAYOUTS",
+    "LayerWiseMuonConfig",
+    "finalize",
+    "layer_wise_muon_fp8_with_cosine_annealing",
+    "require_bridge",
+    "settings_from_config",
+    "uses_plugin",
+]

@@ -1,0 +1,98 @@
+"""Megatron-Bridge wraps layer-wise Muon models with a layer-wise param layout.
+
+Behaviour: Megatron-Bridge 0.6.2 wraps every model chunk with megatron-training's ``_ddp_wrap``,
+which computes the *distributed optimizer's* layout when ``use_distributed_optimizer`` is on and
+none otherwise - never the layer-wise one, so Bridge's ``dist_muon`` always ran on the legacy
+flatten + all_gather path (no padded or compact layout, no MXFP8/blockwise param gather). With
+this patch, a DDP config on which the plugin set a layer-wise layout (``"padded"`` or
+``"compact"``, see ``bridge.finalize``) is wrapped by megatron's own
+``wrap_model_chunks_with_ddp(use_layer_wise_distributed_optimizer=True, ...)``, as
+megatron-training's ``get_model`` does for ``--use-layer-wise-distributed-optimizer``; every
+other config takes Bridge's path unchanged.
+
+Mirrors: the Bridge side of Megatron-LM PR #3524 (layer-wise layout and overlapped gather), which
+megatron-training 0.19.2 wires and Bridge 0.6.2 does not.
+
+Patches: ``megatron.bridge.models.model_provider._ddp_wrap`` (the name Bridge calls).
+
+Detection: only when Megatron-Bridge has been imported (this never imports it: it would import
+Transformer Engine); native when Bridge's ``_ddp_wrap`` source mentions the layer-wise optimizer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+from .framework import Override, Patch, register
+
+FEATURE = "bridge_layer_wise_wrap"
+_PROVIDER_MODULE = "megatron.bridge.models.model_provider"
+
+
+def _detect_native() -> tuple[bool, str]:
+    provider = sys.modules.get(_PROVIDER_MODULE)
+    if provider is None:
+        return True, "Megatron-Bridge not imported: nothing to patch"
+    from .framework import unpatched_own_attr
+
+    source = inspect.getsource(unpatched_own_attr(provider, "_ddp_wrap"))
+    if "layer_wise" in source or "LayerWise" in source:
+        return True, "Bridge wraps layer-wise models with a layer-wise layout"
+    return False, "Bridge computes only the distributed optimizer's layout"
+
+
+def _make_ddp_wrap(original):
+    def _ddp_wrap(model: list, data_parallel_random_init: bool, ddp_config: Any,
+                  overlap_param_gather_with_optimizer_step: bool, use_megatron_fsdp: bool = False,
+                  use_torch_fsdp2: bool = False, *, pg_collection: Any) -> list:
+        from .compact_layout import LAYOUT_ATTR
+
+        layout = getattr(ddp_config, LAYOUT_ATTR, None)
+        if layout not in ("padded", "compact") or use_megatron_fsdp or use_torch_fsdp2:
+            return original(model, data_parallel_random_init, ddp_config,
+                            overlap_param_gather_with_optimizer_step, use_megatron_fsdp,
+                            use_torch_fsdp2, pg_collection=pg_collection)
+        from megatron.core.utils import get_model_config
+        from megatron.training.training import wrap_model_chunks_with_ddp
+
+        if ddp_config.bucket_size is None and ddp_config.overlap_grad_reduce:
+            ddp_config.bucket_size = max(40_000_000, 1_000_000 * pg_collection.dp_cp.size())
+        if not ddp_config.overlap_grad_reduce:
+            ddp_config.bucket_size = None
+        disable = [index > 0 or overlap_param_gather_with_optimizer_step
+                   for index in range(len(model))]
+        wrapped = wrap_model_chunks_with_ddp(
+            model,
+            get_model_config(model[0]),
+            ddp_config,
+            use_layer_wise_distributed_optimizer=True,
+            use_layer_wise_param_layout=True,
+            pg_collection=pg_collection,
+            disable_bucketing_per_chunk=disable,
+        )
+        if data_parallel_random_init:
+            for chunk in wrapped:
+                chunk.broadcast_params()
+        return wrapped
+
+    _ddp_wrap.__wrapped__ = original  # type: ignore[attr-defined]
+    return _ddp_wrap
+
+
+def _build_overrides() -> list[Override]:
+    provider = sys.modules[_PROVIDER_MODULE]
+    return [Override(provider, "_ddp_wrap", _make_ddp_wrap(provider.__dict__["_ddp_wrap"]))]
+
+
+PATCH = register(
+    Patch(
+        name=FEATURE,
+        upstream_pr=3524,
+        summary="Megatron-Bridge wraps layer-wise Muon models with the padded / compact layout",
+        detect_native=_detect_native,
+        build_overrides=_build_overrides,
+        requires=("compact_layout",),
+    )
+)

@@ -1,0 +1,98 @@
+"""Run Megatron-Bridge 0.6.2's own ``pretrain`` loop on CPU ranks (gloo).
+
+Test and demo infrastructure, like :mod:`nemo_lw_fp8.testing.cpu_standins` (which it installs
+first): production modules never import it. Each stand-in names the Bridge call site that needs
+it; Bridge's source is never edited and everything can be undone with :func:`uninstall`.
+
+``allow_no_cuda``
+    ``training/setup.py::setup`` calls ``initialize_megatron(cfg)``, which asserts
+    ``torch.cuda.is_available()`` unless ``allow_no_cuda=True``; setup never passes it.
+``seed_on_cpu``
+    ``initialize.py::_set_random_seed`` registers the model-parallel RNG states
+    (``model_parallel_cuda_manual_seed``) only when ``torch.cuda.device_count() > 0``; without
+    them ``GPTModel`` cannot fork its RNG. The device count reads 1 inside that call only (the
+    ``cpu_rng`` stand-in then keeps the named states on the CPU generator).
+``prebuilt_dataset_helpers``
+    ``initialize_megatron`` runs ``compile_helpers()`` (``make`` in megatron's dataset folder);
+    the megatron-core wheel ships the compiled ``helpers_cpp`` and no Makefile. Skipped when the
+    compiled module imports (otherwise the original runs and fails loudly).
+``cpu_rng_checkpoint``
+    ``checkpointing.py::get_rng_state`` / the loader call ``torch.cuda.get/set_rng_state``; on CPU
+    the CUDA generator state is the CPU generator's (already saved under ``torch_rng_state``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["install", "installed", "uninstall"]
+
+_undo: list[Callable[[], None]] = []
+
+
+def _swap(owner: Any, name: str, value: Any) -> None:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    _undo.append(lambda: setattr(owner, name, original))
+
+
+@contextlib.contextmanager
+def _one_visible_device() -> Iterator[None]:
+    original = torch.cuda.device_count
+    torch.cuda.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.cuda.device_count = original
+
+
+def installed() -> bool:
+    return bool(_undo)
+
+
+def install() -> None:
+    """Install megatron-core's CPU stand-ins, then Bridge's (idempotent)."""
+    if _undo:
+        return
+    from nemo_lw_fp8.testing import cpu_standins
+
+    cpu_standins.install()
+    _undo.append(cpu_standins.uninstall_all)
+
+    from megatron.bridge.training import initialize as bridge_initialize
+    from megatron.bridge.training import setup as bridge_setup
+
+    _swap(
+        bridge_setup,
+        "initialize_megatron",
+        functools.partial(bridge_initialize.initialize_megatron, allow_no_cuda=True),
+    )
+
+    original_seed = bridge_initialize._set_random_seed
+
+    @functools.wraps(original_seed)
+    def seed_on_cpu(*args: Any, **kwargs: Any) -> None:
+        with _one_visible_device():
+            original_seed(*args, **kwargs)
+
+    _swap(bridge_initialize, "_set_random_seed", seed_on_cpu)
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+
+        _swap(bridge_initialize, "compile_helpers", lambda: None)
+    except ImportError:
+        pass
+
+    _swap(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    _swap(torch.cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state))
+
+
+def uninstall() -> None:
+    while _undo:
+        _undo.pop()()

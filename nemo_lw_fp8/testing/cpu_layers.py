@@ -1,0 +1,148 @@
+"""Layer specs that let megatron-core's real GPT / MLA / MoE layers train with FP8 on CPU.
+
+TEST AND DEMO INFRASTRUCTURE: production modules never import it.
+
+Why
+    With FP8 on, megatron builds Transformer Engine layers, whose GEMMs are CUDA kernels. On CPU
+    we keep megatron's local (non-TE) decoder spec - its MLA attention, router, token dispatcher,
+    shared experts, norms - and swap only the linear layers for
+    :class:`~nemo_lw_fp8.emulation.fp8_linear.MXFP8Linear` (TE ``Linear``'s MXFP8 arithmetic,
+    exactly emulated). Under megatron's ``get_fp8_context(is_init=True)`` (TE's
+    ``quantized_model_init``) their weights become TE ``MXFP8Tensor`` parameters, so megatron's
+    MXFP8 param-gather paths see what they see on a GPU. Routed experts can be the single
+    grouped weight of :mod:`nemo_lw_fp8.testing.grouped_experts`.
+
+Limits (checked, not silently ignored): tensor parallelism 1 (the adapters do no TP
+communication), linear widths multiples of 32 (MXFP8 blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear
+
+
+def _tp_size(config: Any) -> int:
+    return int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+
+
+class _MXFP8ParallelLinear(torch.nn.Module):
+    """Megatron ``Column/RowParallelLinear`` interface over :class:`MXFP8Linear` (TP = 1)."""
+
+    partition_dim = 0
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Any = None,
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        is_expert: bool = False,
+        **_: Any,
+    ) -> None:
+        super().__init__()
+        if _tp_size(config) != 1:
+            raise ValueError("CPU MXFP8 linears support tensor_model_parallel_size=1 only")
+        self.skip_bias_add = skip_bias_add
+        self.linear = MXFP8Linear(
+            input_size,
+            output_size,
+            bias=bias,
+            params_dtype=config.params_dtype,
+            init_method=init_method,
+        )
+        expert_parallel = is_expert and config.expert_model_parallel_size > 1
+        for param in self.linear.parameters():
+            param.tensor_model_parallel = param.dim() == 2
+            param.partition_dim = self.partition_dim if param.dim() == 2 else -1
+            param.partition_stride = 1
+            param.allreduce = not expert_parallel
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.linear.bias
+
+    def forward(self, x: torch.Tensor, *_: Any, **__: Any) -> tuple[torch.Tensor, Any]:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        if self.skip_bias_add and self.linear.bias is not None:
+            bias = self.linear.bias
+            self.linear.bias = None
+            try:
+                out = self.linear(flat)
+            finally:
+                self.linear.bias = bias
+            return out.reshape(*shape[:-1], -1), bias
+        return self.linear(flat).reshape(*shape[:-1], -1), None
+
+
+class MXFP8ColumnParallelLinear(_MXFP8ParallelLinear):
+    partition_dim = 0
+
+
+class MXFP8RowParallelLinear(_MXFP8ParallelLinear):
+    partition_dim = 1
+
+
+def _swap_tree(node: Any, table: dict[type, Any], whole: dict[type, Any]) -> Any:
+    """A copy of a spec tree with the classes in ``table`` replaced, and the module specs whose
+    module is in ``whole`` replaced entirely (megatron's spec objects are shared: never edit)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    def _swap(node: Any) -> Any:
+        return _swap_tree(node, table, whole)
+
+    if isinstance(node, type):
+        return table.get(node, node)
+    if isinstance(node, ModuleSpec):
+        if node.module in whole:
+            return whole[node.module]
+        return dataclasses.replace(
+            node,
+            module=_swap(node.module),
+            submodules=_swap(node.submodules),
+            params={key: _swap(value) for key, value in node.params.items()},
+        )
+    if isinstance(node, functools.partial):
+        keywords = {key: _swap(value) for key, value in node.keywords.items()}
+        return functools.partial(_swap(node.func), *node.args, **keywords)
+    if isinstance(node, list):
+        return [_swap(item) for item in node]
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        changes = {f.name: _swap(getattr(node, f.name)) for f in dataclasses.fields(node)}
+        return dataclasses.replace(node, **changes)
+    return node
+
+
+def cpu_decoder_block_spec(config: Any, *, fp8: bool, single_grouped_experts: bool = False) -> Any:
+    """megatron's local decoder block spec for ``config`` (dense / MoE layers per
+    ``moe_layer_freq``, MLA or standard attention, torch norms), with MXFP8 linears when ``fp8``
+    and :class:`~nemo_lw_fp8.testing.grouped_experts.GroupedExperts` routed experts when
+    ``single_grouped_experts``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    table: dict[type, Any] = {}
+    whole: dict[type, Any] = {}
+    if fp8:
+        table[ColumnParallelLinear] = MXFP8ColumnParallelLinear
+        table[RowParallelLinear] = MXFP8RowParallelLinear
+    if single_grouped_experts:
+        from nemo_lw_fp8.testing.grouped_experts import GroupedExperts
+
+        whole[SequentialMLP] = functools.partial(GroupedExperts, fp8=fp8)
+    return _swap_tree(spec, table, whole)
