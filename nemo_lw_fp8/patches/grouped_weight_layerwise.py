@@ -46,6 +46,40 @@ def grouped_members(param: torch.Tensor) -> int:
     return 1
 
 
+def is_grouped_weight(param: torch.Tensor) -> bool:
+    """A single grouped expert weight: TE ``GroupedTensor`` of 2-D members (wrapper shape
+    ``(E, out, in)``), or a 2-D matrix tagged with :data:`MEMBERS_ATTR`."""
+    if getattr(param, MEMBERS_ATTR, None):
+        return True
+    try:
+        from megatron.core.fp8_utils import is_grouped_tensor
+    except ImportError:
+        return False
+    return bool(is_grouped_tensor(param)) and param.dim() == 3
+
+
+def _muon_matrix(param: torch.Tensor) -> bool:
+    """Muon's routing rule with grouped weights counted as (stacks of) matrices."""
+    if getattr(param, "is_embedding_or_output_parameter", False):
+        return False
+    if is_grouped_weight(param):
+        return True
+    return param.dim() == 2 and not _is_grouped_vector(param)
+
+
+def _is_grouped_vector(param: torch.Tensor) -> bool:
+    """TE's single grouped bias: wrapper shape ``(E, out)``, E vectors, not a matrix."""
+    try:
+        from megatron.core.fp8_utils import is_grouped_tensor
+    except ImportError:
+        return False
+    return bool(is_grouped_tensor(param)) and param.dim() == 2
+
+
+def _is_nonlinear_or_embedding(param: torch.Tensor) -> bool:
+    return not _muon_matrix(param)
+
+
 def _detect_native() -> tuple[bool, str]:
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
@@ -59,6 +93,11 @@ def _detect_native() -> tuple[bool, str]:
 
 def _make_orthogonalize(original):
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if grad.dim() == 3:
+            # Only grouped weights reach Muon as 3-D tensors (see the routing overrides); the
+            # optimizer sees their fp32 master, a plain (E, out, in) tensor.
+            updates = [original(self, p, member, **kwargs) for member in grad.unbind(0)]
+            return torch.stack(updates)
         members = grouped_members(p)
         if members <= 1:
             return original(self, p, grad, **kwargs)
@@ -78,11 +117,57 @@ def _make_orthogonalize(original):
     return orthogonalize
 
 
+def _is_managed_by_layer_wise_optimizer(param: torch.nn.Parameter) -> bool:
+    """megatron's rule (2-D, not embedding/output) plus single grouped expert weights."""
+    return _muon_matrix(param)
+
+
+def _routing_overrides() -> list[Override]:
+    """Route grouped weights to Muon / the layer-wise optimizer, as their discrete twins are.
+
+    megatron-core 0.19.2 tests ``len(param.shape) == 2``; TE's grouped weight is 3-D, so it went
+    to Adam (and with layer-wise + DistOpt, to an assertion on expert-parallel Adam groups).
+    """
+    import copy
+
+    import megatron.core.optimizer as optimizer_pkg
+    from megatron.core.optimizer import emerging_optimizers as eo
+    from megatron.core.optimizer import layer_wise_optimizer as lw
+    from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+
+    overrides = [
+        Override(lw, "is_managed_by_layer_wise_optimizer", _is_managed_by_layer_wise_optimizer),
+        Override(
+            optimizer_pkg, "is_managed_by_layer_wise_optimizer", _is_managed_by_layer_wise_optimizer
+        ),
+        Override(eo, "_is_nonlinear_or_embedding", _is_nonlinear_or_embedding),
+    ]
+    for name in ("muon", "adaptive_muon"):
+        entry = eo._EMERGING_OPTIMIZERS.get(name)
+        if entry is None:
+            continue
+        routed = {}
+        for key, value in entry.default_param_overrides.items():
+            predicate = getattr(key, "predicate", None)
+            if getattr(predicate, "name", None) == "nonlinear_or_embedding":
+                fields = {f: getattr(key, f) for f in key.__dataclass_fields__}
+                fields["predicate"] = ParamPredicate(
+                    name="nonlinear_or_embedding", fn=_is_nonlinear_or_embedding
+                )
+                key = ParamKey(**fields)
+            routed[key] = copy.deepcopy(value)
+        overrides.append(Override(entry, "default_param_overrides", routed))
+    return overrides
+
+
 def _build_overrides() -> list[Override]:
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
     original = TensorParallelMuon.__dict__["orthogonalize"]
-    return [Override(TensorParallelMuon, "orthogonalize", _make_orthogonalize(original))]
+    return [
+        Override(TensorParallelMuon, "orthogonalize", _make_orthogonalize(original)),
+        *_routing_overrides(),
+    ]
 
 
 PATCH = register(

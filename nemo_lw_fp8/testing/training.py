@@ -71,6 +71,12 @@ class Scenario:
     gather_padding_tolerance: float | None = None
     #: Expert-parallel size the model is built for (run it with ParallelSpec(ep=...)).
     ep: int = 1
+    #: model "moe_grouped": one TE GroupedTensor per expert linear (``moe_single_grouped_weight``
+    #: + ``NVTE_GROUPED_LINEAR_SINGLE_PARAM``) instead of E discrete weights.
+    single_grouped_weight: bool = False
+    #: model "moe_grouped": fused wgrad accumulation in the expert layers (TE's behaviour under
+    #: ``gradient_accumulation_fusion``): expert wgrads go straight into ``main_grad``.
+    grad_accum_fusion: bool = False
 
     def with_(self, **changes: Any) -> Scenario:
         return replace(self, **changes)
@@ -123,6 +129,56 @@ def _build_fp8_mlp(scenario: Scenario) -> torch.nn.Module:
         enabled=True, recipe=MXFP8BlockScaling(), preserve_high_precision_init_val=True
     ):
         return TinyFP8MLP()
+
+
+def _build_moe_grouped(scenario: Scenario):
+    """The tiny MoE GPT whose experts are :class:`~nemo_lw_fp8.testing.grouped_experts.
+    GroupedExperts` (TE's grouped-weight presentation, CPU GEMMs); needs the FP8 emulation boot."""
+    import contextlib
+
+    from nemo_lw_fp8.testing.grouped_experts import moe_block_spec, single_param_env
+
+    config = transformer_config(
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        add_bias_linear=False,
+        moe_token_dispatcher_type="allgather",
+        expert_model_parallel_size=scenario.ep,
+        # fp64 routing takes megatron's torch.mm path (TE's router GEMM is a CUDA kernel).
+        moe_router_dtype="fp64",
+        moe_grouped_gemm=True,
+        use_transformer_engine_op_fuser=True,
+        moe_single_grouped_weight=scenario.single_grouped_weight,
+    )
+    init: Any = contextlib.nullcontext()
+    if scenario.fp8_param_gather:
+        from transformer_engine.common.recipe import MXFP8BlockScaling
+        from transformer_engine.pytorch import quantized_model_init
+
+        init = quantized_model_init(
+            enabled=True, recipe=MXFP8BlockScaling(), preserve_high_precision_init_val=True
+        )
+    from megatron.core.models.gpt import GPTModel
+
+    with single_param_env(scenario.single_grouped_weight), init:
+        module = GPTModel(
+            config=config,
+            transformer_layer_spec=moe_block_spec(
+                config.num_layers, scenario.fp8, fuse_wgrad_accumulation=scenario.grad_accum_fusion
+            ),
+            vocab_size=GPT_VOCAB,
+            max_sequence_length=GPT_SEQ,
+            pre_process=True,
+            post_process=True,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+        )
+    # Grouped and MXFP8 expert weights are final; cast only plain parameters.
+    for param in module.parameters():
+        if type(param.data) is torch.Tensor:
+            param.data = param.data.to(torch.bfloat16)
+    return module, config
 
 
 def transformer_config(**overrides: Any):
@@ -205,6 +261,8 @@ def build_model(scenario: Scenario):
             expert_model_parallel_size=scenario.ep,
         )
         module = build_gpt(config)
+    elif scenario.model == "moe_grouped":
+        return _build_moe_grouped(scenario)
     elif scenario.model == "mlp":
         config = transformer_config()
         module = TinyMLP()
@@ -288,7 +346,7 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
 def _rank_batch(scenario: Scenario, module: torch.nn.Module, step: int, dp_rank: int):
     """Deterministic per-(step, rank) inputs, independent of the global RNG."""
     generator = torch.Generator().manual_seed(scenario.seed * 1000 + step * 17 + dp_rank)
-    if scenario.model in ("gpt", "moe_gpt"):
+    if scenario.model in ("gpt", "moe_gpt", "moe_grouped"):
         shape = (scenario.micro_batch, GPT_SEQ + 1)
         if scenario.data == "pattern":
             # Each row counts up by a row-specific stride: next token = previous + stride.
@@ -305,7 +363,7 @@ def _rank_batch(scenario: Scenario, module: torch.nn.Module, step: int, dp_rank:
 
 def forward_loss(scenario: Scenario, model, batch) -> torch.Tensor:
     inputs, target = batch
-    if scenario.model in ("gpt", "moe_gpt"):
+    if scenario.model in ("gpt", "moe_gpt", "moe_grouped"):
         positions = torch.arange(GPT_SEQ).unsqueeze(0).expand_as(inputs)
         per_token = model(inputs, positions, None, labels=target)
         return per_token.float().mean()
@@ -612,4 +670,7 @@ def probe_output(scenario: Scenario, model: list) -> torch.Tensor:
     """The model's output on a fixed input (call after :func:`final_sync`: pre-hooks are off)."""
     with torch.no_grad():
         inputs, _ = _rank_batch(scenario, model[0].module, step=20_000, dp_rank=0)
+        if scenario.model in ("gpt", "moe_gpt", "moe_grouped"):
+            positions = torch.arange(GPT_SEQ).unsqueeze(0).expand_as(inputs)
+            return model[0](inputs, positions, None).detach().clone()
         return model[0](inputs).detach().clone()

@@ -1,0 +1,400 @@
+"""A CPU expert layer that presents its weights exactly as TE 2.20.2's ``GroupedLinear`` does.
+
+TEST-ONLY. Production code never imports this module.
+
+Why it exists
+    megatron-core 0.19.2 trains single grouped expert weights only through TE's op fuser
+    (``TEGroupedMLP._make_fused_ops`` -> ``te.pytorch.ops.GroupedLinear``), whose grouped GEMMs are
+    CUDA kernels. To run megatron's real MoE layer (router, token dispatcher), DDP buffers and
+    optimizers on CPU ranks, this layer replaces only the expert GEMMs. Its *parameters* are what
+    TE builds, so every megatron code path that inspects them runs unchanged:
+
+    * single grouped weight (``config.moe_single_grouped_weight`` and TE's switch
+      ``NVTE_GROUPED_LINEAR_SINGLE_PARAM``, resolved by TE's own
+      ``resolve_grouped_linear_single_param_flags``): ONE ``torch.nn.Parameter`` named ``weight``
+      holding TE's ``GroupedTensor`` of wrapper shape ``(E, out, in)`` built by
+      ``GroupedTensor.make_grouped_tensor_with_shapes`` -- bf16 members, or MXFP8 members when built
+      under ``quantized_model_init`` (persistent MXFP8 primary weights, with the stacked
+      high-precision init values attached as TE does);
+    * discrete weights: ``weight0 .. weight{E-1}``, each ``(out, in)``: bf16 or TE ``MXFP8Tensor``.
+
+    Both carry what megatron reads from TE's grouped linears: ``allreduce=False`` (expert
+    gradients reduce over the expert-data-parallel group), tensor-parallel attributes, and on the
+    module ``num_gemms`` and ``single_grouped_weight``.
+
+Arithmetic
+    One code path for both presentations, per expert ``e``: ``y_e = x_e W_e^T`` in fp32 from the
+    GEMM operands, cast once to the activation dtype. With MXFP8 compute (``config.fp8 ==
+    "mxfp8"``-like, selected by ``fp8``) both operands are MXFP8 quantize-dequantized (1x32 blocks
+    along the reduction dimension, e4m3), as :mod:`nemo_lw_fp8.emulation.fp8_linear` does for
+    TE's ``Linear``; persistent MXFP8 weights are dequantized instead. Token rows per expert are
+    zero-padded to a multiple of 32 for the quantizer (rowwise blocks make rows independent) and
+    the padding is dropped. Backward is on the dequantized operands (straight-through), the
+    weight gradient cast to the parameter dtype; with ``fuse_wgrad_accumulation`` (what
+    megatron's ``gradient_accumulation_fusion`` turns on in TE's grouped linears) the fp32 weight
+    gradient is added straight into ``main_grad`` (``grad_added_to_main_grad``), as TE does. It is
+    an argument here, not read from the config: on CPU megatron's local attention linears cannot
+    run ``gradient_accumulation_fusion`` (they need apex's fused kernel).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from nemo_lw_fp8.emulation.fp8_linear import quantize_dequantize
+
+SINGLE_PARAM_ENV = "NVTE_GROUPED_LINEAR_SINGLE_PARAM"
+_ALIGN = 32
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.shape[0]
+    padded = math.ceil(max(rows, 1) / _ALIGN) * _ALIGN
+    if padded == rows:
+        return x
+    return torch.cat([x, x.new_zeros(padded - rows, x.shape[1])], dim=0)
+
+
+def _is_quantized(tensor: Any) -> bool:
+    return hasattr(tensor, "dequantize") and hasattr(tensor, "_quantizer")
+
+
+class _GroupedGemm(torch.autograd.Function):
+    """Per-expert ``x_e W_e^T`` for either weight presentation (see module doc)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        splits: list[int],
+        layer: GroupedExpertLinear,
+        *weights: torch.Tensor,
+    ) -> torch.Tensor:
+        members = layer.member_weights()
+        outputs, saved = [], []
+        for part, weight in zip(torch.split(x, splits), members, strict=True):
+            if layer.fp8:
+                x_dq = quantize_dequantize(_pad_rows(part))[: part.shape[0]]
+                w_dq = (
+                    weight.dequantize(dtype=layer.params_dtype)
+                    if _is_quantized(weight)
+                    else quantize_dequantize(weight)
+                )
+            else:
+                x_dq = part
+                w_dq = (
+                    weight.dequantize(dtype=layer.params_dtype) if _is_quantized(weight) else weight
+                )
+            outputs.append(torch.matmul(x_dq.float(), w_dq.float().t()).to(x.dtype))
+            saved.append((x_dq, w_dq))
+        ctx.saved = saved
+        ctx.layer = layer
+        ctx.x_dtype = x.dtype
+        ctx.num_weights = len(weights)
+        return torch.cat(outputs, dim=0) if outputs else x.new_zeros(0, layer.out_features)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        layer: GroupedExpertLinear = ctx.layer
+        splits = [x_dq.shape[0] for x_dq, _ in ctx.saved]
+        grad_x, wgrads = [], []
+        for dy, (x_dq, w_dq) in zip(torch.split(grad_out, splits), ctx.saved, strict=True):
+            dy = dy.float()
+            grad_x.append(torch.matmul(dy, w_dq.float()).to(ctx.x_dtype))
+            wgrads.append(torch.matmul(dy.t(), x_dq.float()))
+        del ctx.saved
+        weight_grads = layer.weight_grads(wgrads)
+        return (torch.cat(grad_x, dim=0), None, None, *weight_grads)
+
+
+class GroupedExpertLinear(torch.nn.Module):
+    """E expert matrices ``(out, in)``: one TE ``GroupedTensor`` parameter or E parameters."""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        *,
+        config: Any,
+        init_method: Any,
+        single_grouped_weight: bool,
+        fp8: bool,
+        parallel_mode: str,
+        fuse_wgrad_accumulation: bool = False,
+    ) -> None:
+        super().__init__()
+        from transformer_engine.pytorch.utils import resolve_grouped_linear_single_param_flags
+
+        # TE's own resolution: without NVTE_GROUPED_LINEAR_SINGLE_PARAM it silently falls back.
+        single_grouped_weight, _ = resolve_grouped_linear_single_param_flags(
+            single_grouped_weight, False
+        )
+        self.num_gemms = num_gemms
+        self.in_features = in_features
+        self.out_features = out_features
+        self.single_grouped_weight = single_grouped_weight
+        self.single_grouped_bias = False
+        self.use_bias = False
+        self.fp8 = fp8
+        self.params_dtype = config.params_dtype
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        from nemo_lw_fp8.emulation.fp8_linear import _te_state, fp8_params_requested
+
+        self.fp8_params = fp8_params_requested()
+        state = _te_state()
+        keep_init = bool(
+            self.fp8_params and state is not None and state.with_high_precision_init_val()
+        )
+
+        # Same RNG draws in the same order for both presentations.
+        values = []
+        for _ in range(num_gemms):
+            value = torch.empty(out_features, in_features, dtype=self.params_dtype)
+            init_method(value)
+            values.append(value)
+        quantizer = self._quantizer() if self.fp8_params else None
+
+        if single_grouped_weight:
+            from transformer_engine.pytorch.tensor.grouped_tensor import GroupedTensor
+
+            grouped = GroupedTensor.make_grouped_tensor_with_shapes(
+                num_tensors=num_gemms,
+                shapes=[(out_features, in_features)] * num_gemms,
+                quantizer=quantizer,
+                dtype=self.params_dtype,
+                device=torch.device("cpu"),
+            )
+            with torch.no_grad():
+                for member, value in zip(grouped.quantized_tensors, values, strict=True):
+                    if quantizer is None:
+                        member.copy_(value)
+                    else:
+                        quantizer.update_quantized(value, member)
+            param = torch.nn.Parameter(grouped)
+            if keep_init:
+                from transformer_engine.pytorch.module.base import _attach_high_precision_init_val
+
+                _attach_high_precision_init_val(param, torch.stack(values, dim=0))
+            self.weight = param
+            params = [param]
+        else:
+            params = []
+            for index, value in enumerate(values):
+                if quantizer is None:
+                    param = torch.nn.Parameter(value)
+                else:
+                    param = torch.nn.Parameter(quantizer(value))
+                    if keep_init:
+                        from transformer_engine.pytorch.module.base import (
+                            _attach_high_precision_init_val,
+                        )
+
+                        _attach_high_precision_init_val(param, value.clone())
+                self.register_parameter(f"weight{index}", param)
+                params.append(param)
+
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        for param in params:
+            param.allreduce = False  # expert parameter: reduce over expert-data-parallel ranks
+            set_tensor_model_parallel_attributes(
+                param, is_parallel=True, dim=0 if parallel_mode == "column" else 1, stride=1
+            )
+
+    @staticmethod
+    def _quantizer():
+        from transformer_engine.pytorch.constants import DType
+        from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+
+        return MXFP8Quantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True)
+
+    def weight_params(self) -> list[torch.nn.Parameter]:
+        if self.single_grouped_weight:
+            return [self.weight]
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def member_weights(self) -> list[torch.Tensor]:
+        """The E matrices the GEMMs read (views of live storage; MXFP8 members stay quantized)."""
+        if not self.single_grouped_weight:
+            return self.weight_params()
+        grouped = self.weight
+        if grouped.quantizer is None:
+            # DDP may have remapped rowwise_data into its param buffer: read it, not a cache.
+            return list(grouped.rowwise_data.view(self.num_gemms, self.out_features, -1).unbind(0))
+        from megatron.core.fp8_utils import get_grouped_quantized_members
+
+        return list(get_grouped_quantized_members(grouped, create_if_missing=True))
+
+    def weight_grads(self, wgrads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients for :meth:`weight_params` from fp32 per-expert wgrads."""
+        params = self.weight_params()
+        if self.fuse_wgrad_accumulation:
+            for param in params:
+                if getattr(param, "main_grad", None) is None:
+                    raise RuntimeError("gradient_accumulation_fusion needs DDP's main_grad")
+            if self.single_grouped_weight:
+                main = params[0].main_grad.view(self.num_gemms, self.out_features, -1)
+                for expert, wgrad in enumerate(wgrads):
+                    main[expert].add_(wgrad)
+            else:
+                for param, wgrad in zip(params, wgrads, strict=True):
+                    param.main_grad.add_(wgrad)
+            out = []
+            for param in params:
+                param.grad_added_to_main_grad = True
+                out.append(torch.zeros(param.shape, dtype=self.params_dtype))
+            return out
+        if self.single_grouped_weight:
+            return [torch.stack([w.to(self.params_dtype) for w in wgrads], dim=0)]
+        return [w.to(self.params_dtype) for w in wgrads]
+
+    def forward(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor:
+        return _GroupedGemm.apply(x, splits, self, *self.weight_params())
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_gemms={self.num_gemms}, in={self.in_features}, out={self.out_features}, "
+            f"single_grouped_weight={self.single_grouped_weight}, fp8={self.fp8}"
+        )
+
+
+class GroupedExperts(torch.nn.Module):
+    """megatron's experts interface (``ExpertsBuilder``): fc1 -> activation x probs -> fc2."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: Any,
+        /,
+        *,
+        pg_collection: Any = None,
+        name: str | None = None,
+        fp8: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.num_local_experts = num_local_experts
+        single = bool(getattr(config, "moe_single_grouped_weight", False))
+        common = dict(
+            config=config,
+            single_grouped_weight=single,
+            fp8=fp8,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        )
+        self.linear_fc1 = GroupedExpertLinear(
+            num_local_experts,
+            config.hidden_size,
+            config.moe_ffn_hidden_size,
+            init_method=config.init_method,
+            parallel_mode="column",
+            **common,
+        )
+        self.linear_fc2 = GroupedExpertLinear(
+            num_local_experts,
+            config.moe_ffn_hidden_size,
+            config.hidden_size,
+            init_method=config.output_layer_init_method,
+            parallel_mode="row",
+            **common,
+        )
+        self.activation_func = config.activation_func
+
+    def forward(
+        self,
+        permuted_local_hidden_states: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: torch.Tensor,
+        /,
+    ) -> tuple[torch.Tensor, None]:
+        splits = [int(n) for n in tokens_per_expert.tolist()]
+        hidden = self.linear_fc1(permuted_local_hidden_states, splits)
+        dtype = hidden.dtype
+        hidden = (self.activation_func(hidden) * permuted_probs.unsqueeze(-1)).to(dtype)
+        return self.linear_fc2(hidden, splits), None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in the main backward (no delayed wgrad)."""
+
+
+def single_param_env(enabled: bool):
+    """Context manager setting TE's switch ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` while building."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        before = os.environ.get(SINGLE_PARAM_ENV)
+        if enabled:
+            os.environ[SINGLE_PARAM_ENV] = "1"
+        else:
+            os.environ.pop(SINGLE_PARAM_ENV, None)
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(SINGLE_PARAM_ENV, None)
+            else:
+                os.environ[SINGLE_PARAM_ENV] = before
+
+    return scope()
+
+
+def moe_block_spec(num_layers: int, fp8: bool, fuse_wgrad_accumulation: bool = False):
+    """megatron's local GPT layers with 4-expert MoE whose experts are :class:`GroupedExperts`,
+    and a torch final norm (with TE importable megatron would pick TE's CUDA LayerNorm)."""
+    from functools import partial
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    experts = partial(GroupedExperts, fp8=fp8, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+    spec.submodules.mlp = partial(MoELayer, submodules=MoESubmodules(experts=experts))
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=WrappedTorchNorm)
+
+
+def as_discrete(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename a single-grouped run's per-parameter tensors to the discrete layout's names."""
+    from nemo_lw_fp8.grouped_weights import grouped_prefixes, grouped_to_discrete
+
+    shapes = {name: tuple(value.shape) for name, value in named.items()}
+    return grouped_to_discrete(named, grouped_prefixes(named, shapes))
+
+
+def _merged_masters(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Whole-parameter fp32 masters from every rank (layer-wise: each is held by its owner)."""
+    merged: dict[str, torch.Tensor] = {}
+    for result in results:
+        for name, master in as_discrete(result["masters"]).items():
+            assert name not in merged, f"{name} has two owners"
+            merged[name] = master
+    return merged
+
+
+def assert_same_training(discrete: list[dict], single: list[dict]) -> None:
+    """Two runs (either may use single grouped weights): per-step losses, eval losses and every parameter on
+    every rank equal to the last bit; with layer-wise runs and snapshots, every fp32 master.
+
+    main_grads and DistOpt master shards are not compared: which rank holds which reduced
+    gradient or shard depends on the buffer layout, which the two presentations change.
+    """
+    for rank, (a, b) in enumerate(zip(discrete, single, strict=True)):
+        where = f"rank {rank}"
+        assert a["losses"] == b["losses"], f"{where}: losses {a['losses']} != {b['losses']}"
+        assert a["eval_losses"] == b["eval_losses"], f"{where}: eval losses differ"
+        params_a, params_b = as_discrete(a["params"]), as_discrete(b["params"])
+        assert params_a.keys() == params_b.keys(), f"{where}: parameter names differ"
+        for name, value in params_a.items():
+            assert torch.equal(value, params_b[name]), f"{where}: param {name}"
+    if discrete[0].get("layer_wise") and "masters" in discrete[0]:
+        ma, mb = _merged_masters(discrete), _merged_masters(single)
+        assert ma.keys() == mb.keys(), "fp32 masters differ in what they cover"
+        for name, master in ma.items():
+            assert torch.equal(master, mb[name]), f"fp32 master of {name}"

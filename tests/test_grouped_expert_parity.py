@@ -1,0 +1,200 @@
+"""Single grouped expert weights train exactly like discrete expert weights (#5464, CPU ranks).
+
+A 2-layer MoE GPT (4 experts, top-2, megatron's real router and allgather dispatcher) whose
+experts present their weights as TE 2.20.2's ``GroupedLinear`` does: ONE ``GroupedTensor``
+``(E, out, in)`` per expert linear, or ``weight0..weight3`` (``nemo_lw_fp8.testing.
+grouped_experts``). Every comparison is atol = rtol = 0: per-step losses, eval losses, every
+parameter, every main_grad and every fp32 master, with the single run's tensors split per expert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.testing.grouped_experts import assert_same_training
+from nemo_lw_fp8.testing.harness import BootOptions, run_on_ranks
+from nemo_lw_fp8.testing.training import Scenario, train
+
+if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
+    pytest.skip("TE's GroupedTensor needs TE's Python package", allow_module_level=True)
+
+FP8 = BootOptions(fp8_emulation=True)
+BASE = Scenario(model="moe_grouped", steps=3, plugin=True, snapshots=True)
+PRECISIONS = {
+    "bf16": {},
+    "mxfp8-compute": {"fp8": True},
+    "mxfp8-primary": {"fp8": True, "fp8_param_gather": True},
+}
+OPTIMIZERS = {
+    "layerwise-muon": {"optimizer": "muon", "distribution": "layerwise_padded"},
+    "distopt-adam": {"optimizer": "adam", "distribution": "distopt"},
+}
+GROUPED = "decoder.layers.0.mlp.experts.linear_fc1.weight"
+
+
+def run(scenario: Scenario) -> list[dict]:
+    return run_on_ranks(train, scenario, world_size=2, boot=FP8)
+
+
+def pair(scenario: Scenario) -> tuple[list[dict], list[dict]]:
+    discrete = run(scenario)
+    single = run(scenario.with_(single_grouped_weight=True))
+    # The two runs really differ in how the experts are presented.
+    assert tuple(single[0]["params"][GROUPED].shape) == (4, 64, 64)
+    assert GROUPED + "0" in discrete[0]["params"] and GROUPED not in discrete[0]["params"]
+    return discrete, single
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("fusion", [False, True], ids=["no-fusion", "grad-accum-fusion"])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_single_grouped_equals_discrete(precision, fusion, optimizer):
+    scenario = BASE.with_(
+        **PRECISIONS[precision], **OPTIMIZERS[optimizer], grad_accum_fusion=fusion
+    )
+    discrete, single = pair(scenario)
+    if precision == "mxfp8-primary":
+        # The grouped weight's storage is MXFP8 and sits in a quantized bucket.
+        assert any(":fp8" in kind for group in single[0]["bucket_groups"] for kind in group)
+    if optimizer == "layerwise-muon":
+        assert single[0]["layer_wise"] and discrete[0]["layer_wise"]
+        # Each rank holds the masters of what it owns; the two ranks split the experts.
+        assert any(GROUPED in r["masters"] for r in single)
+    assert_same_training(discrete, single)
+
+
+def test_grad_accum_fusion_changes_the_arithmetic():
+    """Control for the fusion axis: it is really on (fp32 accumulation, other last bits)."""
+    plain = run(BASE.with_(**OPTIMIZERS["layerwise-muon"], single_grouped_weight=True))
+    fused = run(
+        BASE.with_(
+            **OPTIMIZERS["layerwise-muon"], single_grouped_weight=True, grad_accum_fusion=True
+        )
+    )
+    assert plain[0]["losses"] != fused[0]["losses"]
+
+
+# --------------------------------------------------------------------------- controls
+
+
+def _stacked_orthogonalize():
+    """Muon on the stacked ``(E*out, in)`` matrix: what per-expert orthogonalisation fixes."""
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    from nemo_lw_fp8.patches import original
+
+    stock = original(TensorParallelMuon, "orthogonalize")
+
+    def orthogonalize(self, p, grad, **kwargs):
+        if grad.dim() == 3:
+            return stock(self, p, grad.reshape(-1, grad.shape[-1]), **kwargs).view(grad.shape)
+        return stock(self, p, grad, **kwargs)
+
+    return TensorParallelMuon, orthogonalize
+
+
+def train_with_stacked_muon(scenario: Scenario) -> dict:
+    import nemo_lw_fp8
+
+    nemo_lw_fp8.apply()
+    owner, replacement = _stacked_orthogonalize()
+    saved = owner.__dict__["orthogonalize"]
+    owner.orthogonalize = replacement
+    try:
+        return train(scenario)
+    finally:
+        owner.orthogonalize = saved
+
+
+def test_control_stacked_newton_schulz_differs():
+    scenario = BASE.with_(**OPTIMIZERS["layerwise-muon"])
+    discrete = run(scenario)
+    stacked = run_on_ranks(
+        train_with_stacked_muon, scenario.with_(single_grouped_weight=True), world_size=2, boot=FP8
+    )
+    with pytest.raises(AssertionError):
+        assert_same_training(discrete, stacked)
+
+
+def test_control_stock_routing_sends_grouped_weights_to_adam():
+    """Without the plugin, megatron 0.19.2 routes the 3-D grouped weight to Adam, and the
+    layer-wise + DistOpt path then refuses the expert-parallel Adam group."""
+    scenario = BASE.with_(**OPTIMIZERS["layerwise-muon"], plugin=False, single_grouped_weight=True)
+    with pytest.raises(AssertionError, match="Non-emerging expert-parallel param groups"):
+        run(scenario)
+
+
+# --------------------------------------------------------------------------- train -> eval -> train
+
+EVAL = BASE.with_(
+    **OPTIMIZERS["layerwise-muon"],
+    **PRECISIONS["mxfp8-primary"],
+    overlap=True,
+    single_grouped_weight=True,
+    steps=4,
+)
+
+
+def _no_eval_losses(results: list[dict]) -> list[dict]:
+    return [{**r, "eval_losses": []} for r in results]
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_train_eval_train_equals_train_only(optimizer):
+    """With grad-buffer reuse an eval's forced param sync must not leave the next step's
+    gradients on a dirty buffer (the grad-norm spike after eval of #5464)."""
+    scenario = EVAL.with_(**OPTIMIZERS[optimizer])
+    train_only = run(scenario)
+    with_eval = run(scenario.with_(eval_after=(1,)))
+    assert len(with_eval[0]["eval_losses"]) == 1
+    assert_same_training(train_only, _no_eval_losses(with_eval))
+    discrete = run(scenario.with_(eval_after=(1,), single_grouped_weight=False))
+    assert_same_training(discrete, with_eval)
+
+
+@contextlib.contextmanager
+def _without_restage_after_zero():
+    from nemo_lw_fp8.patches import restage_forced_sync
+
+    saved = restage_forced_sync.restage_after_zero
+    restage_forced_sync.restage_after_zero = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        restage_forced_sync.restage_after_zero = saved
+
+
+def train_without_restage(scenario: Scenario) -> dict:
+    with _without_restage_after_zero():
+        return train(scenario)
+
+
+def test_control_train_eval_train_needs_the_restage():
+    train_only = run(EVAL)
+    broken = run_on_ranks(
+        train_without_restage, EVAL.with_(eval_after=(1,)), world_size=2, boot=FP8
+    )
+    with pytest.raises(AssertionError):
+        assert_same_training(train_only, _no_eval_losses(broken))
+
+
+def test_grouped_tensor_survives_training():
+    """The trained single run still holds TE GroupedTensor parameters (nothing unwrapped them)."""
+    results = run_on_ranks(_grouped_param_types, EVAL, world_size=2, boot=FP8)
+    for kinds in results:
+        assert kinds and all(kind == "GroupedTensor" for kind in kinds), kinds
+
+
+def _grouped_param_types(scenario: Scenario) -> list[str]:
+    from nemo_lw_fp8.testing.training import build_model, wrap_and_build_optimizer
+
+    module, config = build_model(scenario)
+    wrap_and_build_optimizer(module, config, scenario)
+    return [
+        type(p).__name__
+        for n, p in module.named_parameters()
+        if n.endswith("experts.linear_fc1.weight")
+    ]
