@@ -89,13 +89,35 @@ def _fp8_gather_needs_reuse(s: Settings) -> str | None:
     return None
 
 
+#: Recipes whose layer-wise FP8 param gather is wired: MXFP8 (bf16 staged in the grad buffer,
+#: muon_fp8_param_gather) and blockwise (FP8 codes + scales, blockwise_fp8_param_gather).
+LAYER_WISE_FP8_GATHER_RECIPES = ("mxfp8", "blockwise")
+
+
 def _fp8_gather_recipe(s: Settings) -> str | None:
-    if s.layer_wise and s.fp8_param_gather and s.fp8_recipe not in ("mxfp8",):
+    if s.layer_wise and s.fp8_param_gather and s.fp8_recipe not in LAYER_WISE_FP8_GATHER_RECIPES:
         return (
-            f"layer-wise Muon with --fp8-param-gather supports --fp8-recipe mxfp8 only, got "
-            f"{s.fp8_recipe!r}. Fix: use --fp8-recipe mxfp8, or drop --fp8-param-gather "
-            "(FP8 compute with bf16 parameters works with any recipe)."
+            f"layer-wise Muon with --fp8-param-gather supports --fp8-recipe mxfp8 (Blackwell) or "
+            f"--fp8-recipe blockwise (Hopper) only, got {s.fp8_recipe!r}. Fix: use one of them, "
+            "or drop --fp8-param-gather (FP8 compute with bf16 parameters works with any recipe)."
         )
+    return None
+
+
+def blockwise_reuse_message() -> str:
+    return (
+        "layer-wise Muon with --fp8-param-gather and --fp8-recipe blockwise ships FP8 codes and "
+        "scales from each weight's owner and stages nothing in the grad buffer; "
+        "--reuse-grad-buf-for-mxfp8-param-ag (reuse_grad_buf_for_mxfp8_param_ag=True) is "
+        "MXFP8-only and would make megatron copy raw FP8 bytes as bf16 values. "
+        "Fix: drop --reuse-grad-buf-for-mxfp8-param-ag."
+    )
+
+
+def _blockwise_gather_no_reuse(s: Settings) -> str | None:
+    blockwise_gather = s.layer_wise and s.fp8_param_gather and s.fp8_recipe == "blockwise"
+    if blockwise_gather and s.reuse_grad_buf_for_mxfp8_param_ag:
+        return blockwise_reuse_message()
     return None
 
 
@@ -103,8 +125,8 @@ def _fp8_gather_layout(s: Settings) -> str | None:
     if s.layer_wise and s.fp8_param_gather and s.layer_wise_layout == "legacy":
         return (
             "layer-wise Muon with --fp8-param-gather needs a layer-wise param layout; the legacy "
-            "path (--no-use-layer-wise-param-layout) flattens parameters, which MXFP8 tensors "
-            "cannot do. Fix: drop --no-use-layer-wise-param-layout."
+            "path (--no-use-layer-wise-param-layout) flattens parameters, which MXFP8 and "
+            "blockwise FP8 tensors cannot do. Fix: drop --no-use-layer-wise-param-layout."
         )
     return None
 
@@ -147,7 +169,16 @@ RULES: tuple[Rule, ...] = (
         "MXFP8 layer-wise gather stages in the grad buffer",
         _fp8_gather_needs_reuse,
     ),
-    Rule("fp8-gather-recipe", "layer-wise FP8 gather supports MXFP8 only", _fp8_gather_recipe),
+    Rule(
+        "fp8-gather-recipe",
+        "layer-wise FP8 gather supports MXFP8 and blockwise",
+        _fp8_gather_recipe,
+    ),
+    Rule(
+        "blockwise-gather-no-grad-buffer-reuse",
+        "blockwise layer-wise gather ships FP8 bytes, no grad-buffer staging",
+        _blockwise_gather_no_reuse,
+    ),
     Rule("fp8-gather-layout", "layer-wise FP8 gather needs a param layout", _fp8_gather_layout),
     Rule("fp8-gather-bf16", "layer-wise FP8 gather needs bf16 training", _fp8_gather_bf16),
     Rule(

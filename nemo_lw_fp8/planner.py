@@ -81,6 +81,37 @@ def mxfp8_weight_bytes(shape: Sequence[int]) -> int:
     return 2 * m * k + rowwise_scales + columnwise_scales
 
 
+def blockwise_wire_bytes(shape: Sequence[int]) -> int:
+    """Bytes the layer-wise blockwise FP8 gather ships for one TE linear weight: e4m3 codes plus
+    one fp32 scale per 128x128 tile (the patch sends the scales' valid region, no padding)."""
+    rows = math.prod(shape[:-1])
+    cols = shape[-1]
+    return rows * cols + 4 * (-(-rows // 128)) * (-(-cols // 128))
+
+
+def muon_gather_wire(specs: Sequence[ParamSpec]) -> dict[str, Any]:
+    """Payload of one param gather of every Muon matrix in ``specs`` (what each rank receives per
+    step, its own segment included), bf16 vs blockwise FP8 (``--fp8-recipe blockwise``:
+    TE linear weights as codes + tile scales, other Muon matrices such as the router as bf16).
+    Even-gather padding is not included (bounded by ``gather_padding_tolerance``)."""
+    muon = [s for s in specs if s.muon and s.trainable]
+    numel = sum(s.numel for s in muon)
+    bf16 = numel * PARAM_BYTES
+    fp8 = sum(
+        blockwise_wire_bytes(s.shape) if s.quantized else s.numel * PARAM_BYTES for s in muon
+    )
+    return {
+        "muon_params": numel,
+        "bf16_bytes": bf16,
+        "blockwise_fp8_bytes": fp8,
+        "bytes_per_param": {
+            "bf16": bf16 / numel if numel else 0.0,
+            "blockwise_fp8": fp8 / numel if numel else 0.0,
+        },
+        "blockwise_over_bf16": fp8 / bf16 if bf16 else 1.0,
+    }
+
+
 @dataclass
 class _Buffer:
     """One DDP buffer of one rank: megatron's BufferKey without the (common) grad dtype."""
@@ -529,6 +560,8 @@ def plan(
         },
         "layouts": layouts,
         "stock_legacy_param_gather": legacy,
+        # Per rank (its dense matrices and its EP rank's experts), one gather of each per step.
+        "muon_gather_wire": muon_gather_wire(specs),
         "summary": {
             "compact_over_stock_bytes": compact_total / stock_total if stock_total else 1.0,
             "bytes_saved_per_rank": stock_total - compact_total,
@@ -608,6 +641,14 @@ def format_table(result: dict[str, Any]) -> str:
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     summary = result["summary"]
+    wire = result.get("muon_gather_wire")
+    if wire is not None:
+        lines.append(
+            f"Muon gather payload / rank / step: bf16 {fmt(wire['bf16_bytes'])} {unit}, "
+            f"blockwise FP8 {fmt(wire['blockwise_fp8_bytes'])} {unit} "
+            f"({wire['bytes_per_param']['blockwise_fp8']:.4f} B/param, "
+            f"{wire['blockwise_over_bf16']:.4f} of bf16)"
+        )
     lines.append(
         f"compact / stock bytes: {summary['compact_over_stock_bytes']:.3f} "
         f"({fmt(summary['bytes_saved_per_rank'])} {unit} saved per rank); legacy uneven gather: "

@@ -23,7 +23,11 @@ BAD = {
         dict(reuse_grad_buf_for_mxfp8_param_ag=False),
         "--reuse-grad-buf-for-mxfp8-param-ag",
     ),
-    "fp8-gather-recipe": (dict(fp8_recipe="blockwise"), "--fp8-recipe mxfp8"),
+    "fp8-gather-recipe": (dict(fp8_recipe="tensorwise"), "--fp8-recipe blockwise"),
+    "blockwise-gather-no-grad-buffer-reuse": (
+        dict(fp8_recipe="blockwise"),
+        "--reuse-grad-buf-for-mxfp8-param-ag",
+    ),
     "fp8-gather-layout": (dict(layer_wise_layout="legacy"), "--no-use-layer-wise-param-layout"),
     "fp8-gather-bf16": (dict(bf16=False), "--bf16"),
     "compact-single-instance": (
@@ -47,6 +51,18 @@ def test_supported_combinations_pass():
             optimizer="muon", use_layer_wise_distributed_optimizer=True, fp8_recipe="blockwise"
         )
     )
+    # Blockwise FP8 (Hopper) layer-wise gather ships FP8 bytes: no grad-buffer reuse.
+    for layout in ("padded", "compact"):
+        guards.check(
+            Settings(
+                **{
+                    **GOOD_MXFP8.__dict__,
+                    "fp8_recipe": "blockwise",
+                    "reuse_grad_buf_for_mxfp8_param_ag": False,
+                    "layer_wise_layout": layout,
+                }
+            )
+        )
     # Adam with megatron's own MXFP8 param gather is upstream's business, not ours.
     guards.check(
         Settings(

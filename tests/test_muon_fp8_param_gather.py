@@ -190,7 +190,7 @@ def build_with(scenario: Scenario) -> str:
 
 
 def test_unsupported_recipe_is_rejected_when_the_optimizer_is_built():
-    scenario = BASE.with_(fp8_param_gather=True, fp8_recipe="blockwise")
+    scenario = BASE.with_(fp8_param_gather=True, fp8_recipe="tensorwise")
     with pytest.raises(AssertionError) as info:
         run_on_ranks(build_with, scenario, boot=FP8)
     assert "fp8-gather-recipe" in str(info.value)

@@ -30,6 +30,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "restage_forced_sync",
     "compact_layout",
     "grouped_weight_layerwise",
+    "blockwise_fp8_param_gather",
 )
 
 

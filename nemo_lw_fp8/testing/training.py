@@ -53,7 +53,8 @@ class Scenario:
     fp8: bool = False
     #: Persistent MXFP8 weights + ``fp8_param_gather`` + ``reuse_grad_buf_for_mxfp8_param_ag``.
     fp8_param_gather: bool = False
-    #: The FP8 recipe the optimizer is told about (only "mxfp8" is supported with FP8 gather).
+    #: The FP8 recipe: "mxfp8" (MXFP8 linear layers) or "blockwise" (TE's Float8BlockScaling:
+    #: 128x128 weight tiles, widths multiples of 128); other names only reach the guards.
     fp8_recipe: str = "mxfp8"
     #: Run an evaluation forward (megatron's forced param sync around it) after these steps.
     eval_after: tuple[int, ...] = ()
@@ -119,7 +120,32 @@ class TinyFP8MLP(TinyMLP):
         super().__init__(widths, linear=MXFP8Linear, norm_dtype=torch.bfloat16)
 
 
+class TinyBlockwiseMLP(TinyMLP):
+    """Blockwise FP8 linear layers (128x128 weight tiles; Muon matrices) with bf16 biases and
+    LayerNorms (Adam); widths multiples of 128, several tiles per matrix, and K = 128 / 384 so
+    TE's scale buffers carry round-up padding."""
+
+    def __init__(self, widths: tuple[int, ...] = (128, 256, 384, 128, 256, 128)):
+        from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
+
+        super().__init__(widths, linear=BlockwiseFP8Linear, norm_dtype=torch.bfloat16)
+
+
+def _build_blockwise_mlp(scenario: Scenario) -> torch.nn.Module:
+    if not scenario.fp8_param_gather:
+        return TinyBlockwiseMLP()
+    from transformer_engine.common.recipe import Float8BlockScaling
+    from transformer_engine.pytorch import quantized_model_init
+
+    with quantized_model_init(
+        enabled=True, recipe=Float8BlockScaling(), preserve_high_precision_init_val=True
+    ):
+        return TinyBlockwiseMLP()
+
+
 def _build_fp8_mlp(scenario: Scenario) -> torch.nn.Module:
+    if scenario.fp8_recipe == "blockwise":
+        return _build_blockwise_mlp(scenario)
     if not scenario.fp8_param_gather:
         return TinyFP8MLP()
     from transformer_engine.common.recipe import MXFP8BlockScaling
@@ -302,7 +328,7 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
         use_distributed_optimizer=dist_mode == "distopt",
         bucket_size=scenario.bucket_size,
         fp8_param_gather=scenario.fp8_param_gather,
-        reuse_grad_buf_for_mxfp8_param_ag=scenario.fp8_param_gather,
+        reuse_grad_buf_for_mxfp8_param_ag=_reuse_grad_buf(scenario),
     )
     if dist_mode == "layerwise_compact":
         if not scenario.plugin:
@@ -334,10 +360,15 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
         overlap_param_gather=scenario.overlap,
         muon_fp32_matmul_prec="highest",
         fp8_recipe=scenario.fp8_recipe if scenario.fp8 else None,
-        reuse_grad_buf_for_mxfp8_param_ag=scenario.fp8_param_gather,
+        reuse_grad_buf_for_mxfp8_param_ag=_reuse_grad_buf(scenario),
     )
     optimizer = get_megatron_optimizer(opt_config, model)
     return model, optimizer
+
+
+def _reuse_grad_buf(scenario: Scenario) -> bool:
+    """MXFP8 gathers stage bf16 in the grad buffer; blockwise gathers ship FP8 bytes instead."""
+    return scenario.fp8_param_gather and scenario.fp8_recipe != "blockwise"
 
 
 # --------------------------------------------------------------------------- data and steps
@@ -544,10 +575,26 @@ def _uses_quantized_storage(param: torch.Tensor) -> bool:
 
 def effective_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What each MXFP8 linear layer's GEMM actually uses: the weight after MXFP8 rounding."""
+    from nemo_lw_fp8.emulation.blockwise_linear import (
+        BlockwiseFP8Linear,
+        _columnwise_weight,
+        quantize_dequantize_weight,
+    )
     from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear, quantize_dequantize
 
     out = {}
     for name, sub in module.named_modules():
+        if isinstance(sub, BlockwiseFP8Linear):
+            weight = sub.weight
+            if _uses_quantized_storage(weight):
+                out[name] = weight.dequantize().detach().float()
+                # The dgrad GEMM reads the columnwise form: it must be the same weight.
+                out[name + ":columnwise"] = _columnwise_weight(weight).detach().float()
+            else:
+                value = quantize_dequantize_weight(weight.detach()).float()
+                out[name] = value
+                out[name + ":columnwise"] = value
+            continue
         if isinstance(sub, MXFP8Linear):
             weight = sub.weight
             if _uses_quantized_storage(weight):

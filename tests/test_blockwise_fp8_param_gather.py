@@ -1,0 +1,312 @@
+"""Layer-wise Muon with blockwise FP8 (Hopper) param all-gather, FP8 bytes on the wire.
+
+The OFF run keeps bf16 weights and quantizes them with 128x128 tiles on the fly for its GEMMs
+(FP8 compute, bf16 parameters); the ON run keeps persistent ``Float8BlockwiseQTensor`` weights,
+each owner quantizes the bf16 cast of its fp32 masters once and ships FP8 codes + tile scales,
+receivers derive the columnwise form (which the backward's dgrad GEMM reads). Both start from the
+same bf16 initial values and train 5 Muon steps (Adam for biases and norms) on CPU ranks with
+TE 2.20.2's own classes over the exact emulation; compared with atol = rtol = 0.
+
+Mutation tests switch each step of the patch off on its own and show a test here fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.testing.harness import BootOptions, run_on_ranks
+from nemo_lw_fp8.testing.parity import assert_fp8_gather_parity as assert_bitwise
+from nemo_lw_fp8.testing.training import Scenario, train
+
+if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
+    pytest.skip("the FP8 emulation needs TE's Python package", allow_module_level=True)
+
+FP8 = BootOptions(fp8_emulation=True)
+BASE = Scenario(
+    optimizer="muon",
+    distribution="layerwise_padded",
+    model="fp8mlp",
+    fp8=True,
+    fp8_recipe="blockwise",
+    micro_batch=32,
+    snapshots=True,
+    plugin=True,
+)
+LAYOUTS = ["layerwise_padded", "layerwise_compact"]
+
+
+def run(scenario: Scenario, world_size: int = 2) -> list[dict]:
+    return run_on_ranks(train, scenario, world_size=world_size, boot=FP8)
+
+
+def _assert_blockwise_groups(groups: list[list[str]]) -> None:
+    """Layer-wise FP8 buckets never share a group with DistOpt buckets."""
+    assert any("layerwise:fp8" in group for group in groups), groups
+    for group in groups:
+        assert len({kind.split(":")[0] for kind in group}) == 1, groups
+
+
+@pytest.mark.parametrize("distribution", LAYOUTS, ids=["padded", "compact"])
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_blockwise_param_gather_on_equals_off(distribution, world_size, overlap):
+    scenario = BASE.with_(distribution=distribution, overlap=overlap)
+    off = run(scenario, world_size)
+    on = run(scenario.with_(fp8_param_gather=True), world_size)
+    _assert_blockwise_groups(on[0]["bucket_groups"])
+    assert_bitwise(off, on)
+    # Training moved the weights (the comparison is not of two frozen models).
+    first = run(scenario.with_(steps=1), world_size)
+    assert first[0]["digest"] != off[0]["digest"]
+
+
+@pytest.mark.parametrize("distribution", LAYOUTS, ids=["padded", "compact"])
+def test_several_bucket_groups_on_equals_off(distribution):
+    scenario = BASE.with_(distribution=distribution, bucket_size=60_000, overlap=True)
+    off = run(scenario)
+    on = run(scenario.with_(fp8_param_gather=True))
+    groups = on[0]["bucket_groups"]
+    assert sum(1 for g in groups if "layerwise:fp8" in g) >= 2, groups
+    assert_bitwise(off, on)
+
+
+def test_stock_megatron_is_not_bitwise():
+    """Control: without the plugin, blockwise FP8 param gather with layer-wise Muon is wrong."""
+    off = run(BASE)
+    with pytest.raises(AssertionError):
+        on = run(BASE.with_(fp8_param_gather=True, plugin=False))
+        assert_bitwise(off, on)
+
+
+@pytest.mark.parametrize("distribution", LAYOUTS, ids=["padded", "compact"])
+def test_train_eval_train_equals_train_train(distribution):
+    scenario = BASE.with_(distribution=distribution, overlap=True, fp8_param_gather=True)
+    plain = run(scenario)
+    with_eval = run(scenario.with_(eval_after=(1, 3)))
+    for a, b in zip(plain, with_eval, strict=True):
+        assert a["losses"] == b["losses"]
+        assert a["digest"] == b["digest"]
+        for name, master in a["masters"].items():
+            assert torch.equal(master, b["masters"][name])
+    off = run(scenario.with_(fp8_param_gather=False, eval_after=(1, 3)))
+    assert_bitwise(off, with_eval)
+
+
+@pytest.mark.parametrize(
+    "distribution, overlap",
+    [("layerwise_padded", True), ("layerwise_compact", False)],
+    ids=["padded-overlap", "compact"],
+)
+def test_checkpoint_resume_in_fresh_processes_is_bitwise(distribution, overlap, tmp_path):
+    """Save after 3 steps, start new rank processes, load, run steps 3-5: same bits as 6 steps."""
+    from nemo_lw_fp8.testing.harness import get_pool
+
+    scenario = BASE.with_(
+        distribution=distribution, overlap=overlap, fp8_param_gather=True, steps=6
+    )
+    uninterrupted = run(scenario)
+    first = run(scenario.with_(steps=3, save_dir=str(tmp_path)))
+    pool = get_pool(2, FP8)
+    old_pids = [proc.pid for proc in pool._procs]
+    pool.shutdown()
+    resumed = run(scenario.with_(first_step=3, load_dir=str(tmp_path)))
+    assert [proc.pid for proc in get_pool(2, FP8)._procs] != old_pids
+    for full, before, after in zip(uninterrupted, first, resumed, strict=True):
+        assert full["losses"] == before["losses"] + after["losses"]
+        assert full["digest"] == after["digest"]
+        for name, master in full["masters"].items():
+            assert torch.equal(master, after["masters"][name]), name
+        assert torch.equal(full["probe_output"], after["probe_output"])
+        for name, weight in full["effective_weights"].items():
+            assert torch.equal(weight, after["effective_weights"][name]), name
+
+
+# --------------------------------------------------------------------------- mutation checks
+
+
+def _quantize_from_fp32(param, master):
+    """The owner quantizes its fp32 master directly, skipping the bf16 cast FP8-gather-off sees."""
+    from megatron.core.fp8_utils import copy_tensor_to_quantized_param
+
+    copy_tensor_to_quantized_param(param, master.detach().view(param.shape))
+
+
+def _one_list(buffers):
+    return [list(buffers)]
+
+
+#: step -> (module, attribute, replacement that undoes it; None: a no-op)
+MUTATIONS = {
+    "bf16_cast": ("blockwise_fp8_param_gather", "quantize_owned", _quantize_from_fp32),
+    "scales_on_the_wire": ("blockwise_fp8_param_gather", "write_scales", None),
+    "columnwise": ("blockwise_fp8_param_gather", "derive_columnwise", None),
+    "master_init": ("muon_fp8_param_gather", "init_masters_from_high_precision", None),
+    "separate_groups": ("blockwise_fp8_param_gather", "separate_owner_kinds", _one_list),
+}
+
+
+@contextlib.contextmanager
+def mutated(step: str):
+    """Inside a rank: switch one step off (a no-op, or the stock behaviour)."""
+    import importlib
+
+    module_name, attr, replacement = MUTATIONS[step]
+    module = importlib.import_module(f"nemo_lw_fp8.patches.{module_name}")
+    saved = getattr(module, attr)
+    setattr(module, attr, replacement if replacement is not None else (lambda *a, **k: None))
+    try:
+        yield
+    finally:
+        setattr(module, attr, saved)
+
+
+def train_mutated(scenario: Scenario, step: str) -> dict:
+    with mutated(step):
+        return train(scenario)
+
+
+@pytest.mark.parametrize("step", sorted(MUTATIONS))
+def test_each_step_is_needed(step):
+    scenario = BASE.with_(overlap=True)
+    off = run(scenario)
+    # Unmutated, this exact comparison holds (test_blockwise_param_gather_on_equals_off).
+    with pytest.raises(AssertionError):
+        on = run_on_ranks(train_mutated, scenario.with_(fp8_param_gather=True), step, boot=FP8)
+        assert_bitwise(off, on)
+
+
+# --------------------------------------------------------------------------- wire bytes
+
+
+@contextlib.contextmanager
+def counting_gathers(groups):
+    """Bytes and dtypes of the torch.distributed gathers issued while ``groups`` sync params."""
+    import torch.distributed as dist
+    from megatron.core.distributed import param_and_grad_buffer as buffer_module
+
+    seen: list[tuple[str, str, int]] = []
+    active = {"depth": 0}
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_gather_into_tensor")}
+    # megatron's padded (DistOpt-style) gather calls its own alias of all_gather_into_tensor.
+    alias = buffer_module.dist_all_gather_func
+
+    def wrap(name):
+        def counted(*args, **kwargs):
+            if active["depth"]:
+                out = args[0] if name == "all_gather" else [args[0]]
+                nbytes = sum(t.numel() * t.element_size() for t in out)
+                seen.append((name, str(out[0].dtype), nbytes))
+            return originals[name](*args, **kwargs)
+
+        return counted
+
+    for group in groups:
+        method = group.start_param_sync
+
+        def marked(*args, _method=method, **kwargs):
+            active["depth"] += 1
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                active["depth"] -= 1
+
+        group.start_param_sync = marked
+    for name in originals:
+        setattr(dist, name, wrap(name))
+    originals["dist_all_gather_func"] = alias
+    buffer_module.dist_all_gather_func = wrap("dist_all_gather_func")
+    try:
+        yield seen
+    finally:
+        buffer_module.dist_all_gather_func = alias
+        for name, fn in originals.items():
+            if name != "dist_all_gather_func":
+                setattr(dist, name, fn)
+        for group in groups:
+            del group.start_param_sync
+
+
+def gather_bytes(scenario: Scenario) -> dict:
+    """What the layer-wise bucket groups gather during steps 1 and 2 (received bytes)."""
+    from megatron.core import parallel_state
+
+    from nemo_lw_fp8.patches.blockwise_fp8_param_gather import STATE_ATTR, param_wire_bytes
+    from nemo_lw_fp8.testing.training import build_model, train_step, wrap_and_build_optimizer
+
+    module, config = build_model(scenario)
+    model, optimizer = wrap_and_build_optimizer(module, config, scenario)
+    groups = [
+        g
+        for g in model[0].bucket_groups
+        if all(
+            getattr(b.params_list[0], "is_managed_by_layer_wise_optimizer", False)
+            for b in g.buckets
+        )
+    ]
+    rank = parallel_state.get_data_parallel_rank()
+    train_step(scenario, model, optimizer, 0, rank)
+    with counting_gathers(groups) as seen:
+        for step in (1, 2):
+            train_step(scenario, model, optimizer, step, rank)
+    weights = [p for g in groups for b in g.buckets for p in b.params_list]
+    states = [g.__dict__.get(STATE_ATTR) for g in groups]
+    return {
+        "blockwise_states": sum(s is not None for s in states),
+        "planned_bytes": sum(s.gather_bytes for s in states if s is not None),
+        "calls": [(name, dtype) for name, dtype, _ in seen],
+        "bytes_per_step": sum(n for _, _, n in seen) // 2,
+        "groups": len(groups),
+        "numel": sum(p.numel() for p in weights),
+        "wire_bytes": sum(param_wire_bytes(p) for p in weights),
+    }
+
+
+@pytest.mark.parametrize("distribution", LAYOUTS, ids=["padded", "compact"])
+def test_fp8_bytes_on_the_wire_are_about_half_of_bf16(distribution):
+    # compact: tolerance 0 makes every gather uneven (real bytes only); padded: the default 0.1.
+    scenario = BASE.with_(distribution=distribution, gather_padding_tolerance=0.0)
+    on = run_on_ranks(gather_bytes, scenario.with_(fp8_param_gather=True), boot=FP8)[0]
+    off = run_on_ranks(gather_bytes, scenario, boot=FP8)[0]
+    # Every layer-wise group is the patch's, one collective per group and step, all uint8.
+    assert on["blockwise_states"] == on["groups"] >= 1
+    assert len(on["calls"]) == 2 * on["groups"]
+    assert {dtype for _, dtype in on["calls"]} == {"torch.uint8"}
+    # The codes plus one fp32 scale per 128x128 tile, plus even-gather padding within tolerance.
+    assert on["bytes_per_step"] == on["planned_bytes"]
+    if distribution == "layerwise_compact":
+        assert on["bytes_per_step"] == on["wire_bytes"]
+    assert on["wire_bytes"] <= on["bytes_per_step"] <= 1.1 * on["wire_bytes"]
+    assert on["wire_bytes"] < on["numel"] * 1.01
+    # FP8 gather off moves bf16 (the padded layout also pads its shards).
+    assert {dtype for _, dtype in off["calls"]} == {"torch.bfloat16"}
+    assert off["bytes_per_step"] >= 2 * off["numel"]
+    assert on["bytes_per_step"] <= 0.55 * off["bytes_per_step"], (on, off)
+
+
+# --------------------------------------------------------------------------- guards
+
+
+def build_with(scenario: Scenario, reuse: bool) -> str:
+    from nemo_lw_fp8.testing import training
+
+    module, config = training.build_model(scenario)
+    saved = training._reuse_grad_buf
+    training._reuse_grad_buf = lambda s: reuse
+    try:
+        training.wrap_and_build_optimizer(module, config, scenario)
+    finally:
+        training._reuse_grad_buf = saved
+    return "built"
+
+
+def test_grad_buffer_reuse_is_rejected_when_the_optimizer_is_built():
+    scenario = BASE.with_(fp8_param_gather=True)
+    assert run_on_ranks(build_with, scenario, False, boot=FP8) == ["built", "built"]
+    with pytest.raises(AssertionError) as info:
+        run_on_ranks(build_with, scenario, True, boot=FP8)
+    assert "blockwise-gather-no-grad-buffer-reuse" in str(info.value)
+    assert "--reuse-grad-buf-for-mxfp8-param-ag" in str(info.value)
