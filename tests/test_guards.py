@@ -18,6 +18,11 @@ GOOD_MXFP8 = Settings(
     overlap_param_gather=True,
 )
 
+#: A single grouped expert weight set up as it must be (TE switch on, a recent TE).
+GROUPED_OK = dict(
+    moe_single_grouped_weight=True, grouped_linear_single_param=True, te_version="2.20.2"
+)
+
 BAD = {
     "fp8-gather-needs-grad-buffer-reuse": (
         dict(reuse_grad_buf_for_mxfp8_param_ag=False),
@@ -37,6 +42,33 @@ BAD = {
     "compact-needs-param-layout": (
         dict(layer_wise_layout="compact", use_layer_wise_param_layout=False),
         "--no-use-layer-wise-param-layout",
+    ),
+    # Single grouped expert weights (issue 6; more in tests/test_grouped_guards.py).
+    "grouped-weight-fsdp": (
+        dict(**GROUPED_OK, use_megatron_fsdp=True),
+        "--use-megatron-fsdp",
+    ),
+    "grouped-weight-mxfp8-primary-needs-reuse": (
+        dict(
+            **GROUPED_OK,
+            optimizer="adam",
+            use_layer_wise_distributed_optimizer=False,
+            use_distributed_optimizer=True,
+            reuse_grad_buf_for_mxfp8_param_ag=False,
+        ),
+        "--reuse-grad-buf-for-mxfp8-param-ag",
+    ),
+    "grouped-weight-te-version": (
+        dict(GROUPED_OK, te_version="2.13.0"),
+        "transformer-engine >= 2.14.0",
+    ),
+    "grouped-weight-te-switch": (
+        dict(GROUPED_OK, grouped_linear_single_param=False),
+        "NVTE_GROUPED_LINEAR_SINGLE_PARAM=1",
+    ),
+    "grouped-weight-nvfp4-layer-wise": (
+        dict(**GROUPED_OK, fp4_recipe="nvfp4"),
+        "--fp8-recipe mxfp8",
     ),
 }
 
