@@ -310,3 +310,66 @@ def test_grad_buffer_reuse_is_rejected_when_the_optimizer_is_built():
         run_on_ranks(build_with, scenario, True, boot=FP8)
     assert "blockwise-gather-no-grad-buffer-reuse" in str(info.value)
     assert "--reuse-grad-buf-for-mxfp8-param-ag" in str(info.value)
+
+
+# --------------------------------------------------------------------------- Hopper
+
+
+def _te_gpu_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (9, 0):
+        return f"TE's blockwise FP8 needs compute capability >= 9.0, this GPU is {major}.{minor}"
+    if not te_backend._extension_file_present():
+        return "real Transformer Engine (transformer-engine[pytorch]) is not installed"
+    return None
+
+
+@pytest.mark.gpu
+def test_owner_payload_from_te_kernels_equals_emulation_on_gpu():
+    """On an H100/H200: what an owner ships (TE's quantize kernel), and what a receiver derives
+    (TE's fp8_transpose), byte for byte equal to the emulation the CPU tests run on."""
+    reason = _te_gpu_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    assert te_backend.activate() == "transformer_engine"
+    from transformer_engine.pytorch.constants import DType
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    from nemo_lw_fp8.emulation import blockwise as bw
+    from nemo_lw_fp8.patches import blockwise_fp8_param_gather as bwg
+
+    torch.manual_seed(0)
+    for shape in ((256, 384), (576, 7168), (200, 300)):
+        master = torch.randn(shape, device="cuda") * torch.exp2(
+            torch.randint(-8, 8, shape, device="cuda").float()
+        )
+        quantizer = Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True)
+        weight = torch.nn.Parameter(
+            quantizer(torch.zeros(shape, dtype=torch.bfloat16, device="cuda"))
+        )
+        weight.main_param = master
+        size = bwg.param_wire_bytes(weight)
+        state = bwg.BlockwiseGroup([[weight]], [size], True, None)
+        out = torch.zeros(size, dtype=torch.uint8, device="cuda")
+        bwg.pack_owned(state, 0, out)
+        ref = bw.quantize(master.cpu().bfloat16())
+        m, k = bw.valid_scale_shape(shape)
+        want = torch.cat(
+            [
+                ref.rowwise_data.reshape(-1),
+                ref.rowwise_scale_inv[:m, :k].contiguous().view(torch.uint8).reshape(-1),
+            ]
+        )
+        assert torch.equal(out.cpu(), want), shape
+        # A receiver: bytes in, columnwise derived by TE's kernel.
+        receiver = torch.nn.Parameter(
+            quantizer(torch.zeros(shape, dtype=torch.bfloat16, device="cuda"))
+        )
+        bwg._unpack_param(receiver, out)
+        bwg.derive_columnwise([receiver])
+        assert torch.equal(receiver._columnwise_data.cpu(), ref.columnwise_data), shape
+        assert torch.equal(
+            receiver._columnwise_scale_inv[:k, :m].cpu(), ref.columnwise_scale_inv[:k, :m]
+        )
