@@ -16,6 +16,14 @@ it; Bridge's source is never edited and everything can be undone with :func:`uni
     ``initialize_megatron`` runs ``compile_helpers()`` (``make`` in megatron's dataset folder);
     the megatron-core wheel ships the compiled ``helpers_cpp`` and no Makefile. Skipped when the
     compiled module imports (otherwise the original runs and fails loudly).
+``emulated_recipe_support``
+    megatron's ``TransformerBlock.forward`` enters TE's ``autocast``, which asks the GPU's
+    compute capability whether FP8 (MXFP8, blockwise) is supported. With the emulation backend
+    active (:mod:`nemo_lw_fp8.emulation.te_backend`) both are: the CPU layers quantize exactly.
+``router_torch_gemm``
+    With TE importable, megatron's ``RouterGatingLinearFunction`` (``moe_utils.py``) runs the
+    router GEMM through TE's cuBLAS ``general_gemm``; megatron's own fallback (``torch.mm``, taken
+    when ``te_general_gemm`` is ``None``) is used instead.
 ``cpu_rng_checkpoint``
     ``checkpointing.py::get_rng_state`` / the loader call ``torch.cuda.get/set_rng_state``; on CPU
     the CUDA generator state is the CPU generator's (already saved under ``torch_rng_state``).
@@ -88,6 +96,18 @@ def install() -> None:
         _swap(bridge_initialize, "compile_helpers", lambda: None)
     except ImportError:
         pass
+
+    from nemo_lw_fp8.emulation import te_backend
+
+    if te_backend.is_emulated():
+        from transformer_engine.pytorch import quantization
+
+        for check in ("check_fp8_support", "check_mxfp8_support", "check_fp8_block_scaling_support"):
+            _swap(quantization, check, lambda: (True, ""))
+
+    from megatron.core.transformer.moe import moe_utils
+
+    _swap(moe_utils, "te_general_gemm", None)
 
     _swap(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
     _swap(torch.cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state))
