@@ -75,6 +75,9 @@ class Scenario:
     #: model "moe_grouped": one TE GroupedTensor per expert linear (``moe_single_grouped_weight``
     #: + ``NVTE_GROUPED_LINEAR_SINGLE_PARAM``) instead of E discrete weights.
     single_grouped_weight: bool = False
+    #: Checkpoints keyed by parameter name in the discrete expert layout (model "moe_grouped"):
+    #: save single grouped, load discrete, and the reverse.
+    named_checkpoint: bool = False
     #: model "moe_grouped": fused wgrad accumulation in the expert layers (TE's behaviour under
     #: ``gradient_accumulation_fusion``): expert wgrads go straight into ``main_grad``.
     grad_accum_fusion: bool = False
@@ -668,7 +671,12 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
     overlapped = model[0].ddp_config.overlap_param_gather
     start = time.perf_counter()
     if scenario.load_dir is not None:
-        load_checkpoint(model, optimizer, scenario.load_dir)
+        if scenario.named_checkpoint:
+            from nemo_lw_fp8.testing.grouped_experts import load_named_checkpoint
+
+            load_named_checkpoint(model, optimizer, scenario.load_dir)
+        else:
+            load_checkpoint(model, optimizer, scenario.load_dir)
     first = scenario.first_step
     for step in range(first, scenario.steps):
         if overlapped and step == first:
@@ -690,7 +698,12 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
     final_sync(model, optimizer)
     elapsed = time.perf_counter() - start
     if scenario.save_dir is not None:
-        save_checkpoint(model, optimizer, scenario.save_dir)
+        if scenario.named_checkpoint:
+            from nemo_lw_fp8.testing.grouped_experts import save_named_checkpoint
+
+            save_named_checkpoint(model, optimizer, scenario.save_dir)
+        else:
+            save_checkpoint(model, optimizer, scenario.save_dir)
     params = param_snapshot(model[0].module)
     extra: dict[str, Any] = {
         "eval_losses": eval_losses,
