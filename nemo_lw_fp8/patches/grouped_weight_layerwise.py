@@ -1,16 +1,24 @@
 """Muon on a single grouped expert weight orthogonalises each expert's matrix, not the stack.
 
-Behaviour: Transformer Engine's single grouped expert weight (``GroupedLinear`` with
-``single_grouped_weight=True``) is ONE parameter of logical shape ``(E * out, in)``. megatron-core
-0.19.2 routes every 2-D non-embedding parameter to Muon, so Newton-Schulz ran on the stacked
-``E*out x in`` matrix: orthogonalising across experts, with a spectral scale computed for the
-stack. This patch makes Muon treat the parameter as E independent matrices: each expert's slice
-of the momentum is orthogonalised and scaled on its own (bitwise what E separate weights get).
+Behaviour: Transformer Engine 2.20.2's single grouped expert weight (``GroupedLinear`` with
+``single_grouped_weight=True``) is ONE parameter, a ``GroupedTensor`` whose wrapper shape is
+``(E, out, in)`` (its storage's ``logical_shape`` is the 2-D ``(E*out, in)``). megatron-core 0.19.2
+sends only ``len(shape) == 2`` parameters to Muon, so the grouped weight went to Adam -- while the
+same experts as discrete ``(out, in)`` weights get Muon -- and with layer-wise Muon + DistOpt the
+optimizer build asserts on the expert-parallel Adam group. This patch routes grouped weights (not
+TE's grouped *biases*, ``(E, out)``) to Muon / the layer-wise optimizer and makes Muon treat them
+as E independent matrices: each expert's slice of the momentum is orthogonalised and scaled on its
+own, bitwise what E separate weights get. A grouped weight is owned whole by one rank (ownership
+granularity: see ``docs/moe-grouped-weights.md``).
 
 Mirrors the layer-wise Muon side of Megatron-LM PR #5464 (whose numerical fixes megatron-core
 0.19.2 already has for Adam's DistributedOptimizer).
 
-Patches: ``megatron.core.optimizer.emerging_optimizers.TensorParallelMuon.orthogonalize``.
+Patches: ``megatron.core.optimizer.emerging_optimizers.TensorParallelMuon.orthogonalize``; the
+routing rule ``layer_wise_optimizer.is_managed_by_layer_wise_optimizer`` (and its import in
+``megatron.core.optimizer``), ``emerging_optimizers._is_nonlinear_or_embedding`` and the
+``nonlinear_or_embedding`` predicate of Muon's default param overrides: TE 2.20.2's grouped weight
+has wrapper shape ``(E, out, in)`` (3-D), which 0.19.2 counts as "not a matrix" and hands to Adam.
 
 Detection: native when megatron's ``TensorParallelMuon.orthogonalize`` itself splits grouped
 tensors (its source mentions grouped members); 0.19.2 splits only fused QKV weights.
@@ -81,14 +89,19 @@ def _is_nonlinear_or_embedding(param: torch.Tensor) -> bool:
 
 
 def _detect_native() -> tuple[bool, str]:
+    from megatron.core.optimizer import layer_wise_optimizer as lw
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
     from .framework import unpatched_own_attr
 
-    source = inspect.getsource(unpatched_own_attr(TensorParallelMuon, "orthogonalize"))
-    if "grouped" in source:
-        return True, "TensorParallelMuon orthogonalises grouped expert weights per member"
-    return False, "Muon orthogonalises a single grouped expert weight as one stacked matrix"
+    orth = inspect.getsource(unpatched_own_attr(TensorParallelMuon, "orthogonalize"))
+    routing = inspect.getsource(unpatched_own_attr(lw, "is_managed_by_layer_wise_optimizer"))
+    if "grouped" in orth and "grouped" in routing:
+        return True, "megatron routes single grouped weights to Muon and splits them per expert"
+    return False, (
+        "Muon skips a single grouped expert weight (3-D GroupedTensor -> Adam, which the "
+        "layer-wise + DistOpt path refuses for experts) and would orthogonalise it as one stack"
+    )
 
 
 def _make_orthogonalize(original):
@@ -174,7 +187,10 @@ PATCH = register(
     Patch(
         name=FEATURE,
         upstream_pr=5464,
-        summary="Muon orthogonalises each expert of a single grouped weight on its own",
+        summary=(
+            "single grouped expert weights go to Muon (layer-wise), one Newton-Schulz and one "
+            "scale per expert"
+        ),
         detect_native=_detect_native,
         build_overrides=_build_overrides,
     )
