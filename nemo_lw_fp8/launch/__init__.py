@@ -1,0 +1,1 @@
+"""Cluster launchers for ``nemo-lw-fp8 pretrain`` (SLURM sbatch scripts and nemo-run)."""
