@@ -298,6 +298,7 @@ def test_strict_dummies(backend_results):
 def test_megatron_imported_first_is_refused():
     script = r"""
     import json, sys
+    import nemo_lw_fp8  # its NVRx shim must precede megatron (nemo_lw_fp8/compat.py)
     sys.modules["transformer_engine"] = None  # TE unimportable while megatron-core loads
     import megatron.core.fp8_utils as fu
     assert fu.HAVE_TE is False
