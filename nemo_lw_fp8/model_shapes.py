@@ -127,6 +127,9 @@ class ModelSpec:
     moe_shared_expert_gate: bool = False
     moe_router_expert_bias: bool = False
     untie_embeddings_and_output_weights: bool = True
+    # Multi-token prediction: megatron's ``mtp.layers.<i>`` (enorm, hnorm, eh_proj, one
+    # full-attention MoE layer, final norm), registered after the decoder; 0 = published size
+    mtp_num_layers: int = 0
     published_params: float | None = None  # e.g. 671e9, for the totals check
 
     def _fc1_rows(self, ffn: int) -> int:
@@ -136,9 +139,9 @@ class ModelSpec:
         freq = self.linear_attention_freq
         return freq is not None and (index + 1) % freq != 0
 
-    def _attention(self, p: str, index: int) -> list[ParamSpec]:
+    def _attention(self, p: str, index: int, full_attention: bool = False) -> list[ParamSpec]:
         h = self.hidden_size
-        if self._is_linear_attention(index):
+        if not full_attention and self._is_linear_attention(index):
             qk = self.linear_num_key_heads * self.linear_key_head_dim
             v = self.linear_num_value_heads * self.linear_value_head_dim
             conv = 2 * qk + v
@@ -254,6 +257,17 @@ class ModelSpec:
             specs += self._attention(attn, index)
             specs += self._mlp(prefix, index)
         specs.append(_vector("decoder.final_layernorm.weight", h))
+        for index in range(self.mtp_num_layers):
+            prefix = f"mtp.layers.{index}"
+            specs += [
+                _vector(f"{prefix}.enorm.weight", h),
+                _vector(f"{prefix}.hnorm.weight", h),
+                _matrix(f"{prefix}.eh_proj.weight", h, 2 * h),
+            ]
+            layer = f"{prefix}.mtp_model_layer"
+            specs += self._attention(f"{layer}.self_attention", index, full_attention=True)
+            specs += self._mlp(layer, self.num_layers)  # an MoE layer, like the last decoder one
+            specs.append(_vector(f"{prefix}.final_layernorm.weight", h))
         if self.untie_embeddings_and_output_weights:
             specs.append(
                 _matrix("output_layer.weight", self.vocab_size, h, quantized=False, embedding=True)
@@ -327,3 +341,9 @@ def param_shapes(name: str) -> list[ParamSpec]:
 def total_params(specs: list[ParamSpec]) -> int:
     """Element count of a parameter list (counted buffers such as ``expert_bias`` included)."""
     return sum(s.numel for s in specs)
+
+
+# nemo_lw_fp8.architectures adds DeepSeek-V2-Lite, Qwen3-30B-A3B, Qwen3-Next-80B-A3B and
+# Qwen3.5-35B-A3B to SPECS; importing it here makes them known wherever SPECS is used (it needs
+# only the names above, so either module may be imported first).
+from . import architectures as _architectures  # noqa: E402, F401
