@@ -333,12 +333,13 @@ def write_sbatch(
         "",
         "set -euo pipefail",
         "",
-        "# Rendezvous host: the first node of the allocation (outside Slurm: this host). awk, not",
-        "# head, reads the whole list, so a long one cannot die of SIGPIPE under pipefail.",
+        "# Rendezvous host: the first node of the allocation; outside Slurm a preset MASTER_ADDR,",
+        "# else this host. awk, not head, reads the whole list, so a long one cannot die of",
+        "# SIGPIPE under pipefail.",
         'if command -v scontrol >/dev/null 2>&1 && [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then',
         '    MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk \'NR == 1\')"',
         "else",
-        '    MASTER_ADDR="$(hostname)"',
+        '    MASTER_ADDR="${MASTER_ADDR:-$(hostname)}"',
         "fi",
         "export MASTER_ADDR",
         "# Port from the job id, so jobs sharing a node do not collide; a preset MASTER_PORT wins.",
@@ -348,6 +349,8 @@ def write_sbatch(
     ]
     for var in env_vars:
         lines += textwrap.wrap(var.why, width=98, initial_indent="# ", subsequent_indent="# ")
+        if any(ch in var.value for ch in "$`"):  # a literal on purpose, not a missed expansion
+            lines.append("# shellcheck disable=SC2016")
         lines.append(f"export {var.name}={q(var.value)}")
 
     srun = [" ".join(q(w) for w in srun_words)]
