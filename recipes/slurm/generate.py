@@ -3,12 +3,11 @@
     python recipes/slurm/generate.py          # rewrite every example
     python recipes/slurm/generate.py --check  # exit 1 if any example differs (tests run this)
 
-Node counts come from the published configurations (docs/slurm.md, "Examples"):
-DeepSeek-V3 on GB200 TP1/PP4/VP4/EP64 (Megatron-Bridge perf row, >= 256 GPUs = 64 nodes x 4),
-DeepSeek-V3 on H100 Bridge's ``deepseek_v3_pretrain_1024gpu_h100_bf16_config`` (TP2/PP16/EP64,
-1024 GPUs = 128 nodes x 8), Qwen3-235B-A22B on H100 Bridge's
-``qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config`` and perf row TP2/PP8/VP4/EP32 (256 GPUs =
-32 nodes x 8).
+Each full-size example takes its node count and GPUs per node from the recipe's own
+parallelism (:func:`nemo_lw_fp8.architectures.parallelism`, from Megatron-Bridge 0.6.2's perf
+recipes: DeepSeek-V3 GB200 256 GPUs = 64 x 4, DeepSeek-V3 H100 1024 = 128 x 8, Qwen3-235B-A22B
+H100 256 = 32 x 8), so the scripts follow the recipes. Recipe names are those of
+:mod:`nemo_lw_fp8.recipes` (``<model>_mxfp8`` for Blackwell, ``<model>_hopper`` for Hopper).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nemo_lw_fp8.architectures import parallelism
 from nemo_lw_fp8.launch.slurm import write_sbatch
 
 HERE = Path(__file__).resolve().parent
@@ -25,38 +25,30 @@ HERE = Path(__file__).resolve().parent
 #: (docs/slurm.md, "Container"); relative to the folder sbatch is run from.
 IMAGE = "./nemo-lw-fp8.sqsh"
 
+
+def _full(model: str, variant: str) -> dict[str, Any]:
+    gpu = {"mxfp8": "gb200", "hopper": "h100"}[variant]
+    par = parallelism(model, gpu)
+    return dict(
+        recipe=f"{model.replace('-', '_')}_{variant}",
+        nodes=par.nodes,
+        gpus_per_node=par.gpus_per_node,
+        gpu_arch="blackwell" if variant == "mxfp8" else "hopper",
+        container_image=IMAGE,
+    )
+
+
 EXAMPLES: dict[str, dict[str, Any]] = {
-    "deepseek_v3_mxfp8_gb200.sbatch": dict(
-        recipe="deepseek_v3",
-        nodes=64,
-        gpus_per_node=4,
-        gpu_arch="blackwell",
-        container_image=IMAGE,
-        overrides=["mixed_precision=bf16_with_mxfp8_mixed"],
-    ),
-    "deepseek_v3_fp8_h100.sbatch": dict(
-        recipe="deepseek_v3",
-        nodes=128,
-        gpus_per_node=8,
-        gpu_arch="hopper",
-        container_image=IMAGE,
-        overrides=["mixed_precision=bf16_with_fp8_subchannel_scaling_mixed"],
-    ),
-    "qwen3_235b_a22b_hopper_h100.sbatch": dict(
-        recipe="qwen3_235b_a22b",
-        nodes=32,
-        gpus_per_node=8,
-        gpu_arch="hopper",
-        container_image=IMAGE,
-        overrides=["mixed_precision=bf16_with_fp8_subchannel_scaling_mixed"],
-    ),
+    "deepseek_v3_mxfp8_gb200.sbatch": _full("deepseek-v3", "mxfp8"),
+    "deepseek_v3_hopper_h100.sbatch": _full("deepseek-v3", "hopper"),
+    "qwen3_235b_a22b_hopper_h100.sbatch": _full("qwen3-235b-a22b", "hopper"),
     # Plumbing check on any Slurm cluster, no GPU: 2 gloo ranks on 1 node, 2 steps.
     "tiny_deepseek_v3_cpu_smoke.sbatch": dict(
         recipe="tiny_deepseek_v3",
         nodes=1,
         gpus_per_node=2,
         cpu=True,
-        time="00:20:00",
+        time="00:30:00",
         overrides=["train.train_iters=2"],
     ),
 }
