@@ -18,9 +18,22 @@ def main(argv: list[str] | None = None) -> int:
     # `plan` has its own parser (nemo_lw_fp8.planner.main); listed here for --help.
     sub.add_parser("plan", help="per-rank memory and communication: padded vs compact vs Adam")
 
-    demo = sub.add_parser("demo", help="train a tiny GPT on 2 CPU ranks with layer-wise Muon")
-    demo.add_argument("--steps", type=int, default=30)
+    demo = sub.add_parser(
+        "demo",
+        help="tiny DeepSeek-V3 architecture through Megatron-Bridge on 2 CPU ranks, "
+        "every feature on, FP8 param gather ON vs OFF",
+    )
+    demo.add_argument("--steps", type=int, default=12)
     demo.add_argument("--world-size", type=int, default=2)
+    demo.add_argument("--out", default="demo-output", help="folder for the losses and the plot")
+
+    pretrain = sub.add_parser(
+        "pretrain", help="train a recipe with Megatron-Bridge (run under torchrun)"
+    )
+    from .launch import pretrain as pretrain_mod
+
+    pretrain_mod.add_arguments(pretrain)
+    sub.add_parser("recipes", help="list the recipes")
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
@@ -35,7 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from . import demo as demo_mod
 
-        return demo_mod.run(steps=args.steps, world_size=args.world_size)
+        return demo_mod.run(steps=args.steps, world_size=args.world_size, out=args.out)
+    if args.command == "pretrain":
+        return pretrain_mod.main(args)
+    if args.command == "recipes":
+        from . import recipes
+
+        for name, recipe in sorted(recipes.RECIPES.items()):
+            print(f"{name:32s} {recipe.__doc__}")
+        return 0
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -20,6 +20,7 @@ Pieces:
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 BRIDGE_VERSION = "0.6.2"
@@ -168,18 +169,29 @@ def settings_from_config(cfg: Any) -> Any:
     names = {f.name for f in dataclasses.fields(guards.Settings)}
     values: dict[str, Any] = {}
     mixed = cfg.mixed_precision if not isinstance(cfg.mixed_precision, str) else None
-    for source in (cfg.model, mixed, cfg.ddp, cfg.optimizer):
+    # Bridge copies the mixed-precision preset onto model, DDP and optimizer configs before it
+    # validates, so the preset wins over their own (default) FP8 fields.
+    for source in (cfg.model, cfg.ddp, cfg.optimizer, mixed):
         if source is None:
             continue
         for name in names:
             if hasattr(source, name):
                 values[name] = getattr(source, name)
+    # Bridge keeps a recipe name even with FP8 / FP4 off ("tensorwise", "nvfp4"); the rules
+    # read a recipe only when the format is on.
     if getattr(cfg.model, "fp8", None) is None and not getattr(mixed, "fp8", None):
         values["fp8_recipe"] = None
+    if getattr(cfg.model, "fp4", None) is None and not getattr(mixed, "fp4", None):
+        values["fp4_recipe"] = None
     optimizer = cfg.optimizer
     if isinstance(optimizer, LayerWiseMuonConfig):
         values.update(optimizer._layout_settings())
     values["use_distributed_optimizer"] = bool(getattr(cfg.ddp, "use_distributed_optimizer", False))
+    # TE's switch: Bridge exports cfg.env_vars before it builds (values already in the process
+    # environment win), so the rule sees what the model build will see.
+    switch = "NVTE_GROUPED_LINEAR_SINGLE_PARAM"
+    if switch not in os.environ and switch in getattr(cfg, "env_vars", {}):
+        values["grouped_linear_single_param"] = str(cfg.env_vars[switch]) == "1"
     return guards.Settings(**values)
 
 

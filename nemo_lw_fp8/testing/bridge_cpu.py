@@ -24,6 +24,10 @@ it; Bridge's source is never edited and everything can be undone with :func:`uni
     With TE importable, megatron's ``RouterGatingLinearFunction`` (``moe_utils.py``) runs the
     router GEMM through TE's cuBLAS ``general_gemm``; megatron's own fallback (``torch.mm``, taken
     when ``te_general_gemm`` is ``None``) is used instead.
+``local_mtp_spec``
+    ``gpt_provider.mtp_block_spec`` builds multi-token-prediction layers with
+    ``use_transformer_engine=True`` whatever the decoder uses; on CPU they take megatron's local
+    backend (its ``get_gpt_mtp_block_spec(use_transformer_engine=False)``) like the decoder.
 ``cpu_rng_checkpoint``
     ``checkpointing.py::get_rng_state`` / the loader call ``torch.cuda.get/set_rng_state``; on CPU
     the CUDA generator state is the CPU generator's (already saved under ``torch_rng_state``).
@@ -105,6 +109,15 @@ def install() -> None:
         for check in ("check_fp8_support", "check_mxfp8_support", "check_fp8_block_scaling_support"):
             _swap(quantization, check, lambda: (True, ""))
 
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    original_mtp_spec = gpt_layer_specs.get_gpt_mtp_block_spec
+
+    def local_mtp_spec(config: Any, spec: Any, use_transformer_engine: bool, **kwargs: Any) -> Any:
+        return original_mtp_spec(config, spec, use_transformer_engine=False, **kwargs)
+
+    _swap(gpt_layer_specs, "get_gpt_mtp_block_spec", local_mtp_spec)
+
     from megatron.core.transformer.moe import moe_utils
 
     _swap(moe_utils, "te_general_gemm", None)
@@ -116,3 +129,48 @@ def install() -> None:
 def uninstall() -> None:
     while _undo:
         _undo.pop()()
+
+
+def adapt_config(cfg: Any) -> Any:
+    """Make a Bridge ``ConfigContainer`` run on CPU ranks, keeping its features.
+
+    gloo instead of NCCL; megatron's local layers (TE's need CUDA) with the emulated FP8 linears
+    and single grouped experts of :mod:`nemo_lw_fp8.testing.cpu_layers` when the config asks for
+    FP8 / single grouped weights (decided when the model is built, after every override); the
+    CUDA-only fusions off. Tensor and pipeline parallel stay 1 (the CPU layers do not split).
+    """
+    from nemo_lw_fp8.testing.cpu_layers import cpu_decoder_block_spec
+
+    model = cfg.model
+    if model.tensor_model_parallel_size != 1 or model.pipeline_model_parallel_size != 1:
+        raise ValueError(
+            "--cpu runs tensor_model_parallel_size=1 and pipeline_model_parallel_size=1 only; "
+            f"got TP={model.tensor_model_parallel_size}, PP={model.pipeline_model_parallel_size}"
+        )
+
+    def cpu_spec(config: Any) -> Any:
+        return cpu_decoder_block_spec(
+            config,
+            fp8=config.fp8 is not None,
+            fp8_recipe=getattr(config, "fp8_recipe", "mxfp8"),
+            single_grouped_experts=bool(getattr(config, "moe_single_grouped_weight", False)),
+        )
+
+    model.transformer_layer_spec = cpu_spec
+    model.transformer_impl = "local"
+    for fusion in (
+        "gradient_accumulation_fusion",
+        "bias_activation_fusion",
+        "masked_softmax_fusion",
+        "persist_layer_norm",
+        "apply_rope_fusion",
+        "bias_dropout_fusion",
+        "moe_permute_fusion",
+        "cross_entropy_loss_fusion",
+        "moe_router_fusion",
+    ):
+        if hasattr(model, fusion):
+            setattr(model, fusion, False)
+    model.attention_backend = None
+    cfg.dist.distributed_backend = "gloo"
+    return cfg

@@ -13,11 +13,13 @@ Why
     grouped weight of :mod:`nemo_lw_fp8.testing.grouped_experts`.
 
 Limits (checked, not silently ignored): tensor parallelism 1 (the adapters do no TP
-communication), linear widths multiples of 32 (MXFP8 blocks).
+communication), linear widths multiples of 32 (MXFP8 blocks). MLA's two down projections stay
+bf16 linears: megatron accepts only its own classes in those slots.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from typing import Any
@@ -84,8 +86,8 @@ class _MXFP8ParallelLinear(torch.nn.Module):
                 out = self.linear(flat)
             finally:
                 self.linear.bias = bias
-            return out.reshape(*shape[:-1], -1), bias
-        return self.linear(flat).reshape(*shape[:-1], -1), None
+            return out.reshape(*shape[:-1], self.linear.out_features), bias
+        return self.linear(flat).reshape(*shape[:-1], self.linear.out_features), None
 
 
 class MXFP8ColumnParallelLinear(_MXFP8ParallelLinear):
@@ -94,6 +96,11 @@ class MXFP8ColumnParallelLinear(_MXFP8ParallelLinear):
 
 class MXFP8RowParallelLinear(_MXFP8ParallelLinear):
     partition_dim = 1
+
+
+#: Submodule slots megatron accepts only its own classes for (``MLASelfAttention`` checks
+#: ``in [Linear, TEColumnParallelLinear, ColumnParallelLinear]``): they stay bf16 on CPU.
+_KEEP_FIELDS = frozenset({"linear_q_down_proj", "linear_kv_down_proj"})
 
 
 def _swap_tree(node: Any, table: dict[type, Any], whole: dict[type, Any]) -> Any:
@@ -121,12 +128,18 @@ def _swap_tree(node: Any, table: dict[type, Any], whole: dict[type, Any]) -> Any
     if isinstance(node, list):
         return [_swap(item) for item in node]
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        changes = {f.name: _swap(getattr(node, f.name)) for f in dataclasses.fields(node)}
+        changes = {
+            f.name: _swap(getattr(node, f.name))
+            for f in dataclasses.fields(node)
+            if f.name not in _KEEP_FIELDS
+        }
         return dataclasses.replace(node, **changes)
     return node
 
 
-def cpu_decoder_block_spec(config: Any, *, fp8: bool, single_grouped_experts: bool = False) -> Any:
+def cpu_decoder_block_spec(
+    config: Any, *, fp8: bool, fp8_recipe: str = "mxfp8", single_grouped_experts: bool = False
+) -> Any:
     """megatron's local decoder block spec for ``config`` (dense / MoE layers per
     ``moe_layer_freq``, MLA or standard attention, torch norms), with MXFP8 linears when ``fp8``
     and :class:`~nemo_lw_fp8.testing.grouped_experts.GroupedExperts` routed experts when
@@ -135,7 +148,17 @@ def cpu_decoder_block_spec(config: Any, *, fp8: bool, single_grouped_experts: bo
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    if fp8 and fp8_recipe != "mxfp8":
+        raise ValueError(
+            f"the CPU layers emulate MXFP8 compute only, not fp8_recipe={fp8_recipe!r} (the "
+            "blockwise CPU linear needs 128-wide tiles, wider than the tiny models). Fix: use an "
+            "MXFP8 recipe on CPU (mixed_precision=bf16_with_mxfp8_mixed), or a GPU."
+        )
+    # The local spec's grouped-GEMM experts need the grouped_gemm CUDA package: build the spec as
+    # for discrete experts (SequentialMLP), swapped below; the model keeps its own config.
+    spec_config = copy.copy(config)
+    spec_config.moe_grouped_gemm = False
+    spec = get_gpt_decoder_block_spec(spec_config, use_transformer_engine=False)
     table: dict[type, Any] = {}
     whole: dict[type, Any] = {}
     if fp8:

@@ -1,0 +1,226 @@
+"""Megatron-Bridge pretraining recipes with layer-wise Muon + FP8 param gather for MoE models.
+
+Each recipe is a function returning a Megatron-Bridge ``ConfigContainer`` built offline from the
+explicit hyper-parameters of :mod:`nemo_lw_fp8.architectures` (no Hugging Face Hub), with:
+
+* layer-wise Muon from the plugin's optimizer factory
+  (:func:`nemo_lw_fp8.bridge.layer_wise_muon_fp8_with_cosine_annealing`): compact layout,
+  overlapped param gather;
+* FP8 by GPU family: ``mxfp8`` (Blackwell: MXFP8 compute, MXFP8 parameters gathered from the
+  grad buffer - Bridge's ``bf16_with_mxfp8_mixed``) or ``hopper`` (Hopper: blockwise FP8
+  compute, blockwise FP8 parameters with FP8 codes + scales on the wire, no grad-buffer reuse);
+* single grouped expert weights (TE's ``GroupedLinear`` with one parameter) on the grouped GEMM;
+* parallelism from :func:`nemo_lw_fp8.architectures.parallelism` (best published Bridge recipe
+  of the model, adapted to Muon).
+
+Names: ``<model>_<variant>`` (``deepseek_v3_mxfp8``, ``qwen3_235b_a22b_hopper``...) and
+``tiny_<model>`` (same architecture, tiny widths; trains on 2 CPU ranks with ``--cpu``). Every
+recipe can be overridden from YAML / ``key=value`` (see :mod:`nemo_lw_fp8.launch.pretrain`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from . import architectures as arch_mod
+from .architectures import MoEArchitecture, ParallelismDefaults
+
+VARIANTS = ("mxfp8", "hopper")
+#: GPU family each variant's parallelism is taken from.
+VARIANT_GPU = {"mxfp8": "gb200", "hopper": "h100"}
+#: Models with recipes (architecture names in :mod:`nemo_lw_fp8.architectures`).
+MODELS = (
+    "deepseek-v3",
+    "deepseek-v2-lite",
+    "qwen3-30b-a3b",
+    "qwen3-235b-a22b",
+    "qwen3-next-80b-a3b",
+    "qwen3.5-35b-a3b",
+)
+#: TE's switch for one grouped parameter per GroupedLinear (read by TE when building).
+SINGLE_GROUPED_WEIGHT_ENV = "NVTE_GROUPED_LINEAR_SINGLE_PARAM"
+
+
+def _key(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+def mixed_precision(variant: str | None) -> Any:
+    """Bridge ``MixedPrecisionConfig`` for a variant (``None``: bf16 without FP8)."""
+    from megatron.bridge.training.mixed_precision import bf16_mixed, bf16_with_mxfp8_mixed
+
+    if variant is None:
+        return bf16_mixed()
+    if variant == "mxfp8":
+        return bf16_with_mxfp8_mixed()
+    if variant == "hopper":
+        config = bf16_mixed()
+        config.fp8 = "e4m3"
+        config.fp8_recipe = "blockwise"
+        config.fp8_param_gather = True
+        config.reuse_grad_buf_for_mxfp8_param_ag = False
+        return config
+    raise ValueError(f"unknown FP8 variant {variant!r}; one of {VARIANTS} (or None for bf16)")
+
+
+def _provider(arch: MoEArchitecture, parallel: ParallelismDefaults, transformer_impl: str) -> Any:
+    import torch
+    from megatron.bridge.models import GPTModelProvider
+    from megatron.bridge.models.mla_provider import MLAModelProvider
+
+    kwargs = arch.provider_kwargs() | parallel.model_kwargs()
+    kwargs |= {
+        "bf16": True,
+        "params_dtype": torch.bfloat16,
+        "pipeline_dtype": torch.bfloat16 if parallel.pp > 1 else None,
+        "moe_grouped_gemm": True,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_permute_fusion": transformer_impl == "transformer_engine",
+        "transformer_impl": transformer_impl,
+    }
+    cls = MLAModelProvider if arch.multi_latent_attention else GPTModelProvider
+    return cls(**{k: v for k, v in kwargs.items() if v is not None or k == "q_lora_rank"})
+
+
+def build(
+    arch: MoEArchitecture | str,
+    *,
+    variant: str | None = "mxfp8",
+    parallel: ParallelismDefaults | None = None,
+    train_iters: int = 100_000,
+    single_grouped_weight: bool = True,
+    layer_wise_layout: str = "compact",
+    max_lr: float = 2e-4,
+    transformer_impl: str = "transformer_engine",
+) -> Any:
+    """A Megatron-Bridge ``ConfigContainer`` for ``arch`` with every plugin feature on."""
+    from megatron.bridge.recipes.common import _pretrain_common
+
+    from .bridge import layer_wise_muon_fp8_with_cosine_annealing
+
+    if isinstance(arch, str):
+        arch = arch_mod.get_architecture(arch)
+    if parallel is None:
+        parallel = arch_mod.parallelism(arch, VARIANT_GPU[variant or "mxfp8"])
+    cfg = _pretrain_common()
+    cfg.model = _provider(arch, parallel, transformer_impl)
+    cfg.mixed_precision = mixed_precision(variant)
+    cfg.optimizer, cfg.scheduler = layer_wise_muon_fp8_with_cosine_annealing(
+        max_lr=max_lr,
+        lr_warmup_iters=min(2000, max(1, train_iters // 50)),
+        lr_decay_iters=train_iters,
+        layer_wise_layout=layer_wise_layout,
+        overlap_param_gather=True,
+    )
+    cfg.ddp.use_distributed_optimizer = False  # layer-wise Muon; megatron sets its own buffers
+    cfg.ddp.overlap_grad_reduce = True
+    cfg.ddp.overlap_param_gather = True
+    cfg.ddp.data_parallel_sharding_strategy = "no_shard"
+    cfg.train.train_iters = train_iters
+    cfg.train.micro_batch_size = parallel.micro_batch_size
+    cfg.train.global_batch_size = parallel.global_batch_size
+    cfg.dataset.seq_length = parallel.seq_length
+    cfg.tokenizer.tokenizer_type = "NullTokenizer"
+    cfg.tokenizer.tokenizer_model = None
+    cfg.tokenizer.vocab_size = arch.vocab_size
+    if single_grouped_weight:
+        cfg.model.moe_single_grouped_weight = True
+        # megatron 0.19.2 trains single grouped weights only through TE's op fuser.
+        cfg.model.use_transformer_engine_op_fuser = True
+        cfg.env_vars[SINGLE_GROUPED_WEIGHT_ENV] = "1"
+    return cfg
+
+
+def tiny_parallelism(world_size: int = 2, ep: int = 1) -> ParallelismDefaults:
+    """2 CPU ranks, data parallel (expert parallel ``ep``), short sequences."""
+    return ParallelismDefaults(
+        recipe="tiny (CPU)",
+        nodes=1,
+        gpus_per_node=world_size,
+        ep=ep,
+        micro_batch_size=1,
+        global_batch_size=2 * world_size,
+        seq_length=64,
+    )
+
+
+def build_tiny(
+    arch: MoEArchitecture | str, *, variant: str | None = "mxfp8", train_iters: int = 20
+) -> Any:
+    """The tiny version of ``arch`` with every feature on (as :func:`build`)."""
+    if isinstance(arch, str):
+        arch = arch_mod.get_architecture(arch)
+    cfg = build(
+        arch_mod.tiny(arch),
+        variant=variant,
+        parallel=tiny_parallelism(),
+        train_iters=train_iters,
+        max_lr=3e-3,
+    )
+    cfg.scheduler.lr_warmup_iters = 1
+    cfg.optimizer.clip_grad = 0.0  # a global norm sums in a layout-dependent order
+    cfg.validation.eval_interval = max(1, train_iters // 2)
+    cfg.validation.eval_iters = 2
+    cfg.checkpoint.save = None
+    cfg.checkpoint.load = None
+    cfg.checkpoint.save_interval = None
+    cfg.logger.log_interval = 1
+    cfg.logger.tensorboard_dir = None
+    cfg.train.manual_gc = False
+    cfg.dataset.num_workers = 0
+    cfg.ddp.check_for_nan_in_grad = False
+    cfg.model.moe_aux_loss_coeff = 0.0
+    return cfg
+
+
+def _make(model: str, variant: str) -> Callable[..., Any]:
+    def recipe(**overrides: Any) -> Any:
+        return build(model, variant=variant, **overrides)
+
+    recipe.__name__ = f"{_key(model)}_{variant}"
+    recipe.__doc__ = (
+        f"{model} pretraining, layer-wise Muon, {variant} FP8 param gather "
+        f"({VARIANT_GPU[variant]} parallelism)."
+    )
+    return recipe
+
+
+def _make_tiny(model: str) -> Callable[..., Any]:
+    def recipe(**overrides: Any) -> Any:
+        return build_tiny(model, **overrides)
+
+    recipe.__name__ = f"tiny_{_key(model)}"
+    recipe.__doc__ = f"Tiny {model} architecture (2 CPU ranks with --cpu), every feature on."
+    return recipe
+
+
+RECIPES: dict[str, Callable[..., Any]] = {}
+for _model in MODELS:
+    for _variant in VARIANTS:
+        RECIPES[f"{_key(_model)}_{_variant}"] = _make(_model, _variant)
+    RECIPES[f"tiny_{_key(_model)}"] = _make_tiny(_model)
+del _model, _variant
+
+
+def get_recipe(name: str) -> Callable[..., Any]:
+    try:
+        return RECIPES[_key(name)]
+    except KeyError:
+        raise KeyError(
+            f"unknown recipe {name!r}; known: {', '.join(sorted(RECIPES))}"
+        ) from None
+
+
+def tiny_architecture_of(name: str) -> MoEArchitecture | None:
+    """The tiny architecture behind a ``tiny_*`` recipe name (None for full-size recipes)."""
+    key = _key(name)
+    if not key.startswith("tiny_"):
+        return None
+    for model in MODELS:
+        if _key(model) == key[len("tiny_"):]:
+            return arch_mod.tiny(arch_mod.get_architecture(model))
+    return None
+
+
