@@ -156,7 +156,7 @@ def summary(cfg: Any) -> str:
         "fp8": getattr(mixed, "fp8", None),
         "fp8_recipe": getattr(mixed, "fp8_recipe", None),
         "fp8_param_gather": getattr(mixed, "fp8_param_gather", None),
-        "reuse_grad_buf_for_mxfp8_param_ag": getattr(mixed, "reuse_grad_buf_for_mxfp8_param_ag", None),
+        "reuse_grad_buf": getattr(mixed, "reuse_grad_buf_for_mxfp8_param_ag", None),
         "moe_single_grouped_weight": getattr(model, "moe_single_grouped_weight", False),
         "train_iters": cfg.train.train_iters,
     }

@@ -106,7 +106,8 @@ def install() -> None:
     if te_backend.is_emulated():
         from transformer_engine.pytorch import quantization
 
-        for check in ("check_fp8_support", "check_mxfp8_support", "check_fp8_block_scaling_support"):
+        checks = ("check_fp8_support", "check_mxfp8_support", "check_fp8_block_scaling_support")
+        for check in checks:
             _swap(quantization, check, lambda: (True, ""))
 
     from megatron.core.models.gpt import gpt_layer_specs
