@@ -13,6 +13,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -382,7 +383,11 @@ def test_end_to_end_tiny_recipe_two_cpu_ranks(tmp_path: Path, standin_bin: Path)
     )
     env = clean_env(standin_bin, MASTER_PORT=str(free_port()), **_master_addr_env())
     result = run_script(text, tmp_path, env, timeout=900)
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-8000:]
+    # megatron's training log: both iterations ran, and no third one
+    assert re.search(r"iteration\s+2/\s+2 \|", log), log[-8000:]
+    assert not re.search(r"iteration\s+3/", log)
 
 
 # --------------------------------------------------------------------------- examples
