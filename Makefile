@@ -1,5 +1,6 @@
 # Two commands for a fresh machine (see README.md):
-#   make demo   - build .venv if needed, then a real 2-rank CPU training run
+#   make demo   - build .venv if needed, then a real 2-rank CPU training run (tiny DeepSeek-V3
+#                 architecture through Megatron-Bridge's pretrain, every plugin feature on)
 #   make test   - build .venv if needed, then the test suite
 # Both build the virtual environment from a Python 3.12 interpreter; a second run with nothing
 # changed reuses it (the stamp file records the hash of pyproject.toml).
@@ -12,6 +13,10 @@ STAMP := $(VENV)/.nemo_lw_fp8-installed
 # import path (a bare TE in site-packages makes `import megatron.core` fail without CUDA).
 TE_VERSION := 2.20.2
 TE_DIR := $(VENV)/te-emulation
+# Installed with --no-deps: their declared requirements do not resolve on PyPI (pyproject.toml,
+# extra "bridge", lists what they import).
+BRIDGE_VERSION := 0.6.2
+NEMO_RUN_VERSION := 0.11.1
 PYPROJECT_HASH := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
 
 # A Python 3.12 that really runs: $(PYTHON312) if given, else python3.12 on PATH (a pyenv shim
@@ -39,9 +44,10 @@ $(STAMP): pyproject.toml Makefile
 		rm -rf $(VENV) && "$(PYTHON312)" -m venv $(VENV); \
 	fi
 	@if [ -f "$(STAMP)" ] && [ "$$(cat $(STAMP))" = "$(PYPROJECT_HASH)" ]; then exit 0; fi; \
-	echo ">> installing nemo_lw_fp8 with its test extra into $(VENV) (first time: several minutes)"; \
+	echo ">> installing nemo_lw_fp8 with its test and bridge extras into $(VENV) (first time: ~10 minutes)"; \
 	$(PY) -m pip install --quiet --upgrade pip && \
-	$(PY) -m pip install --quiet -e '.[test]' && \
+	$(PY) -m pip install --quiet -e '.[test,bridge]' && \
+	$(PY) -m pip install --quiet --no-deps megatron-bridge==$(BRIDGE_VERSION) nemo-run==$(NEMO_RUN_VERSION) && \
 	rm -rf $(TE_DIR) && \
 	$(PY) -m pip install --quiet --no-deps --target $(TE_DIR) transformer-engine==$(TE_VERSION) && \
 	echo "$(PYPROJECT_HASH)" > $(STAMP)

@@ -27,12 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--world-size", type=int, default=2)
     demo.add_argument("--out", default="demo-output", help="folder for the losses and the plot")
 
-    pretrain = sub.add_parser(
-        "pretrain", help="train a recipe with Megatron-Bridge (run under torchrun)"
-    )
-    from .launch import pretrain as pretrain_mod
+    # `pretrain` and `slurm` parse their own words (options and key=value overrides mixed).
+    sub.add_parser("pretrain", help="train a recipe with Megatron-Bridge (run under torchrun)")
+    from .launch.slurm import add_slurm_subcommand
 
-    pretrain_mod.add_arguments(pretrain)
+    add_slurm_subcommand(sub)
     sub.add_parser("recipes", help="list the recipes")
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -40,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         from . import planner
 
         return planner.main(argv[1:])
+    if argv[:1] == ["pretrain"]:
+        from .launch import pretrain as pretrain_mod
+
+        own = argparse.ArgumentParser(prog="nemo-lw-fp8 pretrain")
+        pretrain_mod.add_arguments(own)
+        return pretrain_mod.main(own.parse_intermixed_args(argv[1:]))
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from . import doctor as doctor_mod
@@ -49,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         from . import demo as demo_mod
 
         return demo_mod.run(steps=args.steps, world_size=args.world_size, out=args.out)
-    if args.command == "pretrain":
-        return pretrain_mod.main(args)
+    if args.command == "slurm":
+        return args.handler(args)
     if args.command == "recipes":
         from . import recipes
 

@@ -1,116 +1,99 @@
-"""``make demo``: real training runs on two CPU ranks with megatron-core and layer-wise Muon.
+"""``make demo``: the tiny DeepSeek-V3 recipe trained on two CPU ranks through Megatron-Bridge.
 
-1. A tiny GPT (megatron-core's local layer spec) wrapped in megatron-core DDP with the plugin's
-   compact layer-wise layout (no padding, cost-balanced ownership, one gather per bucket group),
-   trained by ``LayerWiseDistributedOptimizer`` (Muon for the matrices, a sibling
-   DistributedOptimizer running Adam for embeddings, norms and biases), with overlapped gradient
-   reduce and parameter gather.
-2. MXFP8: a small model whose linear layers compute in MXFP8 (TE 2.20.2's own MXFP8 classes over
-   the exact CPU emulation), trained twice with layer-wise Muon: FP8 param gather off (bf16
-   weights, quantized on the fly) and on (persistent MXFP8 weights, bf16 masters staged in the
-   grad buffer and all-gathered). The plugin makes the two bitwise identical; the demo prints both
-   loss curves and the verdict.
+The recipe ``tiny_deepseek_v3`` is DeepSeek-V3's architecture at toy width (multi-latent
+attention with q LoRA, a leading dense layer, 8 routed experts as ONE grouped weight per expert
+linear plus a shared expert, sigmoid router with expert bias, one multi-token-prediction layer),
+built from explicit hyper-parameters. It is trained twice by Megatron-Bridge's own ``pretrain``
+loop (``torchrun``, 2 gloo ranks, ``nemo-lw-fp8 pretrain --cpu``) with every plugin feature on:
+layer-wise Muon, compact layout, overlapped param gather, MXFP8 compute (TE's classes over the
+exact CPU emulation), evaluation mid-run; the two runs differ only in the FP8 parameter
+all-gather: ON (persistent MXFP8 weights, bf16 masters staged in the grad buffer) and OFF (bf16
+weights quantized on the fly). The plugin makes them bitwise identical; the demo prints both loss
+curves step by step with the verdict, and writes ``losses.json`` and ``loss.png``.
 
 Everything is embedded: nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-from .testing.harness import BootOptions, run_on_ranks, shutdown_pools
-from .testing.parity import assert_fp8_gather_parity
-from .testing.training import GPT_SEQ, Scenario, train
-
-GPT_SCENARIO = Scenario(
-    optimizer="muon",
-    distribution="layerwise_compact",
-    overlap=True,
-    model="gpt",
-    steps=30,
-    lr=2e-2,
-    micro_batch=8,
-    data="pattern",
-    plugin=True,
-)
-
-MXFP8_SCENARIO = Scenario(
-    optimizer="muon",
-    distribution="layerwise_compact",
-    overlap=True,
-    model="fp8mlp",
-    fp8=True,
-    micro_batch=32,
-    steps=12,
-    eval_after=(5,),
-    snapshots=True,
-    plugin=True,
+RECIPE = "tiny_deepseek_v3"
+OFF_OVERRIDES = (
+    "mixed_precision.fp8_param_gather=false",
+    "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false",
 )
 
 
-def _gpt_run(steps: int, world_size: int) -> bool:
-    scenario = GPT_SCENARIO.with_(steps=steps)
-    print(
-        f"[1/2] tiny GPT, {world_size} CPU ranks (gloo), megatron-core DDP, layer-wise Muon, "
-        f"compact layout, overlapped gathers, {scenario.steps} steps",
-        flush=True,
-    )
-    results = run_on_ranks(train, scenario, progress=True, world_size=world_size, timeout=600)
-    train_seconds = max(r["seconds"] for r in results)
-    tokens = scenario.steps * scenario.micro_batch * GPT_SEQ * world_size
-    identical = len({r["digest"] for r in results}) == 1
-    losses = results[0]["losses"]
-    print(f"  optimizer           {results[0]['optimizer']} (Muon layer-wise + Adam DistOpt)")
-    print(
-        f"  tokens/s            {tokens / train_seconds:,.0f} (training loop, {world_size} ranks)"
-    )
-    print(f"  loss first -> final {losses[0]:.4f} -> {losses[-1]:.4f}")
-    print(f"  ranks identical     {'yes' if identical else 'NO'} (sha256 of every parameter)")
-    return identical
+def _train(out: Path, tag: str, steps: int, world_size: int, extra: tuple[str, ...]) -> dict:
+    losses = out / f"losses-{tag}.json"
+    log = out / f"train-{tag}.log"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}",
+        "--master-port", str(29500 + os.getpid() % 1000 + (1 if tag == "off" else 0)),
+        "-m", "nemo_lw_fp8.cli", "pretrain", "--recipe", RECIPE, "--cpu",
+        "--losses-json", str(losses),
+        f"train.train_iters={steps}",
+        f"train.global_batch_size={2 * world_size}",
+        f"validation.eval_interval={max(1, steps // 2)}",
+        *extra,
+    ]  # fmt: skip
+    start = time.time()
+    with open(log, "w") as handle:
+        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"training ({tag}) failed, see {log}:\n{tail}")
+    print(f"  FP8 param gather {tag.upper():3s}: {steps} steps in {time.time() - start:.0f} s")
+    return json.loads(losses.read_text())
 
 
-def _mxfp8_run(world_size: int) -> bool:
-    print(
-        f"\n[2/2] MXFP8 linear layers (TE classes over the CPU emulation), layer-wise Muon, "
-        f"compact layout, {world_size} ranks, overlapped gathers, an eval after step "
-        f"{MXFP8_SCENARIO.eval_after[0] + 1}: FP8 param gather OFF vs ON",
-        flush=True,
-    )
-    boot = BootOptions(fp8_emulation=True)
-    off = run_on_ranks(train, MXFP8_SCENARIO, world_size=world_size, boot=boot, timeout=600)
-    on = run_on_ranks(
-        train,
-        MXFP8_SCENARIO.with_(fp8_param_gather=True),
-        world_size=world_size,
-        boot=boot,
-        timeout=600,
-    )
-    print(f"  {'step':>4}  {'loss, gather OFF':>18}  {'loss, gather ON':>18}")
-    for step, (a, b) in enumerate(zip(off[0]["losses"], on[0]["losses"], strict=True)):
-        print(f"  {step + 1:>4}  {a:>18.10f}  {b:>18.10f}  {'=' if a == b else '!='}")
-    weights = sum(len(r["effective_weights"]) for r in on)
-    masters = sum(len(r["masters"]) for r in on)
-    try:
-        assert_fp8_gather_parity(off, on)
-    except AssertionError as difference:
-        print(f"  parity              DIFFERENT: {difference}")
-        return False
-    print(
-        f"  parity              bitwise identical: losses, eval loss, forward output, every "
-        f"main_grad, {weights} MXFP8 weights and {masters} fp32 masters across {world_size} ranks"
-    )
-    return True
+def _plot(on: list[float], off: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = range(1, len(on) + 1)
+    ax.plot(steps, off, "o-", label="FP8 param gather OFF (bf16 weights)", linewidth=3, alpha=0.5)
+    ax.plot(steps, on, "x--", label="FP8 param gather ON (MXFP8 weights)", color="black")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.set_title(f"{RECIPE}: Megatron-Bridge pretrain, layer-wise Muon, 2 CPU ranks")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
-def run(steps: int = GPT_SCENARIO.steps, world_size: int = 2) -> int:
-    started = time.perf_counter()
-    try:
-        gpt_ok = _gpt_run(steps, world_size)
-        mxfp8_ok = _mxfp8_run(world_size)
-    finally:
-        shutdown_pools()
-    print(f"\nwall time {time.perf_counter() - started:.1f}s including process start-up")
-    if not (gpt_ok and mxfp8_ok):
-        print("error: the demo's checks failed (see above)")
-        return 1
-    return 0
+def run(steps: int = 12, world_size: int = 2, out: str = "demo-output") -> int:
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"nemo_lw_fp8 demo: {RECIPE}, Megatron-Bridge's pretrain on {world_size} CPU ranks")
+    print("  every feature on: layer-wise Muon, compact layout, overlapped param gather, MXFP8,")
+    print("  single grouped expert weights, MLA + MoE + MTP; eval every", max(1, steps // 2))
+    on = _train(folder, "on", steps, world_size, ())
+    off = _train(folder, "off", steps, world_size, OFF_OVERRIDES)
+    on_loss = [row["lm loss"] for row in on["train"]]
+    off_loss = [row["lm loss"] for row in off["train"]]
+    print(f"\n  {'iter':>4}  {'loss, gather ON':>18}  {'loss, gather OFF':>18}  bitwise")
+    for step, (a, b) in enumerate(zip(on_loss, off_loss, strict=True), start=1):
+        print(f"  {step:>4}  {a:>18.10f}  {b:>18.10f}  {'yes' if a == b else 'NO'}")
+    on_eval = [row["lm loss"] for row in on["eval"]]
+    off_eval = [row["lm loss"] for row in off["eval"]]
+    print(f"  eval  {on_eval}  vs  {off_eval}")
+    same = on_loss == off_loss and on_eval == off_eval and len(on_loss) == steps
+    (folder / "losses.json").write_text(json.dumps({"on": on, "off": off}, indent=1))
+    _plot(on_loss, off_loss, folder / "loss.png")
+    print(f"\n  wrote {folder / 'losses.json'} and {folder / 'loss.png'}")
+    if same:
+        print("  ON == OFF, bitwise, at every iteration and evaluation.")
+        return 0
+    print("  ON != OFF: the FP8 param gather changed the training (see docs/recipes.md).")
+    return 1

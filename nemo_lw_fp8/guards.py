@@ -54,6 +54,18 @@ class Settings:
     te_version: str | None = None
     #: TE's switch ``NVTE_GROUPED_LINEAR_SINGLE_PARAM``; None: read the environment.
     grouped_linear_single_param: bool | None = None
+    moe_grouped_gemm: bool = True
+    use_transformer_engine_op_fuser: bool = True
+    # --- recipes and launchers (issue 7); None = not known at this call site ---
+    #: FP8 format (``--fp8-format`` / Bridge ``fp8``); None when FP8 is off.
+    fp8: str | None = None
+    tensor_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    #: The DDP config's ``overlap_param_gather`` when it can differ from the optimizer's.
+    ddp_overlap_param_gather: bool | None = None
+    overlap_param_gather_with_optimizer_step: bool = False
+    optimizer_cpu_offload: bool = False
+    gather_padding_tolerance: float = 0.1
 
     @property
     def layer_wise(self) -> bool:
@@ -106,7 +118,9 @@ LAYER_WISE_FP8_GATHER_RECIPES = ("mxfp8", "blockwise")
 
 
 def _fp8_gather_recipe(s: Settings) -> str | None:
-    if s.layer_wise and s.fp8_param_gather and s.fp8_recipe not in LAYER_WISE_FP8_GATHER_RECIPES:
+    recipe_known = s.fp8_recipe is not None or s.fp8 is not None  # else fp8-gather-without-fp8
+    wrong_recipe = s.fp8_recipe not in LAYER_WISE_FP8_GATHER_RECIPES
+    if s.layer_wise and s.fp8_param_gather and recipe_known and wrong_recipe:
         return (
             f"layer-wise Muon with --fp8-param-gather supports --fp8-recipe mxfp8 (Blackwell) or "
             f"--fp8-recipe blockwise (Hopper) only, got {s.fp8_recipe!r}. Fix: use one of them, "
@@ -333,6 +347,136 @@ GROUPED_WEIGHT_RULES: tuple[Rule, ...] = (
     ),
 )
 RULES = RULES + GROUPED_WEIGHT_RULES
+
+
+# --------------------------------------------------------------------------- recipes and
+# launchers (issue 7): what a Megatron-Bridge config can combine (docs/recipes.md)
+
+
+def _grouped_needs_grouped_gemm(s: Settings) -> str | None:
+    if s.moe_single_grouped_weight and not s.moe_grouped_gemm:
+        return (
+            "--moe-single-grouped-weight needs --moe-grouped-gemm (model.moe_grouped_gemm=True): "
+            "the single grouped weight belongs to TE's grouped GEMM experts. Fix: set "
+            "model.moe_grouped_gemm=True, or drop --moe-single-grouped-weight."
+        )
+    return None
+
+
+def _grouped_needs_op_fuser(s: Settings) -> str | None:
+    if s.moe_single_grouped_weight and not s.use_transformer_engine_op_fuser:
+        return (
+            "--moe-single-grouped-weight needs model.use_transformer_engine_op_fuser=True: "
+            "megatron-core 0.19.2 trains one grouped parameter only through TE's op fuser. Fix: "
+            "set model.use_transformer_engine_op_fuser=True, or drop --moe-single-grouped-weight."
+        )
+    return None
+
+
+def _fp8_gather_without_fp8(s: Settings) -> str | None:
+    if s.layer_wise and s.fp8_param_gather and s.fp8 is None and s.fp8_recipe is None:
+        return (
+            "--fp8-param-gather is set but FP8 is off (no --fp8-format): there are no FP8 "
+            "parameters to gather. Fix: choose mixed_precision=bf16_with_mxfp8_mixed (Blackwell) "
+            "or a blockwise FP8 preset (Hopper), or set mixed_precision.fp8_param_gather=false."
+        )
+    return None
+
+
+def _fp8_gather_tensor_parallel(s: Settings) -> str | None:
+    tp = max(s.tensor_model_parallel_size, s.expert_tensor_parallel_size or 1)
+    if s.layer_wise and s.fp8_param_gather and tp > 1:
+        return (
+            f"layer-wise Muon with --fp8-param-gather is verified with whole matrices per rank "
+            f"only (tensor / expert-tensor parallel 1), got TP={s.tensor_model_parallel_size}, "
+            f"ETP={s.expert_tensor_parallel_size}: a TP shard's FP8 scales and Muon's "
+            "orthogonalisation both need the whole matrix. Fix: set "
+            "model.tensor_model_parallel_size=1 and model.expert_tensor_parallel_size=1 (use "
+            "PP / EP for memory), or drop --fp8-param-gather."
+        )
+    return None
+
+
+def _overlap_agreement(s: Settings) -> str | None:
+    ddp = s.ddp_overlap_param_gather
+    if s.layer_wise and ddp is not None and ddp != s.overlap_param_gather:
+        return (
+            f"ddp.overlap_param_gather={ddp} but optimizer.overlap_param_gather="
+            f"{s.overlap_param_gather}: Megatron-Bridge would silently switch both on; the plugin "
+            "does not guess which one you meant. Fix: set both to the same value."
+        )
+    return None
+
+
+def _layer_wise_fsdp(s: Settings) -> str | None:
+    if s.layer_wise and (s.use_megatron_fsdp or s.use_torch_fsdp2):
+        return (
+            "layer-wise Muon gives each data-parallel rank whole matrices; FSDP shards every "
+            "parameter by element ranges instead. Fix: set ddp.use_megatron_fsdp=false (and no "
+            "torch FSDP2), or use Adam with the distributed optimizer for FSDP runs."
+        )
+    return None
+
+
+def _layer_wise_overlap_with_step(s: Settings) -> str | None:
+    if s.layer_wise and s.overlap_param_gather_with_optimizer_step:
+        return (
+            "--overlap-param-gather-with-optimizer-step is a distributed-optimizer (Adam) feature "
+            "for interleaved pipelines; layer-wise Muon gathers from each matrix's owner after its "
+            "step. Fix: drop --overlap-param-gather-with-optimizer-step (keep "
+            "--overlap-param-gather)."
+        )
+    return None
+
+
+def _layer_wise_cpu_offload(s: Settings) -> str | None:
+    if s.layer_wise and s.optimizer_cpu_offload:
+        return (
+            "--optimizer-cpu-offload is implemented for the distributed optimizer (Adam) only; "
+            "layer-wise Muon keeps masters and momentum on the GPU. Fix: drop "
+            "--optimizer-cpu-offload, or use PP / EP to reduce per-rank optimizer memory."
+        )
+    return None
+
+
+def _layout_value(s: Settings) -> str | None:
+    if s.layer_wise and s.layer_wise_layout not in ("padded", "compact", "legacy"):
+        return (
+            f"layer_wise_layout={s.layer_wise_layout!r} is not a layout. Fix: use 'compact' "
+            "(no padding, the plugin's default), 'padded' (megatron 0.19.2's) or 'legacy'."
+        )
+    return None
+
+
+def _padding_tolerance(s: Settings) -> str | None:
+    if s.layer_wise and s.layer_wise_layout == "compact" and not s.gather_padding_tolerance >= 0:
+        return (
+            f"gather_padding_tolerance={s.gather_padding_tolerance} must be >= 0 (a fraction of "
+            "the gathered payload; inf always takes the even all_gather). Fix: use e.g. 0.1."
+        )
+    return None
+
+
+INTEGRATION_RULES: tuple[Rule, ...] = (
+    Rule("grouped-weight-needs-grouped-gemm", "one grouped weight = TE grouped GEMM experts",
+         _grouped_needs_grouped_gemm),
+    Rule("grouped-weight-needs-op-fuser", "0.19.2 trains grouped weights via TE's op fuser",
+         _grouped_needs_op_fuser),
+    Rule("fp8-gather-without-fp8", "FP8 param gather needs FP8 on", _fp8_gather_without_fp8),
+    Rule("fp8-gather-tensor-parallel", "layer-wise FP8 gather is verified with TP = ETP = 1",
+         _fp8_gather_tensor_parallel),
+    Rule("overlap-param-gather-agreement", "DDP and optimizer agree on overlapped gather",
+         _overlap_agreement),
+    Rule("layer-wise-fsdp", "layer-wise Muon owns whole matrices, FSDP shards them",
+         _layer_wise_fsdp),
+    Rule("layer-wise-overlap-with-optimizer-step", "an Adam-only overlap mode",
+         _layer_wise_overlap_with_step),
+    Rule("layer-wise-cpu-offload", "optimizer CPU offload is Adam-only", _layer_wise_cpu_offload),
+    Rule("layer-wise-layout-name", "layout is padded, compact or legacy", _layout_value),
+    Rule("compact-gather-padding-tolerance", "tolerance is a non-negative fraction",
+         _padding_tolerance),
+)
+RULES = RULES + INTEGRATION_RULES
 
 
 def violations(settings: Settings) -> list[tuple[str, str]]:

@@ -118,7 +118,9 @@ def test_each_rule_rejects_with_flag_and_fix(rule):
 
 
 def test_every_rule_is_tested():
-    assert {rule.name for rule in guards.RULES} == set(BAD)
+    # The recipe-level rules have their cases in tests/test_guard_catalogue.py.
+    own = {rule.name for rule in guards.RULES if rule not in guards.INTEGRATION_RULES}
+    assert own == set(BAD)
 
 
 def test_dist_muon_counts_as_layer_wise():

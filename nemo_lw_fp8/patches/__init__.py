@@ -31,6 +31,9 @@ PATCH_MODULES: tuple[str, ...] = (
     "compact_layout",
     "grouped_weight_layerwise",
     "blockwise_fp8_param_gather",
+    "mla_local_attention",
+    "bridge_layer_wise_wrap",
+    "bridge_config_guards",
 )
 
 

@@ -22,7 +22,11 @@ Mirrors Megatron-LM PR #4987 (areas 1-4), adapted to megatron-core 0.19.2:
 Re-staging after ``zero_grad_buffer()`` and the chained ordering fix live in
 :mod:`.restage_forced_sync` (#4994's extension).
 
-Patches: ``LayerWiseDistributedOptimizer.__init__``, ``.step_with_ready_grads``,
+Patches: TE's ``_attach_high_precision_init_val`` (``module.base`` and ``module.grouped_linear``;
+only when TE is imported: init values also go into a table keyed by parameter, because the
+module-wide ``bfloat16()`` / ``cuda()`` casts after building drop TE's attribute),
+``LayerWiseDistributedOptimizer.__init__``,
+``.step_with_ready_grads``,
 ``.start_param_sync_for_bucket_group_subset``, adds ``._copy_main_params_to_param_buffer`` and
 ``.prepare_model_params_for_param_sync``; ``DistributedOptimizer.
 start_param_sync_for_bucket_group_subset``; ``ChainedOptimizer._enable_deferred_mxfp8_param_sync``;
@@ -100,11 +104,67 @@ def init_masters_from_high_precision(optimizer: Any) -> None:
         for model_param, main_param in _model_main_pairs(child):
             if not _quantized(model_param):
                 continue
-            getter = getattr(model_param, "get_high_precision_init_val", None)
-            value = getter() if getter is not None else None
+            value = preserved_init_value(model_param)
             if value is None:
                 continue
             main_param.data.copy_(value.to(main_param.device).view(main_param.shape))
+            forget_init_value(model_param)
+
+
+#: TE's preserved init values kept outside the tensor (see :func:`_make_attach_init_value`):
+#: ``id(param) -> value``. No reference to the parameter is held (torch's ``swap_tensors``, which
+#: ``Module._apply`` uses for tensor subclasses, refuses tensors with weak references), so a
+#: lookup also checks the shape; entries are dropped once the masters are built.
+_INIT_VALUES: dict[int, torch.Tensor] = {}
+
+
+def _make_attach_init_value(original):
+    """Area 1a, build side: remember each init value TE attaches, keyed by the parameter.
+
+    TE keeps the value as a Python attribute of the parameter; the module-wide casts every run
+    does after building (megatron's ``Float16Module`` ``module.bfloat16()``, Bridge's
+    ``.cuda()``) go through ``Module._apply``, which swaps a quantized parameter's contents with
+    the cast result (``torch.utils.swap_tensors``, ``__dict__`` included), and the attribute is
+    gone: masters would silently start from the dequantized FP8 weights and diverge from FP8
+    param gather off. The parameter object (its ``id``) survives, so a table keyed by it does.
+    """
+
+    def attach(parameter: torch.Tensor, value: torch.Tensor) -> None:
+        original(parameter, value)
+        _INIT_VALUES[id(parameter)] = value
+
+    attach.__wrapped__ = original  # type: ignore[attr-defined]
+    return attach
+
+
+def preserved_init_value(param: torch.Tensor) -> torch.Tensor | None:
+    """TE's high-precision init value of ``param``, from the tensor or the plugin's table."""
+    getter = getattr(param, "get_high_precision_init_val", None)
+    value = getter() if getter is not None else None
+    if value is None:
+        stored = _INIT_VALUES.get(id(param))
+        if stored is not None and stored.shape == param.shape:
+            value = stored
+    return value
+
+
+def forget_init_value(param: torch.Tensor) -> None:
+    _INIT_VALUES.pop(id(param), None)
+
+
+def _te_attach_overrides() -> list[Override]:
+    """Wrap TE's attach helper where TE is already imported (never imports TE itself)."""
+    import sys
+
+    if "transformer_engine.pytorch" not in sys.modules:
+        return []
+    from transformer_engine.pytorch.module import base, grouped_linear
+
+    attach = _make_attach_init_value(base.__dict__["_attach_high_precision_init_val"])
+    overrides = [Override(base, "_attach_high_precision_init_val", attach)]
+    if "_attach_high_precision_init_val" in grouped_linear.__dict__:
+        overrides.append(Override(grouped_linear, "_attach_high_precision_init_val", attach))
+    return overrides
 
 
 def _copy_non_quantized_main_params(child: Any) -> None:
@@ -312,9 +372,9 @@ def _build_overrides() -> list[Override]:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.optimizer.optimizer import ChainedOptimizer
-
     lw = LayerWiseDistributedOptimizer
     return [
+        *_te_attach_overrides(),
         Override(lw, "__init__", _make_init(lw.__dict__["__init__"])),
         Override(lw, "step_with_ready_grads", _make_step(lw.__dict__["step_with_ready_grads"])),
         Override(

@@ -1,0 +1,119 @@
+"""The guard catalogue: every rule has a bad combination here, each message names a fix, and
+docs/guards.md lists every rule. (Bridge-level cases, through ``ConfigContainer`` overrides, are
+in tests/test_recipes.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nemo_lw_fp8 import guards
+from nemo_lw_fp8.guards import ConfigError, Settings
+
+#: Layer-wise Muon with MXFP8 param gather on the compact layout, single grouped experts: a
+#: combination every rule accepts. Each case below breaks it in one way.
+GOOD = dict(
+    optimizer="dist_muon",
+    use_layer_wise_distributed_optimizer=True,
+    layer_wise_layout="compact",
+    fp8="e4m3",
+    fp8_recipe="mxfp8",
+    fp8_param_gather=True,
+    reuse_grad_buf_for_mxfp8_param_ag=True,
+    overlap_param_gather=True,
+    ddp_overlap_param_gather=True,
+    moe_single_grouped_weight=True,
+    te_version="2.20.2",
+    grouped_linear_single_param=True,
+)
+HOPPER = GOOD | dict(fp8_recipe="blockwise", reuse_grad_buf_for_mxfp8_param_ag=False)
+
+CASES: list[tuple[str, dict, str]] = [
+    ("mxfp8 gather without grad-buffer reuse", GOOD | dict(
+        reuse_grad_buf_for_mxfp8_param_ag=False, moe_single_grouped_weight=False),
+     "fp8-gather-needs-grad-buffer-reuse"),
+    ("tensorwise gather", GOOD | dict(fp8_recipe="tensorwise",
+                                      reuse_grad_buf_for_mxfp8_param_ag=False),
+     "fp8-gather-recipe"),
+    ("delayed-scaling gather", GOOD | dict(fp8_recipe="delayed",
+                                           reuse_grad_buf_for_mxfp8_param_ag=False),
+     "fp8-gather-recipe"),
+    ("blockwise gather with reuse", HOPPER | dict(reuse_grad_buf_for_mxfp8_param_ag=True),
+     "blockwise-gather-no-grad-buffer-reuse"),
+    ("fp8 gather on the legacy path", GOOD | dict(layer_wise_layout="legacy",
+                                                  use_layer_wise_param_layout=False),
+     "fp8-gather-layout"),
+    ("blockwise gather on the legacy path", HOPPER | dict(layer_wise_layout="legacy"),
+     "fp8-gather-layout"),
+    ("fp8 gather in fp16", GOOD | dict(bf16=False), "fp8-gather-bf16"),
+    ("compact with two optimizer instances", GOOD | dict(num_distributed_optimizer_instances=2),
+     "compact-single-instance"),
+    ("compact without the param layout", dict(GOOD, fp8_param_gather=False,
+                                              use_layer_wise_param_layout=False),
+     "compact-needs-param-layout"),
+    ("grouped weights with megatron FSDP", GOOD | dict(use_megatron_fsdp=True),
+     "grouped-weight-fsdp"),
+    ("grouped weights with torch FSDP2", GOOD | dict(use_torch_fsdp2=True), "grouped-weight-fsdp"),
+    ("grouped MXFP8 primary without reuse, plain Muon", dict(
+        GOOD, optimizer="muon", use_layer_wise_distributed_optimizer=False,
+        reuse_grad_buf_for_mxfp8_param_ag=False),
+     "grouped-weight-mxfp8-primary-needs-reuse"),
+    ("grouped weights on TE 2.8", GOOD | dict(te_version="2.8.0"), "grouped-weight-te-version"),
+    ("grouped weights, TE switch unset", GOOD | dict(grouped_linear_single_param=False),
+     "grouped-weight-te-switch"),
+    ("grouped NVFP4 under layer-wise Muon", dict(
+        GOOD, fp8=None, fp8_recipe=None, fp8_param_gather=False, fp4_recipe="nvfp4"),
+     "grouped-weight-nvfp4-layer-wise"),
+    ("grouped weights without grouped GEMM", GOOD | dict(moe_grouped_gemm=False),
+     "grouped-weight-needs-grouped-gemm"),
+    ("grouped weights without TE's op fuser", GOOD | dict(use_transformer_engine_op_fuser=False),
+     "grouped-weight-needs-op-fuser"),
+    ("fp8 gather with FP8 off", GOOD | dict(fp8=None, fp8_recipe=None,
+                                            moe_single_grouped_weight=False),
+     "fp8-gather-without-fp8"),
+    ("fp8 gather with TP 2", GOOD | dict(tensor_model_parallel_size=2),
+     "fp8-gather-tensor-parallel"),
+    ("fp8 gather with ETP 2", GOOD | dict(expert_tensor_parallel_size=2),
+     "fp8-gather-tensor-parallel"),
+    ("blockwise gather with TP 4", HOPPER | dict(tensor_model_parallel_size=4),
+     "fp8-gather-tensor-parallel"),
+    ("DDP overlap off, optimizer overlap on", GOOD | dict(ddp_overlap_param_gather=False),
+     "overlap-param-gather-agreement"),
+    ("DDP overlap on, optimizer overlap off", GOOD | dict(overlap_param_gather=False),
+     "overlap-param-gather-agreement"),
+    ("layer-wise Muon with FSDP, discrete experts", dict(
+        GOOD, moe_single_grouped_weight=False, use_megatron_fsdp=True),
+     "layer-wise-fsdp"),
+    ("overlap with the optimizer step", GOOD | dict(overlap_param_gather_with_optimizer_step=True),
+     "layer-wise-overlap-with-optimizer-step"),
+    ("optimizer CPU offload", GOOD | dict(optimizer_cpu_offload=True), "layer-wise-cpu-offload"),
+    ("unknown layout", GOOD | dict(layer_wise_layout="diagonal"), "layer-wise-layout-name"),
+    ("negative gather padding tolerance", GOOD | dict(gather_padding_tolerance=-0.5),
+     "compact-gather-padding-tolerance"),
+]
+
+
+@pytest.mark.parametrize("good", [GOOD, HOPPER], ids=["blackwell", "hopper"])
+def test_the_supported_combinations_pass(good):
+    assert guards.violations(Settings(**good)) == []
+
+
+@pytest.mark.parametrize(("case", "settings", "rule"), CASES, ids=[c[0] for c in CASES])
+def test_bad_combination_is_rejected_with_a_fix(case, settings, rule):
+    with pytest.raises(ConfigError) as caught:
+        guards.check(Settings(**settings))
+    assert caught.value.rule == rule, caught.value
+    assert "Fix:" in str(caught.value)
+
+
+def test_catalogue_covers_every_rule_and_has_25_combinations():
+    assert len(CASES) >= 25
+    assert len({tuple(sorted(c[1].items())) for c in CASES}) == len(CASES)  # all distinct
+    assert {rule for _, _, rule in CASES} == {rule.name for rule in guards.RULES}
+
+
+def test_docs_list_every_rule():
+    text = (Path(__file__).parent.parent / "docs" / "guards.md").read_text()
+    missing = [rule.name for rule in guards.RULES if f"`{rule.name}`" not in text]
+    assert missing == []

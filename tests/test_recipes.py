@@ -1,0 +1,117 @@
+"""Recipes, the optimizer factory, YAML / key=value overrides and the Bridge-level guards.
+
+Everything Megatron-Bridge runs in one fresh process (``tests/bridge_report.py``): Bridge imports
+Transformer Engine, booted here through the CPU emulation before megatron-core loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_lw_fp8 import architectures, recipes
+
+HERE = Path(__file__).parent
+
+
+def _bridge_or_skip() -> None:
+    if importlib.util.find_spec("megatron.bridge") is None:
+        if os.environ.get("NEMO_LW_FP8_REQUIRE_TE") == "1":
+            pytest.fail("Megatron-Bridge is not installed in this environment (make test needs it)")
+        pytest.skip("Megatron-Bridge not installed (pip install 'nemo-lw-fp8[bridge]')")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    _bridge_or_skip()
+    out = tmp_path_factory.mktemp("bridge") / "report.json"
+    done = subprocess.run(
+        [sys.executable, str(HERE / "bridge_report.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_every_recipe_builds_offline_and_passes_the_guards(report):
+    assert report["errors"] == {}
+    assert sorted(report["recipes"]) == sorted(recipes.RECIPES)
+    assert len(report["recipes"]) == len(recipes.MODELS) * 3
+
+
+@pytest.mark.parametrize("name", sorted(recipes.RECIPES))
+def test_recipe_key_settings(report, name):
+    row = report["recipes"][name]
+    assert row["optimizer"] == "dist_muon" and row["optimizer_class"] == "LayerWiseMuonConfig"
+    assert row["layout"] == row["ddp_layout"] == "compact"
+    assert row["overlap_ddp"] and row["overlap_optimizer"]
+    assert row["single_grouped_weight"] and row["op_fuser"] and row["grouped_gemm"]
+    assert row["switch_env"] == "1"
+    assert row["fp8"] == "e4m3" and row["fp8_param_gather"]
+    if name.endswith("_hopper"):
+        assert (row["fp8_recipe"], row["reuse_grad_buf"]) == ("blockwise", False)
+    else:
+        assert (row["fp8_recipe"], row["reuse_grad_buf"]) == ("mxfp8", True)
+    assert row["tp"] == 1 and row["etp"] == 1  # whole matrices for layer-wise Muon
+    assert row["provider"] == ("MLAModelProvider" if row["multi_latent_attention"] else
+                               "GPTModelProvider")
+    arch = row["arch"]
+    if name.startswith("tiny_"):
+        assert row["hidden_size"] < arch["hidden_size"] and row["num_moe_experts"] <= 8
+        assert row["multi_latent_attention"] == arch["multi_latent_attention"]
+        assert (row["tp"], row["pp"]) == (1, 1)
+    else:
+        for key in ("num_layers", "hidden_size", "num_moe_experts", "moe_ffn_hidden_size",
+                    "vocab_size", "multi_latent_attention"):
+            assert row[key] == arch[key], key
+        gpu = recipes.VARIANT_GPU[name.rsplit("_", 1)[1]]
+        parallel = architectures.parallelism(name.rsplit("_", 1)[0], gpu)
+        assert (row["pp"], row["ep"]) == (parallel.pp, parallel.ep)
+        assert row["global_batch_size"] == parallel.global_batch_size
+
+
+@pytest.mark.parametrize("model", recipes.MODELS)
+def test_recipe_models_match_published_sizes(model):
+    arch = architectures.get_architecture(model)
+    _, delta = architectures.published_comparison(arch)
+    assert abs(delta) <= 0.01
+
+
+def test_yaml_and_cli_precedence(report):
+    yaml = report["yaml"]
+    assert yaml["train_iters"] == 7  # YAML over recipe
+    assert yaml["lr"] == 0.002  # CLI over YAML (YAML said 0.001)
+    assert yaml["global_batch_size"] == 8  # CLI over recipe
+    assert yaml["layout"] == yaml["ddp_layout"] == "padded"  # YAML reaches the DDP config
+    assert yaml["num_layers"] == 4 and yaml["hidden_size"] == 128  # untouched keys keep recipe's
+    assert yaml["optimizer_class"] == "LayerWiseMuonConfig"
+    assert "is not key=value" in yaml["bad_override"]
+
+
+def test_yaml_target_reaches_the_factory_config(report):
+    target = report["yaml"]["target"]
+    assert target == {"class": "LayerWiseMuonConfig", "lr": 0.003, "layout": "compact"}, target
+
+
+def test_yaml_recipe_files_are_current(report):
+    """recipes/*.yaml are generated from the recipes; each parses and names its recipe."""
+    from nemo_lw_fp8.recipe_yaml import render
+
+    for name in sorted(recipes.RECIPES):
+        path = HERE.parent / "recipes" / f"{name}.yaml"
+        assert path.exists(), f"missing {path}; run: python -m nemo_lw_fp8.recipe_yaml"
+        assert path.read_text() == render(name, report["recipes"][name]), f"{path} is stale"
+
+
+def test_yaml_recipe_file_applied_to_its_recipe_changes_nothing(report):
+    assert report["yaml_identity"] == {
+        "tiny_deepseek_v3": True, "deepseek_v3_hopper": True, "qwen3_235b_a22b_mxfp8": True
+    }
