@@ -8,8 +8,8 @@ loop (``torchrun``, 2 gloo ranks, ``nemo-lw-fp8 pretrain --cpu``) with every plu
 layer-wise Muon, compact layout, overlapped param gather, MXFP8 compute (TE's classes over the
 exact CPU emulation), evaluation mid-run; the two runs differ only in the FP8 parameter
 all-gather: ON (persistent MXFP8 weights, bf16 masters staged in the grad buffer) and OFF (bf16
-weights quantized on the fly). The plugin makes training bitwise identical; the demo prints both loss
-curves step by step with the verdict, and writes ``losses.json`` and ``loss.png``. (Evaluation
+weights quantized on the fly). The plugin makes training bitwise identical; the demo prints both
+loss curves step by step with the verdict, writes ``losses.json`` and ``loss.png``. (Evaluation
 losses are printed too; with overlapped gather they still differ - an open issue, see
 ``docs/recipes.md``.)
 

@@ -65,11 +65,11 @@ def local_attention_probe(plugin: bool) -> dict[str, Any]:
 
 
 def mla_gpt_probe(steps: int = 3) -> dict[str, Any]:
-    import nemo_lw_fp8
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    import nemo_lw_fp8
     from nemo_lw_fp8.testing.training import seed_all
 
     seed_all(0)
