@@ -45,13 +45,22 @@ def _boot_cpu() -> None:
 
 
 def resolve_config(
-    recipe: str, config_file: str | None = None, overrides: Sequence[str] = (), cpu: bool = False
+    recipe: str,
+    config_file: str | None = None,
+    overrides: Sequence[str] = (),
+    cpu: bool = False,
+    dry_run: bool = False,
 ) -> Any:
-    """The final ``ConfigContainer``: recipe, then YAML, then ``key=value``; checked."""
+    """The final ``ConfigContainer``: recipe, then YAML, then ``key=value``; checked.
+
+    ``cpu`` / ``dry_run`` boot Transformer Engine (Bridge imports it) through
+    :func:`nemo_lw_fp8.emulation.te_backend.activate`: the real TE where it works, the CPU
+    emulation otherwise, so a configuration can be checked on any machine.
+    """
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ValueError(f"override {item!r} is not key=value (e.g. train.train_iters=10)")
-    if cpu:
+    if cpu or dry_run:
         _boot_cpu()
     import nemo_lw_fp8
     from nemo_lw_fp8 import bridge, recipes
@@ -129,7 +138,7 @@ def run(
 
 def main(args: argparse.Namespace) -> int:
     if args.dry_run:
-        cfg = resolve_config(args.recipe, args.config_file, args.overrides, args.cpu)
+        cfg = resolve_config(args.recipe, args.config_file, args.overrides, args.cpu, dry_run=True)
         print(summary(cfg))
         return 0
     run(args.recipe, args.config_file, args.overrides, args.cpu, args.losses_json)

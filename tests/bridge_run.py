@@ -1,0 +1,26 @@
+"""``torchrun`` target for tests/test_bridge_training.py: ``nemo-lw-fp8 pretrain`` with an
+optional mutation (env ``NEMO_LW_FP8_TEST_MUTATION``) switching one plugin fix off, so the test
+shows its parity check fails without that fix."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+MUTATION = os.environ.get("NEMO_LW_FP8_TEST_MUTATION", "")
+
+if MUTATION == "init_value_table":
+    # TE's init values only as the tensor attribute (dropped by Module._apply): stock behaviour.
+    import nemo_lw_fp8.patches.muon_fp8_param_gather as muon
+
+    def attribute_only(param):
+        getter = getattr(param, "get_high_precision_init_val", None)
+        return getter() if getter is not None else None
+
+    muon.preserved_init_value = attribute_only
+elif MUTATION:
+    raise SystemExit(f"unknown mutation {MUTATION!r}")
+
+from nemo_lw_fp8 import cli  # noqa: E402
+
+sys.exit(cli.main(sys.argv[1:]))
