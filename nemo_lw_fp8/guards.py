@@ -448,6 +448,19 @@ def _layout_value(s: Settings) -> str | None:
     return None
 
 
+def _grouped_blockwise_gather(s: Settings) -> str | None:
+    blockwise_gather = s.layer_wise and s.fp8_param_gather and s.fp8_recipe == "blockwise"
+    if blockwise_gather and s.moe_single_grouped_weight:
+        return (
+            "--moe-single-grouped-weight with layer-wise Muon and blockwise FP8 param gather is "
+            "not supported: the blockwise gather ships each weight's FP8 codes and 128x128 tile "
+            "scales, and a single grouped weight is one GroupedTensor whose per-expert blockwise "
+            "members it does not handle. Fix: discrete expert weights "
+            "(model.moe_single_grouped_weight=false), or MXFP8 (Blackwell), or no FP8 gather."
+        )
+    return None
+
+
 def _padding_tolerance(s: Settings) -> str | None:
     if s.layer_wise and s.layer_wise_layout == "compact" and not s.gather_padding_tolerance >= 0:
         return (
@@ -472,6 +485,8 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
     Rule("layer-wise-overlap-with-optimizer-step", "an Adam-only overlap mode",
          _layer_wise_overlap_with_step),
     Rule("layer-wise-cpu-offload", "optimizer CPU offload is Adam-only", _layer_wise_cpu_offload),
+    Rule("grouped-weight-blockwise-gather", "blockwise gather handles discrete experts only",
+         _grouped_blockwise_gather),
     Rule("layer-wise-layout-name", "layout is padded, compact or legacy", _layout_value),
     Rule("compact-gather-padding-tolerance", "tolerance is a non-negative fraction",
          _padding_tolerance),

@@ -99,8 +99,9 @@ def render(name: str, row: dict[str, Any]) -> str:
     for section, keys in SECTIONS.items():
         lines.append(f"{section}:")
         lines.extend(f"  {key}: {_scalar(row[field])}" for key, field in keys)
-    lines.append("env_vars:")
-    lines.append(f'  {SINGLE_GROUPED_WEIGHT_ENV}: "{row["switch_env"]}"')
+    if row["switch_env"] is not None:
+        lines.append("env_vars:")
+        lines.append(f'  {SINGLE_GROUPED_WEIGHT_ENV}: "{row["switch_env"]}"')
     return "\n".join(lines) + "\n"
 
 

@@ -9,7 +9,8 @@ explicit hyper-parameters of :mod:`nemo_lw_fp8.architectures` (no Hugging Face H
 * FP8 by GPU family: ``mxfp8`` (Blackwell: MXFP8 compute, MXFP8 parameters gathered from the
   grad buffer - Bridge's ``bf16_with_mxfp8_mixed``) or ``hopper`` (Hopper: blockwise FP8
   compute, blockwise FP8 parameters with FP8 codes + scales on the wire, no grad-buffer reuse);
-* single grouped expert weights (TE's ``GroupedLinear`` with one parameter) on the grouped GEMM;
+* single grouped expert weights (TE's ``GroupedLinear`` with one parameter) on the grouped GEMM
+  (``mxfp8`` and tiny recipes; the blockwise gather handles discrete expert weights only);
 * parallelism from :func:`nemo_lw_fp8.architectures.parallelism` (best published Bridge recipe
   of the model, adapted to Muon).
 
@@ -89,12 +90,16 @@ def build(
     variant: str | None = "mxfp8",
     parallel: ParallelismDefaults | None = None,
     train_iters: int = 100_000,
-    single_grouped_weight: bool = True,
+    single_grouped_weight: bool | None = None,
     layer_wise_layout: str = "compact",
     max_lr: float = 2e-4,
     transformer_impl: str = "transformer_engine",
 ) -> Any:
-    """A Megatron-Bridge ``ConfigContainer`` for ``arch`` with every plugin feature on."""
+    """A Megatron-Bridge ``ConfigContainer`` for ``arch`` with every plugin feature on.
+
+    ``single_grouped_weight`` (default: on, except for the Hopper variant, whose blockwise FP8
+    gather handles discrete expert weights only; guard ``grouped-weight-blockwise-gather``).
+    """
     from megatron.bridge.recipes.common import _pretrain_common
 
     from .bridge import layer_wise_muon_fp8_with_cosine_annealing
@@ -124,6 +129,8 @@ def build(
     cfg.tokenizer.tokenizer_type = "NullTokenizer"
     cfg.tokenizer.tokenizer_model = None
     cfg.tokenizer.vocab_size = arch.vocab_size
+    if single_grouped_weight is None:
+        single_grouped_weight = variant != "hopper"
     if single_grouped_weight:
         cfg.model.moe_single_grouped_weight = True
         # megatron 0.19.2 trains single grouped weights only through TE's op fuser.

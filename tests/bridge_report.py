@@ -147,7 +147,8 @@ def main(out_path: str) -> None:
         path = os.path.join(folder, f"{name}.yaml")
         if os.path.exists(path):
             row = recipe_row(resolve_config(name, path, []))
-            report["yaml_identity"][name] = row == report["recipes"][name]
+            built = {k: v for k, v in report["recipes"][name].items() if k != "arch"}
+            report["yaml_identity"][name] = row == built
     with open(out_path, "w") as handle:
         json.dump(report, handle)
 

@@ -27,7 +27,8 @@ GOOD = dict(
     te_version="2.20.2",
     grouped_linear_single_param=True,
 )
-HOPPER = GOOD | dict(fp8_recipe="blockwise", reuse_grad_buf_for_mxfp8_param_ag=False)
+HOPPER = GOOD | dict(fp8_recipe="blockwise", reuse_grad_buf_for_mxfp8_param_ag=False,
+                     moe_single_grouped_weight=False)
 
 CASES: list[tuple[str, dict, str]] = [
     ("mxfp8 gather without grad-buffer reuse", GOOD | dict(
@@ -88,6 +89,8 @@ CASES: list[tuple[str, dict, str]] = [
     ("overlap with the optimizer step", GOOD | dict(overlap_param_gather_with_optimizer_step=True),
      "layer-wise-overlap-with-optimizer-step"),
     ("optimizer CPU offload", GOOD | dict(optimizer_cpu_offload=True), "layer-wise-cpu-offload"),
+    ("single grouped weights with blockwise gather", HOPPER | dict(moe_single_grouped_weight=True),
+     "grouped-weight-blockwise-gather"),
     ("unknown layout", GOOD | dict(layer_wise_layout="diagonal"), "layer-wise-layout-name"),
     ("negative gather padding tolerance", GOOD | dict(gather_padding_tolerance=-0.5),
      "compact-gather-padding-tolerance"),
