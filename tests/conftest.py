@@ -9,6 +9,18 @@ import pytest
 from nemo_lw_fp8.testing.harness import shutdown_pools
 
 
+@pytest.fixture(scope="session")
+def bridge_installed() -> None:
+    """Megatron-Bridge is importable: ``make test`` (NEMO_LW_FP8_REQUIRE_TE=1) fails without it,
+    a bare environment skips with the install hint."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.bridge") is None:
+        if os.environ.get("NEMO_LW_FP8_REQUIRE_TE") == "1":
+            pytest.fail("Megatron-Bridge is not installed in this environment (make test needs it)")
+        pytest.skip("Megatron-Bridge not installed (pip install 'nemo-lw-fp8[bridge]')")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_rank_pools():
     """Rank pools live for the whole session (imports paid once); stop them at the end."""

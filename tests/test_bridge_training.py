@@ -3,7 +3,6 @@ every plugin feature on; FP8 param gather ON = OFF bitwise; the launchers' entry
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -18,12 +17,7 @@ OFF = ("mixed_precision.fp8_param_gather=false",
        "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false")
 
 
-@pytest.fixture(autouse=True)
-def _needs_bridge():
-    if importlib.util.find_spec("megatron.bridge") is None:
-        if os.environ.get("NEMO_LW_FP8_REQUIRE_TE") == "1":
-            pytest.fail("Megatron-Bridge is not installed in this environment (make test needs it)")
-        pytest.skip("Megatron-Bridge not installed (pip install 'nemo-lw-fp8[bridge]')")
+pytestmark = pytest.mark.usefixtures("bridge_installed")
 
 
 def _train(tmp: Path, tag: str, recipe: str, steps: int, *extra: str, mutation: str = "") -> dict:

@@ -6,9 +6,7 @@ Transformer Engine, booted here through the CPU emulation before megatron-core l
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +18,8 @@ from nemo_lw_fp8 import architectures, recipes
 HERE = Path(__file__).parent
 
 
-def _bridge_or_skip() -> None:
-    if importlib.util.find_spec("megatron.bridge") is None:
-        if os.environ.get("NEMO_LW_FP8_REQUIRE_TE") == "1":
-            pytest.fail("Megatron-Bridge is not installed in this environment (make test needs it)")
-        pytest.skip("Megatron-Bridge not installed (pip install 'nemo-lw-fp8[bridge]')")
-
-
 @pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    _bridge_or_skip()
+def report(tmp_path_factory, bridge_installed) -> dict:
     out = tmp_path_factory.mktemp("bridge") / "report.json"
     done = subprocess.run(
         [sys.executable, str(HERE / "bridge_report.py"), str(out)],

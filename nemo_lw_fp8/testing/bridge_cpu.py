@@ -48,9 +48,9 @@ _undo: list[Callable[[], None]] = []
 
 
 def _swap(owner: Any, name: str, value: Any) -> None:
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    _undo.append(lambda: setattr(owner, name, original))
+    from nemo_lw_fp8.testing.cpu_standins import _swap_attrs
+
+    _undo.append(_swap_attrs(owner, {name: value}))
 
 
 @contextlib.contextmanager
