@@ -160,6 +160,98 @@ def assign_owners_joint(
     return JointOwnership(dense=dense, expert=expert, rank_cost=cost)
 
 
+#: How a single grouped expert weight is owned: ``"whole"`` (one rank, like any parameter),
+#: ``"expert"`` (runs of its experts, each owned by one rank), ``"auto"`` (per ownership group:
+#: expert runs when that lowers the busiest rank's Newton-Schulz work by more than
+#: :data:`AUTO_SPLIT_GAIN`, else whole).
+GROUPED_WEIGHT_OWNERSHIP = ("whole", "expert", "auto")
+AUTO_SPLIT_GAIN = 0.02
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Units ``[lo, hi)`` of parameter ``index`` (all of it when ``units == 1``) and its owner."""
+
+    index: int
+    lo: int
+    hi: int
+    owner: int
+
+
+def assign_owner_pieces(
+    costs: Sequence[int],
+    units: Sequence[int],
+    world_size: int,
+    sizes: Sequence[int] | None = None,
+) -> list[Piece]:
+    """Owners at unit granularity: parameter ``i`` is ``units[i]`` equal, independent units
+    (a grouped weight's experts; 1 for an ordinary matrix), each of cost ``costs[i] / units[i]``.
+
+    Greedy LPT over all units (:func:`assign_owners`, deterministic the same way), then the
+    consecutive units of a parameter that landed on the same rank merge into one piece. Returns
+    the pieces in parameter order, units ascending. With units of equal cost this balances to
+    within one unit, where whole ownership can only balance to within one whole parameter.
+    """
+    if len(units) != len(costs):
+        raise ValueError(f"{len(units)} unit counts for {len(costs)} costs")
+    unit_cost, unit_size, owner_of = [], [], []
+    for i, (cost, count) in enumerate(zip(costs, units, strict=True)):
+        if count < 1 or int(cost) % count:
+            raise ValueError(f"parameter {i}: cost {cost} does not split into {count} units")
+        size = int(sizes[i]) if sizes is not None else 0
+        for _ in range(count):
+            unit_cost.append(int(cost) // count)
+            unit_size.append(size // count)
+            owner_of.append(i)
+    owners = assign_owners(unit_cost, world_size, unit_size)
+    pieces: list[Piece] = []
+    unit = 0
+    for i, count in enumerate(units):
+        lo = 0
+        for k in range(1, count + 1):
+            if k == count or owners[unit + k] != owners[unit + lo]:
+                pieces.append(Piece(i, lo, k, owners[unit + lo]))
+                lo = k
+        unit += count
+    return pieces
+
+
+def choose_pieces(
+    costs: Sequence[int],
+    units: Sequence[int],
+    world_size: int,
+    sizes: Sequence[int] | None = None,
+    ownership: str = "auto",
+) -> list[Piece]:
+    """Whole or unit-granular ownership as ``ownership`` says (:data:`GROUPED_WEIGHT_OWNERSHIP`)."""
+    if ownership not in GROUPED_WEIGHT_OWNERSHIP:
+        raise ValueError(f"ownership must be one of {GROUPED_WEIGHT_OWNERSHIP}, got {ownership!r}")
+    whole = [
+        Piece(i, 0, count, owner)
+        for i, (count, owner) in enumerate(
+            zip(units, assign_owners(costs, world_size, sizes), strict=True)
+        )
+    ]
+    if ownership == "whole" or all(count == 1 for count in units):
+        return whole
+    split = assign_owner_pieces(costs, units, world_size, sizes)
+    if ownership == "expert":
+        return split
+    busiest_whole = max(piece_loads(costs, units, whole, world_size))
+    busiest_split = max(piece_loads(costs, units, split, world_size))
+    return split if busiest_whole > (1 + AUTO_SPLIT_GAIN) * busiest_split else whole
+
+
+def piece_loads(
+    values: Sequence[int], units: Sequence[int], pieces: Sequence[Piece], world_size: int
+) -> list[int]:
+    """Per-rank sum of ``values`` (per parameter, spread evenly over its units) under ``pieces``."""
+    loads = [0] * world_size
+    for piece in pieces:
+        loads[piece.owner] += int(values[piece.index]) * (piece.hi - piece.lo) // units[piece.index]
+    return loads
+
+
 def rank_loads(values: Sequence[int], owners: Sequence[int], world_size: int) -> list[int]:
     """Sum of ``values`` per owner rank."""
     loads = [0] * world_size

@@ -49,6 +49,7 @@ FEATURE = "compact_layout"
 #: Attributes on ``DistributedDataParallelConfig`` that hold our settings.
 LAYOUT_ATTR = "nemo_lw_fp8_layer_wise_layout"
 TOLERANCE_ATTR = "nemo_lw_fp8_gather_padding_tolerance"
+OWNERSHIP_ATTR = "nemo_lw_fp8_grouped_weight_ownership"
 LAYOUTS = ("padded", "compact", "legacy")
 
 
@@ -56,6 +57,7 @@ def set_layer_wise_layout(
     ddp_config: Any,
     layout: str,
     gather_padding_tolerance: float = layout_math.DEFAULT_GATHER_PADDING_TOLERANCE,
+    grouped_weight_ownership: str = "whole",
 ) -> Any:
     """Choose the layer-wise buffer layout on a megatron ``DistributedDataParallelConfig``.
 
@@ -68,13 +70,29 @@ def set_layer_wise_layout(
     ``all_gather_into_tensor`` when padding every owner's segment to the longest costs at most
     this fraction of the payload, else with one uneven ``all_gather`` (real bytes only).
     ``math.inf`` always takes the even gather.
+
+    ``grouped_weight_ownership`` (compact): how a single grouped expert weight is owned,
+    ``"whole"`` (one rank), ``"expert"`` (runs of experts on different ranks, see
+    :mod:`nemo_lw_fp8.expert_slices`) or ``"auto"`` (expert runs where they lower the busiest
+    rank's Newton-Schulz work by more than 2 %); the arithmetic is the same in all three.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layer_wise_layout must be one of {LAYOUTS}, got {layout!r}")
     if gather_padding_tolerance < 0:
         raise ValueError(f"gather_padding_tolerance must be >= 0, got {gather_padding_tolerance}")
+    if grouped_weight_ownership not in layout_math.GROUPED_WEIGHT_OWNERSHIP:
+        raise ValueError(
+            f"grouped_weight_ownership must be one of {layout_math.GROUPED_WEIGHT_OWNERSHIP}, "
+            f"got {grouped_weight_ownership!r}"
+        )
+    if grouped_weight_ownership != "whole" and layout != "compact":
+        raise ValueError(
+            f"grouped_weight_ownership={grouped_weight_ownership!r} needs the compact layout "
+            f"(layer_wise_layout='compact'); the {layout!r} layout owns whole parameters"
+        )
     setattr(ddp_config, LAYOUT_ATTR, layout)
     setattr(ddp_config, TOLERANCE_ATTR, gather_padding_tolerance)
+    setattr(ddp_config, OWNERSHIP_ATTR, grouped_weight_ownership)
     return ddp_config
 
 
@@ -217,9 +235,50 @@ def compact_owners(params: list[torch.nn.Parameter], world_size: int) -> list[in
     return layout_math.assign_owners(costs, world_size, sizes)
 
 
-def _shard_compact(optimizer: Any, optimizers: list[Any]) -> None:
-    """Ownership for compact buffers; narrows the optimizers' param groups to this rank."""
+def _expert_units(param: torch.nn.Parameter) -> int:
+    """Experts a param can be split into for ownership: E for a 3-D grouped weight, else 1."""
+    from .grouped_weight_layerwise import is_grouped_weight
+
+    return int(param.shape[0]) if param.dim() == 3 and is_grouped_weight(param) else 1
+
+
+def compact_pieces(
+    params: list[torch.nn.Parameter], world_size: int, ownership: str
+) -> list[torch.nn.Parameter]:
+    """Per param, what its owner updates: the param itself, or expert slices of a grouped weight.
+
+    Returns one entry per piece, each tagged with ``_nemo_lw_fp8_owner_rank``; the entry is the
+    parameter for a whole piece and an :class:`~nemo_lw_fp8.expert_slices.ExpertSlice` for a run
+    of experts. Deterministic, so every rank builds the same pieces (also for others' params:
+    the gather needs to know where each rank's bytes go).
+    """
+    from ..expert_slices import ExpertSlice
+
+    if ownership == "whole":
+        owners = compact_owners(params, world_size)
+        pieces = list(params)
+        for param, owner in zip(pieces, owners, strict=True):
+            param._nemo_lw_fp8_owner_rank = owner
+        return pieces
+    costs = [_cost(p) for p in params]
+    sizes = [p.numel() for p in params]
+    units = [_expert_units(p) for p in params]
+    pieces = []
+    for piece in layout_math.choose_pieces(costs, units, world_size, sizes, ownership):
+        param = params[piece.index]
+        whole = piece.lo == 0 and piece.hi == units[piece.index]
+        entry = param if whole else ExpertSlice(param, piece.lo, piece.hi)
+        entry._nemo_lw_fp8_owner_rank = piece.owner
+        pieces.append(entry)
+    return pieces
+
+
+def _shard_compact(optimizer: Any, optimizers: list[Any], ownership: str) -> None:
+    """Ownership for compact buffers; narrows the optimizers' param groups to this rank's
+    pieces (whole params, or expert slices of grouped weights)."""
     from megatron.core.utils import get_pg_rank, get_pg_size
+
+    from ..expert_slices import parent_of
 
     dp_size, expt_size = get_pg_size(optimizer.dp_cp), get_pg_size(optimizer.expt_dp)
     dp_rank, expt_rank = get_pg_rank(optimizer.dp_cp), get_pg_rank(optimizer.expt_dp)
@@ -227,29 +286,36 @@ def _shard_compact(optimizer: Any, optimizers: list[Any]) -> None:
     dense, expert = [], []
     for group in param_groups:
         (expert if group.get("is_expert_parallel", False) else dense).extend(group["params"])
-    owner: dict[torch.nn.Parameter, int] = {}
-    for params, size in ((dense, dp_size), (expert, expt_size)):
-        for param, rank in zip(params, compact_owners(params, size), strict=True):
-            owner[param] = rank
-    optimizer.dp_cp_params_list = [[p for p in dense if owner[p] == r] for r in range(dp_size)]
-    optimizer.expt_dp_params_list = (
-        [[p for p in expert if owner[p] == r] for r in range(expt_size)] if expert else None
-    )
-    optimizer._nemo_lw_fp8_owner = owner
+    pieces_of: dict[torch.nn.Parameter, list[torch.nn.Parameter]] = {}
+    per_rank: dict[int, list[list[torch.nn.Parameter]]] = {}
+    for kind, (params, size) in enumerate(((dense, dp_size), (expert, expt_size))):
+        per_rank[kind] = [[] for _ in range(size)]
+        for piece in compact_pieces(params, size, ownership):
+            pieces_of.setdefault(parent_of(piece), []).append(piece)
+            per_rank[kind][piece._nemo_lw_fp8_owner_rank].append(piece)
+    optimizer.dp_cp_params_list = per_rank[0]
+    optimizer.expt_dp_params_list = per_rank[1] if expert else None
+    optimizer._nemo_lw_fp8_pieces = pieces_of
     for group in param_groups:
         local = expt_rank if group.get("is_expert_parallel", False) else dp_rank
-        group["params"] = [p for p in group["params"] if owner[p] == local]
+        group["params"] = [
+            piece
+            for param in group["params"]
+            for piece in pieces_of[param]
+            if piece._nemo_lw_fp8_owner_rank == local
+        ]
 
 
 def _attach_compact_groups(optimizer: Any, model_chunks: list[Any]) -> None:
-    owner = optimizer._nemo_lw_fp8_owner
+    pieces_of = optimizer._nemo_lw_fp8_pieces
     for chunk in model_chunks:
         for group in _compact_groups(chunk):
             size = group.data_parallel_group.size()
             segments: list[list[torch.nn.Parameter]] = [[] for _ in range(size)]
             for bucket in group.buckets:
                 for param in bucket.params_list:
-                    segments[owner[param]].append(param)
+                    for piece in pieces_of[param]:
+                        segments[piece._nemo_lw_fp8_owner_rank].append(piece)
             numel = [sum(p.numel() for p in seg) for seg in segments]
             tolerance = getattr(
                 chunk.ddp_config, TOLERANCE_ATTR, layout_math.DEFAULT_GATHER_PADDING_TOLERANCE
@@ -268,7 +334,7 @@ def _make_shard_params(original):
 
         if get_pg_size(self.dp_cp) == 1:
             return original(self, optimizers, full_param_layouts)
-        _shard_compact(self, optimizers)
+        _shard_compact(self, optimizers, getattr(chunks[0].ddp_config, OWNERSHIP_ATTR, "whole"))
         _attach_compact_groups(self, chunks)
         return None
 
@@ -304,20 +370,35 @@ def ranks_to_unpack(state: CompactGroup, my_rank: int) -> range:
 
 
 def _unpack(group: Any, state: CompactGroup, gathered: torch.Tensor) -> None:
+    """Write every gathered segment into the weights. Expert slices of a quantized (MXFP8)
+    grouped weight are assembled into one bf16 tensor first and quantized once, from the same
+    bytes a whole owner would have sent."""
     from megatron.core.distributed.param_and_grad_buffer import (
         _param_uses_quantized_storage,
         copy_tensor_to_quantized_param,
     )
 
+    from ..expert_slices import is_slice
+
+    assembled: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
     for rank in ranks_to_unpack(state, group.data_parallel_group.rank()):
         offset = state.segment_start(rank)
-        for param in state.segments[rank]:
-            values = gathered[offset : offset + param.numel()]
-            offset += param.numel()
-            if _param_uses_quantized_storage(param):
-                copy_tensor_to_quantized_param(param, values.view(param.shape))
+        for piece in state.segments[rank]:
+            values = gathered[offset : offset + piece.numel()]
+            offset += piece.numel()
+            if is_slice(piece) and piece.quantized_parent:
+                parent = piece.parent
+                _, whole = assembled.setdefault(
+                    id(parent), (parent, values.new_empty(parent.numel()))
+                )
+                start, end = piece.flat_range
+                whole[start:end].copy_(values)
+            elif _param_uses_quantized_storage(piece):
+                copy_tensor_to_quantized_param(piece, values.view(piece.shape))
             else:
-                param.data.copy_(values.view(param.shape))
+                piece.data.copy_(values.view(piece.shape))
+    for parent, whole in assembled.values():
+        copy_tensor_to_quantized_param(parent, whole.view(parent.shape))
 
 
 def _compact_dispatch(group: Any, async_op: bool) -> None:

@@ -57,9 +57,12 @@ FEATURE = "muon_fp8_param_gather"
 
 
 def _quantized(param: torch.Tensor) -> bool:
+    """Whether ``param`` (an expert slice: its grouped weight) has MXFP8 storage."""
     from megatron.core.distributed.param_and_grad_buffer import _param_uses_quantized_storage
 
-    return _param_uses_quantized_storage(param)
+    from ..expert_slices import parent_of
+
+    return _param_uses_quantized_storage(parent_of(param))
 
 
 def _owned_by_layer_wise(bucket: Any) -> bool:
@@ -99,16 +102,24 @@ def _model_main_pairs(child: Any):
 
 
 def init_masters_from_high_precision(optimizer: Any) -> None:
-    """Area 1a: masters of MXFP8 params take TE's preserved high-precision init values."""
+    """Area 1a: masters of MXFP8 params take TE's preserved high-precision init values (an
+    expert slice takes its experts' part of its grouped weight's value)."""
+    from ..expert_slices import is_slice, parent_of, slice_init_value
+
+    used = []
     for child in _float16_children(optimizer):
         for model_param, main_param in _model_main_pairs(child):
             if not _quantized(model_param):
                 continue
-            value = preserved_init_value(model_param)
+            value = preserved_init_value(parent_of(model_param))
             if value is None:
                 continue
+            if is_slice(model_param):
+                value = slice_init_value(model_param, value)
             main_param.data.copy_(value.to(main_param.device).view(main_param.shape))
-            forget_init_value(model_param)
+            used.append(parent_of(model_param))
+    for param in used:
+        forget_init_value(param)
 
 
 #: TE's preserved init values kept outside the tensor (see :func:`_make_attach_init_value`):
@@ -202,11 +213,13 @@ def _param_slots(optimizer: Any) -> dict[torch.Tensor, tuple[Any, int, int]]:
 
 def stage_owned_masters(optimizer: Any) -> None:
     """Area 2a: write the bf16 cast of owned MXFP8 masters into the DDP param buffer."""
+    from ..expert_slices import is_slice
+
     slots = _param_slots(optimizer)
     for child in _float16_children(optimizer):
         for model_param, main_param in _model_main_pairs(child):
-            if not _quantized(model_param):
-                continue
+            if not _quantized(model_param) or is_slice(model_param):
+                continue  # expert slices exist on compact buckets only, which pack themselves
             bucket, start, end = slots[model_param]
             if bucket.param_data is None:
                 continue  # a compact-layout bucket: its gather packs masters itself

@@ -81,6 +81,8 @@ class Scenario:
     #: model "moe_grouped": fused wgrad accumulation in the expert layers (TE's behaviour under
     #: ``gradient_accumulation_fusion``): expert wgrads go straight into ``main_grad``.
     grad_accum_fusion: bool = False
+    #: Compact layout: how single grouped expert weights are owned ("whole", "expert", "auto").
+    grouped_weight_ownership: str = "whole"
 
     def with_(self, **changes: Any) -> Scenario:
         return replace(self, **changes)
@@ -338,10 +340,15 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
             raise ValueError("distribution='layerwise_compact' needs plugin=True")
         from nemo_lw_fp8.patches.compact_layout import set_layer_wise_layout
 
-        if scenario.gather_padding_tolerance is None:
-            set_layer_wise_layout(ddp_config, "compact")
-        else:
-            set_layer_wise_layout(ddp_config, "compact", scenario.gather_padding_tolerance)
+        from nemo_lw_fp8.layout import DEFAULT_GATHER_PADDING_TOLERANCE
+
+        tolerance = scenario.gather_padding_tolerance
+        set_layer_wise_layout(
+            ddp_config,
+            "compact",
+            DEFAULT_GATHER_PADDING_TOLERANCE if tolerance is None else tolerance,
+            grouped_weight_ownership=scenario.grouped_weight_ownership,
+        )
     model = wrap_model_chunks_with_ddp(
         [module],
         config,
@@ -631,10 +638,26 @@ def master_snapshot(optimizer, module: torch.nn.Module) -> dict[str, torch.Tenso
             return
         for model_group, main_group in pairs:
             for model_param, main_param in zip(model_group, main_group, strict=True):
-                masters[names[id(model_param)]] = main_param.detach().clone()
+                masters.update(_named_master(names, model_param, main_param))
 
     walk(optimizer)
     return masters
+
+
+def _named_master(
+    names: dict[int, str], model_param: torch.Tensor, main_param: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """A master by its parameter's name; an expert slice's master as its experts' masters
+    under the discrete names (``<grouped name><expert>``)."""
+    from nemo_lw_fp8.expert_slices import is_slice
+
+    if not is_slice(model_param):
+        return {names[id(model_param)]: main_param.detach().clone()}
+    name = names[id(model_param.parent)]
+    return {
+        f"{name}{model_param.lo + k}": member.detach().clone()
+        for k, member in enumerate(main_param.unbind(0))
+    }
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:

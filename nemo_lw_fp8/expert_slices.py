@@ -1,0 +1,124 @@
+"""Expert slices: a run of experts of one single grouped weight, owned by one rank.
+
+Why: the layer-wise optimizer owns whole parameters, and a single grouped expert weight (TE's
+``GroupedTensor``, wrapper shape ``(E, out, in)``) is ONE parameter holding E matrices, so whole
+ownership puts E experts' Newton-Schulz work, fp32 masters and momentum on one rank. Muon treats
+the E matrices independently (``patches/grouped_weight_layerwise.py``), so nothing in the
+arithmetic ties them to one owner. An :class:`ExpertSlice` stands in for experts ``[lo, hi)`` of
+such a weight inside the optimizer: it is a plain parameter of shape ``(hi - lo, out, in)``
+whose data is a view of the experts' bf16 storage (a copy for MXFP8 storage, which cannot be
+viewed as bf16) and whose ``main_grad`` is always the matching slice of the grouped weight's
+current ``main_grad``. The optimizer builds one fp32 master and one momentum per slice; the
+compact layout's gather (``patches/compact_layout.py``) ships each slice's bf16 cast from its
+owner and writes it back into the grouped weight, assembling MXFP8 weights whole before
+quantizing them, so every rank ends with the same bytes as under whole ownership.
+
+Only 3-D grouped weights are sliced (2-D matrices tagged with a member count stay whole).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Attributes an expert slice takes from its grouped weight (what megatron's optimizers read:
+#: tensor-parallel layout, expert all-reduce flag, sharing, grad-norm group, routing tag).
+_COPIED_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "allreduce",
+    "shared",
+    "sequence_parallel",
+    "is_embedding_or_output_parameter",
+    "is_managed_by_layer_wise_optimizer",
+    "grad_norm_group",
+)
+
+
+def _quantized(param: torch.Tensor) -> bool:
+    from megatron.core.distributed.param_and_grad_buffer import _param_uses_quantized_storage
+
+    return bool(_param_uses_quantized_storage(param))
+
+
+def expert_view(grouped: torch.Tensor) -> torch.Tensor | None:
+    """The live bf16 storage of a grouped weight as ``(E, out, in)``, or ``None`` when it is
+    quantized (MXFP8 storage has no bf16 bytes to view)."""
+    if _quantized(grouped):
+        return None
+    from megatron.core.fp8_utils import _unwrap_parameter_data, is_grouped_tensor
+
+    if is_grouped_tensor(grouped):
+        storage = _unwrap_parameter_data(grouped).rowwise_data
+        return storage.view(tuple(grouped.shape))
+    return grouped.data
+
+
+class ExpertSlice(torch.nn.Parameter):
+    """Experts ``[lo, hi)`` of the grouped weight ``parent`` (see the module docstring)."""
+
+    parent: torch.nn.Parameter
+    lo: int
+    hi: int
+
+    def __new__(cls, parent: torch.nn.Parameter, lo: int, hi: int) -> ExpertSlice:
+        if parent.dim() != 3 or not 0 <= lo < hi <= parent.shape[0]:
+            raise ValueError(
+                f"an expert slice needs a 3-D grouped weight and 0 <= lo < hi <= E; got shape "
+                f"{tuple(parent.shape)}, experts [{lo}, {hi})"
+            )
+        view = expert_view(parent)
+        if view is not None:
+            data = view[lo:hi]
+        else:
+            # MXFP8 storage: a bf16 copy of the dequantized experts, read once when the optimizer
+            # builds the fp32 master (which TE's preserved init value then overwrites).
+            with torch.no_grad():
+                data = parent.detach().dequantize()[lo:hi].to(torch.bfloat16).contiguous()
+        self = torch.Tensor._make_subclass(cls, data, parent.requires_grad)
+        self.parent, self.lo, self.hi = parent, lo, hi
+        for name in _COPIED_ATTRS:
+            if hasattr(parent, name):
+                setattr(self, name, getattr(parent, name))
+        return self
+
+    @property
+    def expert_numel(self) -> int:
+        return int(self.parent.shape[1]) * int(self.parent.shape[2])
+
+    @property
+    def flat_range(self) -> tuple[int, int]:
+        """Where this slice's elements lie in the grouped weight, flattened."""
+        return self.lo * self.expert_numel, self.hi * self.expert_numel
+
+    @property
+    def main_grad(self) -> torch.Tensor:
+        """The matching slice of the grouped weight's ``main_grad`` (looked up every time, so a
+        buffer the DDP wrapper re-points is followed)."""
+        start, end = self.flat_range
+        return self.parent.main_grad.reshape(-1)[start:end].view(tuple(self.shape))
+
+    @property
+    def quantized_parent(self) -> bool:
+        return _quantized(self.parent)
+
+    def __repr__(self) -> str:
+        return f"ExpertSlice(experts [{self.lo}, {self.hi}) of {tuple(self.parent.shape)})"
+
+    def __reduce_ex__(self, protocol):  # an optimizer-side stand-in is never pickled
+        raise TypeError("ExpertSlice is an optimizer-side view and is not serialisable")
+
+
+def parent_of(param: torch.Tensor) -> torch.Tensor:
+    """The model parameter ``param`` stands for: the grouped weight of an expert slice, else
+    ``param`` itself."""
+    return param.parent if isinstance(param, ExpertSlice) else param
+
+
+def is_slice(param: torch.Tensor) -> bool:
+    return isinstance(param, ExpertSlice)
+
+
+def slice_init_value(piece: ExpertSlice, value: torch.Tensor) -> torch.Tensor:
+    """The slice of a grouped weight's preserved high-precision init value."""
+    return value.reshape(tuple(piece.parent.shape))[piece.lo : piece.hi]
