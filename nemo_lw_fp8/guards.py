@@ -66,6 +66,11 @@ class Settings:
     overlap_param_gather_with_optimizer_step: bool = False
     optimizer_cpu_offload: bool = False
     gather_padding_tolerance: float = 0.1
+    #: Compact layout: how a single grouped weight is owned ("whole", "expert", "auto").
+    grouped_weight_ownership: str = "whole"
+    #: A checkpoint is saved during training (Bridge ``checkpoint.save`` / ``--save``); None:
+    #: not known at this call site.
+    checkpoint_save: bool | None = None
 
     @property
     def layer_wise(self) -> bool:
@@ -90,6 +95,8 @@ class Settings:
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         if hasattr(args, "use_layer_wise_param_layout") and "layer_wise_layout" not in values:
             values["layer_wise_layout"] = "padded" if args.use_layer_wise_param_layout else "legacy"
+        if hasattr(args, "save"):
+            values["checkpoint_save"] = bool(args.save)
         return cls(**values)
 
 
@@ -470,6 +477,42 @@ def _padding_tolerance(s: Settings) -> str | None:
     return None
 
 
+def _ownership_value(s: Settings) -> str | None:
+    from .layout import GROUPED_WEIGHT_OWNERSHIP
+
+    if s.layer_wise and s.grouped_weight_ownership not in GROUPED_WEIGHT_OWNERSHIP:
+        return (
+            f"grouped_weight_ownership={s.grouped_weight_ownership!r} is not an ownership mode. "
+            "Fix: use 'whole' (one rank per grouped weight), 'expert' or 'auto'."
+        )
+    return None
+
+
+def _split_ownership_needs_compact(s: Settings) -> str | None:
+    split = s.grouped_weight_ownership in ("expert", "auto")
+    if s.layer_wise and split and s.layer_wise_layout != "compact":
+        return (
+            f"grouped_weight_ownership={s.grouped_weight_ownership!r} splits grouped weights "
+            "into expert runs, which only the compact layout can gather; the "
+            f"{s.layer_wise_layout!r} layout owns whole parameters. Fix: "
+            "layer_wise_layout='compact', or grouped_weight_ownership='whole'."
+        )
+    return None
+
+
+def _split_ownership_checkpoint(s: Settings) -> str | None:
+    split = s.grouped_weight_ownership in ("expert", "auto")
+    if s.layer_wise and split and s.checkpoint_save:
+        return (
+            f"grouped_weight_ownership={s.grouped_weight_ownership!r} with checkpoint saving is "
+            "not supported yet: megatron's torch_dist optimizer state maps each optimizer "
+            "parameter to a whole model tensor, and an expert run of a grouped weight is not "
+            "one. Fix: grouped_weight_ownership='whole' for runs that save checkpoints "
+            "(same arithmetic; only the per-rank balance differs)."
+        )
+    return None
+
+
 INTEGRATION_RULES: tuple[Rule, ...] = (
     Rule("grouped-weight-needs-grouped-gemm", "one grouped weight = TE grouped GEMM experts",
          _grouped_needs_grouped_gemm),
@@ -490,6 +533,12 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
     Rule("layer-wise-layout-name", "layout is padded, compact or legacy", _layout_value),
     Rule("compact-gather-padding-tolerance", "tolerance is a non-negative fraction",
          _padding_tolerance),
+    Rule("grouped-weight-ownership-name", "ownership is whole, expert or auto",
+         _ownership_value),
+    Rule("grouped-weight-split-ownership-needs-compact", "expert runs need the compact gather",
+         _split_ownership_needs_compact),
+    Rule("grouped-weight-split-ownership-checkpoint", "torch_dist has no expert-run state",
+         _split_ownership_checkpoint),
 )
 RULES = RULES + INTEGRATION_RULES
 

@@ -27,6 +27,8 @@ GOOD = dict(
     te_version="2.20.2",
     grouped_linear_single_param=True,
 )
+#: Expert-run ownership of grouped weights, no checkpoint saving (benchmarks, short runs).
+EXPERT_RUNS = GOOD | dict(grouped_weight_ownership="expert", checkpoint_save=False)
 HOPPER = GOOD | dict(fp8_recipe="blockwise", reuse_grad_buf_for_mxfp8_param_ag=False,
                      moe_single_grouped_weight=False)
 
@@ -94,10 +96,20 @@ CASES: list[tuple[str, dict, str]] = [
     ("unknown layout", GOOD | dict(layer_wise_layout="diagonal"), "layer-wise-layout-name"),
     ("negative gather padding tolerance", GOOD | dict(gather_padding_tolerance=-0.5),
      "compact-gather-padding-tolerance"),
+    ("unknown grouped weight ownership", GOOD | dict(grouped_weight_ownership="per-expert"),
+     "grouped-weight-ownership-name"),
+    ("expert runs on the padded layout", GOOD | dict(layer_wise_layout="padded",
+                                                    grouped_weight_ownership="expert"),
+     "grouped-weight-split-ownership-needs-compact"),
+    ("auto ownership while saving checkpoints", GOOD | dict(grouped_weight_ownership="auto",
+                                                           checkpoint_save=True),
+     "grouped-weight-split-ownership-checkpoint"),
 ]
 
 
-@pytest.mark.parametrize("good", [GOOD, HOPPER], ids=["blackwell", "hopper"])
+@pytest.mark.parametrize(
+    "good", [GOOD, HOPPER, EXPERT_RUNS], ids=["blackwell", "hopper", "expert-runs"]
+)
 def test_the_supported_combinations_pass(good):
     assert guards.violations(Settings(**good)) == []
 

@@ -55,10 +55,14 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
     plugin's default), ``"padded"`` (megatron 0.19.2's shard-aligned layout) or ``"legacy"``
     (flatten + all_gather; no FP8 param gather). ``gather_padding_tolerance``: compact layout's
     even-vs-uneven gather threshold (see ``docs/compact-layout.md``).
+    ``grouped_weight_ownership``: ``"whole"`` (a single grouped expert weight has one owner),
+    ``"expert"`` or ``"auto"`` (runs of its experts on different ranks; compact layout only,
+    see ``docs/moe-grouped-weights.md``).
     """
 
     layer_wise_layout: str = "compact"
     gather_padding_tolerance: float = 0.1
+    grouped_weight_ownership: str = "whole"
 
     def provide(
         self,
@@ -91,6 +95,7 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
         return {
             "layer_wise_layout": self.layer_wise_layout,
             "use_layer_wise_param_layout": self.layer_wise_layout != "legacy",
+            "grouped_weight_ownership": self.grouped_weight_ownership,
         }
 
 
@@ -110,6 +115,7 @@ def layer_wise_muon_fp8_with_cosine_annealing(
     muon_scalar_optimizer: str = "adam",
     layer_wise_layout: str = "compact",
     gather_padding_tolerance: float = 0.1,
+    grouped_weight_ownership: str = "whole",
     overlap_param_gather: bool = True,
     start_weight_decay: float = 0.033,
     end_weight_decay: float = 0.033,
@@ -143,6 +149,7 @@ def layer_wise_muon_fp8_with_cosine_annealing(
         overlap_param_gather=overlap_param_gather,
         layer_wise_layout=layer_wise_layout,
         gather_padding_tolerance=gather_padding_tolerance,
+        grouped_weight_ownership=grouped_weight_ownership,
     )
     scheduler = SchedulerConfig(
         start_weight_decay=start_weight_decay,
@@ -188,6 +195,8 @@ def settings_from_config(cfg: Any) -> Any:
         values.update(optimizer._layout_settings())
     values["use_distributed_optimizer"] = bool(getattr(cfg.ddp, "use_distributed_optimizer", False))
     values["ddp_overlap_param_gather"] = bool(getattr(cfg.ddp, "overlap_param_gather", False))
+    checkpoint = getattr(cfg, "checkpoint", None)
+    values["checkpoint_save"] = bool(getattr(checkpoint, "save", None))
     # TE's switch: Bridge exports cfg.env_vars before it builds (values already in the process
     # environment win), so the rule sees what the model build will see.
     switch = "NVTE_GROUPED_LINEAR_SINGLE_PARAM"
@@ -213,7 +222,12 @@ def finalize(cfg: Any) -> Any:
     from ..patches.compact_layout import set_layer_wise_layout
 
     optimizer = cfg.optimizer
-    set_layer_wise_layout(cfg.ddp, optimizer.layer_wise_layout, optimizer.gather_padding_tolerance)
+    set_layer_wise_layout(
+        cfg.ddp,
+        optimizer.layer_wise_layout,
+        optimizer.gather_padding_tolerance,
+        grouped_weight_ownership=optimizer.grouped_weight_ownership,
+    )
     return cfg
 
 

@@ -10,6 +10,9 @@ Behaviour (selected with :func:`set_layer_wise_layout` (ddp_config, ``"compact"`
   its FP8 "case 3").
 * Whole-parameter ownership minimises the largest per-rank Newton-Schulz cost
   (:func:`nemo_lw_fp8.layout.assign_owners`), deterministic on every rank and after a resume.
+  Single grouped expert weights can instead be owned in runs of experts by several ranks
+  (``grouped_weight_ownership``, :mod:`nemo_lw_fp8.expert_slices`); the gather then assembles an
+  MXFP8 grouped weight whole before quantizing it.
 * Parameter sync issues exactly one gather collective per layer-wise bucket group and step: each
   owner packs the bf16 cast of its fp32 masters into one segment; the group uses one even
   ``all_gather_into_tensor`` (segments padded to the longest, in a transient buffer only) when that
@@ -26,7 +29,9 @@ supported (upstream rejected that combination).
 
 Patches: ``LayerWiseDistributedOptimizer.compute_full_param_layout`` and ``.shard_params``,
 ``_ParamAndGradBuffer.__init__`` (effective config), ``partition_buckets`` as DDP calls it,
-``_ParamAndGradBucketGroup.start_param_sync`` / ``.finish_param_sync`` (compact groups only).
+``_ParamAndGradBucketGroup.start_param_sync`` / ``.finish_param_sync`` (compact groups only),
+``LayerWiseDistributedOptimizer.sharded_state_dict`` (refuses expert runs, which torch_dist cannot
+describe).
 
 Detection: upstream has it when ``DistributedDataParallelConfig`` carries a per-buffer layer-wise
 layout field (``use_layer_wise_param_layout``) - #5388's design.
@@ -342,6 +347,28 @@ def _make_shard_params(original):
     return shard_params
 
 
+def _make_sharded_state_dict(original):
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """Refuse, with the fix, a torch_dist checkpoint of expert-run ownership (guarded at
+        configuration time too: rule ``grouped-weight-split-ownership-checkpoint``)."""
+        from ..expert_slices import is_slice
+
+        pieces = getattr(self, "_nemo_lw_fp8_pieces", {})
+        if any(is_slice(p) for group in pieces.values() for p in group):
+            from ..guards import ConfigError
+
+            raise ConfigError(
+                "grouped-weight-split-ownership-checkpoint",
+                "this layer-wise optimizer owns runs of experts of single grouped weights "
+                "(grouped_weight_ownership='expert'/'auto'), which megatron's torch_dist "
+                "optimizer state cannot describe. Fix: grouped_weight_ownership='whole'.",
+            )
+        return original(self, model_sharded_state_dict, is_loading, **kwargs)
+
+    sharded_state_dict.__wrapped__ = original
+    return sharded_state_dict
+
+
 def _make_lw_init(original):
     def __init__(
         self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None
@@ -511,6 +538,11 @@ def _build_overrides() -> list[Override]:
         ),
         Override(lw, "shard_params", _make_shard_params(lw.__dict__["shard_params"])),
         Override(lw, "__init__", _make_lw_init(lw.__init__)),
+        Override(
+            lw,
+            "sharded_state_dict",
+            _make_sharded_state_dict(lw.__dict__["sharded_state_dict"]),
+        ),
         Override(buffer_cls, "__init__", _make_buffer_init(buffer_cls.__dict__["__init__"])),
         Override(
             ddp_module, "partition_buckets", _make_partition_buckets(ddp_module.partition_buckets)

@@ -378,7 +378,9 @@ def _merged_masters(results: list[dict]) -> dict[str, torch.Tensor]:
     return merged
 
 
-def assert_same_training(discrete: list[dict], single: list[dict]) -> None:
+def assert_same_training(
+    discrete: list[dict], single: list[dict], replicas: list[list[int]] | None = None
+) -> None:
     """Two runs (either may use single grouped weights): per-step losses, eval losses and every
     parameter on every rank equal to the last bit; with layer-wise runs and snapshots, every
     fp32 master.
@@ -395,10 +397,15 @@ def assert_same_training(discrete: list[dict], single: list[dict]) -> None:
         for name, value in params_a.items():
             assert torch.equal(value, params_b[name]), f"{where}: param {name}"
     if discrete[0].get("layer_wise") and "masters" in discrete[0]:
-        ma, mb = _merged_masters(discrete), _merged_masters(single)
-        assert ma.keys() == mb.keys(), "fp32 masters differ in what they cover"
-        for name, master in ma.items():
-            assert torch.equal(master, mb[name]), f"fp32 master of {name}"
+        # Masters are merged over one model replica's ranks; with expert parallelism the ranks
+        # of different EP ranks hold different experts under the same names (``replicas``:
+        # the rank lists that together hold one copy of each name, default all ranks).
+        for ranks in replicas or [list(range(len(discrete)))]:
+            ma = _merged_masters([discrete[r] for r in ranks])
+            mb = _merged_masters([single[r] for r in ranks])
+            assert ma.keys() == mb.keys(), "fp32 masters differ in what they cover"
+            for name, master in ma.items():
+                assert torch.equal(master, mb[name]), f"fp32 master of {name}"
 
 
 # ------------------------------------------------------------------ cross-layout checkpoint

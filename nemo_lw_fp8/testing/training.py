@@ -338,9 +338,8 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
     if dist_mode == "layerwise_compact":
         if not scenario.plugin:
             raise ValueError("distribution='layerwise_compact' needs plugin=True")
-        from nemo_lw_fp8.patches.compact_layout import set_layer_wise_layout
-
         from nemo_lw_fp8.layout import DEFAULT_GATHER_PADDING_TOLERANCE
+        from nemo_lw_fp8.patches.compact_layout import set_layer_wise_layout
 
         tolerance = scenario.gather_padding_tolerance
         set_layer_wise_layout(

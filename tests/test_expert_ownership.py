@@ -1,0 +1,236 @@
+"""Expert-granular ownership of single grouped expert weights (issue 6, compact layout).
+
+The layout arithmetic (pure functions) and, on CPU gloo ranks, the training parity it must keep:
+with ``grouped_weight_ownership="expert"`` the experts of one grouped weight are owned by
+different ranks, and training is bitwise what discrete expert weights (and whole ownership) give.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from nemo_lw_fp8 import layout
+from nemo_lw_fp8.emulation import te_backend
+
+# --------------------------------------------------------------------------- layout arithmetic
+
+#: DeepSeek-V3's routed experts at EP 8: 58 MoE layers x (fc1, fc2), 32 local experts each.
+DSV3_GROUPED = [(32, 4096, 7168), (32, 7168, 2048)] * 58
+
+
+def _costs(shapes):
+    return [layout.newton_schulz_cost(s) for s in shapes]
+
+
+def _busiest(shapes, dp, ownership):
+    costs, units = _costs(shapes), [s[0] for s in shapes]
+    sizes = [s[0] * s[1] * s[2] for s in shapes]
+    pieces = layout.choose_pieces(costs, units, dp, sizes, ownership)
+    loads = layout.piece_loads(costs, units, pieces, dp)
+    return pieces, loads
+
+
+def test_pieces_cover_every_unit_once_and_merge_runs():
+    shapes = [(4, 8, 8), (4, 8, 8), (1, 16, 8)]
+    pieces = layout.assign_owner_pieces(_costs(shapes), [4, 4, 1], world_size=3)
+    for index, units in enumerate([4, 4, 1]):
+        mine = [p for p in pieces if p.index == index]
+        covered = [u for p in mine for u in range(p.lo, p.hi)]
+        assert covered == list(range(units))
+        # Adjacent pieces of one parameter have different owners (runs are merged).
+        assert all(a.owner != b.owner for a, b in zip(mine, mine[1:], strict=False))
+    assert pieces == layout.assign_owner_pieces(_costs(shapes), [4, 4, 1], world_size=3)
+
+
+@pytest.mark.parametrize("dp", [32, 128])
+def test_expert_ownership_balances_deepseek_v3(dp):
+    """Whole ownership: +10 % at expert-DP 32, ranks with nothing at 128 (116 weights). Expert
+    runs: within one expert of perfect."""
+    _, whole = _busiest(DSV3_GROUPED, dp, "whole")
+    _, split = _busiest(DSV3_GROUPED, dp, "expert")
+    assert sum(whole) == sum(split)
+    assert layout.imbalance(whole) > 1.09
+    if dp > len(DSV3_GROUPED):
+        assert min(whole) == 0
+    unit = max(_costs(DSV3_GROUPED)) // 32
+    # Graham's bound with unit-sized items: the busiest rank is within one expert of the mean.
+    assert max(split) - sum(split) / dp <= unit
+    assert layout.imbalance(split) < 1.01 < layout.imbalance(whole)
+    assert min(split) > 0
+
+
+def test_auto_splits_only_when_it_pays():
+    balanced = [(4, 64, 64)] * 4  # 4 equal weights on 2 ranks: whole is already perfect
+    pieces, _ = _busiest(balanced, 2, "auto")
+    assert all(p.lo == 0 and p.hi == 4 for p in pieces)
+    odd = [(4, 64, 64)] * 3  # 3 on 2 ranks: whole gives 2:1
+    pieces, loads = _busiest(odd, 2, "auto")
+    assert any(p.hi - p.lo < 4 for p in pieces) and loads[0] == loads[1]
+
+
+def test_unknown_ownership_is_refused():
+    with pytest.raises(ValueError, match="ownership must be one of"):
+        layout.choose_pieces([8], [2], 2, ownership="experts")
+
+
+def test_split_ownership_needs_the_compact_layout():
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from nemo_lw_fp8.patches.compact_layout import set_layer_wise_layout
+
+    with pytest.raises(ValueError, match="needs the compact layout"):
+        set_layer_wise_layout(DistributedDataParallelConfig(), "padded", 0.1, "expert")
+
+
+# --------------------------------------------------------------------------- training parity
+
+needs_te = pytest.mark.skipif(
+    te_backend.te_package_dirs() is None, reason="TE's GroupedTensor needs TE's Python package"
+)
+
+PRECISIONS = {
+    "bf16": {},
+    "mxfp8-compute": {"fp8": True},
+    "mxfp8-primary": {"fp8": True, "fp8_param_gather": True},
+}
+GROUPED = "decoder.layers.0.mlp.experts.linear_fc1.weight"
+
+
+def _base():
+    from nemo_lw_fp8.testing.training import Scenario
+
+    return Scenario(
+        model="moe_grouped",
+        steps=3,
+        plugin=True,
+        snapshots=True,
+        optimizer="muon",
+        distribution="layerwise_compact",
+    )
+
+
+def _run(scenario, world_size=2, parallel=None, fn=None):
+    from nemo_lw_fp8.testing.harness import BootOptions, ParallelSpec, run_on_ranks
+    from nemo_lw_fp8.testing.training import train
+
+    return run_on_ranks(
+        fn or train,
+        scenario,
+        world_size=world_size,
+        boot=BootOptions(fp8_emulation=True),
+        parallel=parallel or ParallelSpec(),
+    )
+
+
+def _expert_owners(results, name=GROUPED):
+    """Which rank holds the fp32 master of each expert of ``name``."""
+    owners = {}
+    for rank, result in enumerate(results):
+        for key in result["masters"]:
+            if key.startswith(name) and key[len(name) :].isdigit():
+                owners[int(key[len(name) :])] = rank
+    return owners
+
+
+@needs_te
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_expert_ownership_equals_discrete(precision):
+    from nemo_lw_fp8.testing.grouped_experts import assert_same_training
+
+    scenario = _base().with_(**PRECISIONS[precision])
+    discrete = _run(scenario)
+    split = _run(scenario.with_(single_grouped_weight=True, grouped_weight_ownership="expert"))
+    # The experts of one grouped weight really are owned by both ranks.
+    assert sorted(set(_expert_owners(split).values())) == [0, 1]
+    assert sorted(_expert_owners(split)) == [0, 1, 2, 3]
+    assert_same_training(discrete, split)
+
+
+@needs_te
+def test_expert_ownership_overlap_eval_equals_discrete():
+    """MXFP8 primary weights, overlapped gather, grad-buffer reuse, an eval after step 1."""
+    from nemo_lw_fp8.testing.grouped_experts import assert_same_training
+
+    scenario = _base().with_(
+        **PRECISIONS["mxfp8-primary"], overlap=True, steps=4, eval_after=(1,)
+    )
+    discrete = _run(scenario)
+    split = _run(scenario.with_(single_grouped_weight=True, grouped_weight_ownership="expert"))
+    assert len(split[0]["eval_losses"]) == 1
+    assert_same_training(discrete, split)
+
+
+@contextlib.contextmanager
+def _owner_skips_its_own_segment():
+    """Mutation: unpack only the other ranks' segments, as a gather that trusts the owner's
+    weights to be current would."""
+    from nemo_lw_fp8.patches import compact_layout
+
+    saved = compact_layout.ranks_to_unpack
+    compact_layout.ranks_to_unpack = lambda state, me: [
+        r for r in range(len(state.segments)) if r != me
+    ]
+    try:
+        yield
+    finally:
+        compact_layout.ranks_to_unpack = saved
+
+
+def _train_skipping_own_segment(scenario):
+    from nemo_lw_fp8.testing.training import train
+
+    with _owner_skips_its_own_segment():
+        return train(scenario)
+
+
+@needs_te
+def test_control_mxfp8_slices_need_the_owners_own_bytes():
+    """With MXFP8 primary weights a grouped weight is re-quantized whole from every expert run,
+    the owner's own included; leaving it out breaks parity (the parity test can fail)."""
+    from nemo_lw_fp8.testing.grouped_experts import assert_same_training
+
+    scenario = _base().with_(**PRECISIONS["mxfp8-primary"])
+    discrete = _run(scenario)
+    broken = _run(
+        scenario.with_(single_grouped_weight=True, grouped_weight_ownership="expert"),
+        fn=_train_skipping_own_segment,
+    )
+    with pytest.raises(AssertionError):
+        assert_same_training(discrete, broken)
+
+
+@needs_te
+def test_expert_parallel_grouped_weights_equal_discrete():
+    """EP 2 on 4 ranks (expert-DP 2): single grouped weights, whole and expert-run ownership,
+    against discrete experts; the two EP ranks hold different experts."""
+    from nemo_lw_fp8.testing.grouped_experts import assert_same_training
+    from nemo_lw_fp8.testing.harness import ParallelSpec
+
+    scenario = _base().with_(ep=2)
+    ep2 = ParallelSpec(ep=2)
+    discrete = _run(scenario, world_size=4, parallel=ep2)
+    assert discrete[0]["digest"] != discrete[1]["digest"]
+    for ownership in ("whole", "expert"):
+        single = _run(
+            scenario.with_(single_grouped_weight=True, grouped_weight_ownership=ownership),
+            world_size=4,
+            parallel=ep2,
+        )
+        if ownership == "expert":
+            assert _expert_owners(single), "expert runs were not used"
+        # Ranks 0, 2 hold EP rank 0's experts, ranks 1, 3 EP rank 1's.
+        assert_same_training(discrete, single, replicas=[[0, 2], [1, 3]])
+
+
+@needs_te
+def test_auto_keeps_balanced_grouped_weights_whole():
+    """The test model's 4 grouped weights balance on 2 ranks: auto owns them whole."""
+    from nemo_lw_fp8.testing.grouped_experts import assert_same_training
+
+    scenario = _base().with_(single_grouped_weight=True)
+    whole = _run(scenario)
+    auto = _run(scenario.with_(grouped_weight_ownership="auto"))
+    assert _expert_owners(auto) == {} and any(GROUPED in r["masters"] for r in auto)
+    assert_same_training(whole, auto)
