@@ -8,9 +8,9 @@ same experts as discrete ``(out, in)`` weights get Muon -- and with layer-wise M
 optimizer build asserts on the expert-parallel Adam group. This patch routes grouped weights (not
 TE's grouped *biases*, ``(E, out)``) to Muon / the layer-wise optimizer and makes Muon treat them
 as E independent matrices: each expert's slice of the momentum is orthogonalised and scaled on its
-own, bitwise what E separate weights get. A grouped weight is owned whole by one rank, or, on the compact layout with
-``grouped_weight_ownership="expert"``/``"auto"``, in runs of experts by several ranks
-(:mod:`nemo_lw_fp8.expert_slices`; see ``docs/moe-grouped-weights.md``).
+own, bitwise what E separate weights get. A grouped weight is owned whole by one rank, or, on
+the compact layout with ``grouped_weight_ownership="expert"``/``"auto"``, in runs of experts by
+several ranks (:mod:`nemo_lw_fp8.expert_slices`; see ``docs/moe-grouped-weights.md``).
 
 Mirrors the layer-wise Muon side of Megatron-LM PR #5464 (whose numerical fixes megatron-core
 0.19.2 already has for Adam's DistributedOptimizer).
