@@ -205,7 +205,7 @@ def _grouped_param_types(scenario: Scenario) -> list[str]:
 RESUME = BASE.with_(**OPTIMIZERS["layerwise-muon"], named_checkpoint=True, steps=6)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mxfp8-compute"])
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8-compute", "mxfp8-primary"])
 @pytest.mark.parametrize("save_single", [True, False], ids=["save-single", "save-discrete"])
 def test_checkpoint_across_layouts_continues_bitwise(tmp_path, precision, save_single):
     """Save after 3 steps in one presentation, load into the other, train 3 more: equal to 6
