@@ -61,6 +61,11 @@ GUARD_CASES = {
     "gather-without-fp8": ("tiny_deepseek_v3", [
         "mixed_precision.fp8=null", "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false"]),
     "fp16": ("tiny_qwen3_30b_a3b", ["mixed_precision.bf16=false", "mixed_precision.fp16=true"]),
+    "bad-ownership": ("tiny_deepseek_v3", ["optimizer.grouped_weight_ownership=per-expert"]),
+    "expert-runs-padded": ("tiny_deepseek_v3", [
+        "optimizer.layer_wise_layout=padded", "optimizer.grouped_weight_ownership=expert"]),
+    "expert-runs-saving": ("tiny_deepseek_v3", [
+        "optimizer.grouped_weight_ownership=auto", "checkpoint.save=/tmp/nemo-lw-fp8-ckpt"]),
 }
 
 

@@ -108,3 +108,40 @@ def test_yaml_recipe_file_applied_to_its_recipe_changes_nothing(report):
     assert report["yaml_identity"] == {
         "tiny_deepseek_v3": True, "deepseek_v3_hopper": True, "qwen3_235b_a22b_mxfp8": True
     }
+
+
+#: The rule each Bridge override case in ``bridge_report.GUARD_CASES`` must trip.
+EXPECTED_RULES = {
+    "mxfp8-without-reuse": "fp8-gather-needs-grad-buffer-reuse",
+    "legacy-layout-fp8": "fp8-gather-layout",
+    "overlap-disagree": "overlap-param-gather-agreement",
+    "tensor-parallel": "fp8-gather-tensor-parallel",
+    "expert-tensor-parallel": "fp8-gather-tensor-parallel",
+    "fsdp": "grouped-weight-fsdp",
+    "no-grouped-gemm": "grouped-weight-needs-grouped-gemm",
+    "no-op-fuser": "grouped-weight-needs-op-fuser",
+    "cpu-offload": "layer-wise-cpu-offload",
+    "bad-layout": "layer-wise-layout-name",
+    "blockwise-with-reuse": "blockwise-gather-no-grad-buffer-reuse",
+    "tensorwise-gather": "fp8-gather-recipe",
+    "overlap-with-step": "layer-wise-overlap-with-optimizer-step",
+    "two-instances": "compact-single-instance",
+    "negative-tolerance": "compact-gather-padding-tolerance",
+    "switch-off": "grouped-weight-te-switch",
+    "gather-without-fp8": "fp8-gather-without-fp8",
+    "fp16": "fp8-gather-bf16",
+    "bad-ownership": "grouped-weight-ownership-name",
+    "expert-runs-padded": "grouped-weight-split-ownership-needs-compact",
+    "expert-runs-saving": "grouped-weight-split-ownership-checkpoint",
+}
+
+
+def test_bridge_overrides_trip_their_rule(report):
+    """Each bad key=value combination on a real recipe fails in Bridge's config validation with
+    its rule, and the message names a fix."""
+    assert sorted(report["guards"]) == sorted(EXPECTED_RULES)
+    for case, rule in EXPECTED_RULES.items():
+        found = report["guards"][case]
+        assert found.split("|", 1)[0] == rule, (case, found)
+        assert "Fix" in found, (case, found)
+

@@ -54,6 +54,7 @@ import torch
 from .. import guards
 from .. import layout as layout_math
 from .framework import Override, Patch, register
+from .owner_gather import OwnerPackedSync
 
 FEATURE = "blockwise_fp8_param_gather"
 BLOCK = 128
@@ -315,33 +316,23 @@ def _finish(group: Any) -> None:
         unpack(state, gathered, state.process_group.rank())
 
 
+#: One collective of owner-packed FP8 codes + scales per bucket group, under megatron's
+#: start/finish contract (:mod:`.owner_gather`); ``_post_param_sync`` derives the columnwise
+#: copies once the weights are current.
+BLOCKWISE_SYNC = OwnerPackedSync(
+    dispatch=lambda group, async_op: _dispatch(group, async_op),
+    unpack=lambda group: _finish(group),
+    post=lambda group: group._post_param_sync(),
+)
+
+
 def blockwise_start_param_sync(group: Any, force_sync: bool = False) -> None:
     """megatron's ``start_param_sync`` contract, with owner-packed FP8 codes + scales."""
-    overlap = group.ddp_config.overlap_param_gather
-    if force_sync and group.param_gather_handle is not None:
-        group.param_gather_handle.wait()
-        group.param_gather_handle = None
-        _finish(group)
-        group._post_param_sync()
-        return
-    _dispatch(group, async_op=overlap and not force_sync)
-    if force_sync and overlap:
-        group._post_param_sync()
-    group.param_gather_dispatched = True
+    BLOCKWISE_SYNC.start(group, force_sync)
 
 
 def blockwise_finish_param_sync(group: Any, skip_next_bucket_dispatch: bool = False) -> None:
-    if not group.param_gather_dispatched:
-        blockwise_start_param_sync(group)
-    if group.param_gather_handle is not None:
-        group.param_gather_handle.wait()
-        group.param_gather_handle = None
-        following = group.next_param_gather_bucket_group
-        dispatch_next = following is not None and not skip_next_bucket_dispatch
-        if dispatch_next and not following.param_gather_dispatched:
-            following.start_param_sync()
-        _finish(group)
-        group._post_param_sync()
+    BLOCKWISE_SYNC.finish(group, skip_next_bucket_dispatch)
 
 
 def _blockwise_state(group: Any) -> BlockwiseGroup | None:

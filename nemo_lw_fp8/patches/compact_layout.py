@@ -48,6 +48,7 @@ import torch
 from .. import layout as layout_math
 from ..upstream import change
 from .framework import Override, Patch, register
+from .owner_gather import OwnerPackedSync
 
 FEATURE = "compact_layout"
 
@@ -459,10 +460,10 @@ def _compact_dispatch(group: Any, async_op: bool) -> None:
     group._nemo_lw_fp8_pending = gathered
     group.param_gather_handle = work if async_op else None
     if not async_op:
-        _finish_compact(group)
+        _unpack_pending(group)
 
 
-def _finish_compact(group: Any) -> None:
+def _unpack_pending(group: Any) -> None:
     gathered = getattr(group, "_nemo_lw_fp8_pending", None)
     if gathered is not None:
         group._nemo_lw_fp8_pending = None
@@ -470,32 +471,21 @@ def _finish_compact(group: Any) -> None:
             _unpack(group, group._nemo_lw_fp8_compact, gathered)
 
 
+#: One all_gather(_into_tensor) of owner-packed bf16 values per bucket group, under megatron's
+#: start/finish contract (:mod:`.owner_gather`).
+COMPACT_SYNC = OwnerPackedSync(
+    dispatch=lambda group, async_op: _compact_dispatch(group, async_op),
+    unpack=lambda group: _unpack_pending(group),
+    empty=lambda group: group._nemo_lw_fp8_compact.gather_numel == 0,
+)
+
+
 def compact_start_param_sync(group: Any, force_sync: bool = False) -> None:
-    """One all_gather_into_tensor of owner-packed bf16 values for the whole bucket group."""
-    if force_sync and group.param_gather_handle is not None:
-        group.param_gather_handle.wait()
-        group.param_gather_handle = None
-        _finish_compact(group)
-        return
-    if group._nemo_lw_fp8_compact.gather_numel == 0:
-        group.param_gather_dispatched = True
-        return
-    async_op = group.ddp_config.overlap_param_gather and not force_sync
-    _compact_dispatch(group, async_op)
-    group.param_gather_dispatched = True
+    COMPACT_SYNC.start(group, force_sync)
 
 
 def compact_finish_param_sync(group: Any, skip_next_bucket_dispatch: bool = False) -> None:
-    if not group.param_gather_dispatched:
-        compact_start_param_sync(group)
-    if group.param_gather_handle is not None:
-        group.param_gather_handle.wait()
-        group.param_gather_handle = None
-        following = group.next_param_gather_bucket_group
-        dispatch_next = following is not None and not skip_next_bucket_dispatch
-        if dispatch_next and not following.param_gather_dispatched:
-            following.start_param_sync()
-        _finish_compact(group)
+    COMPACT_SYNC.finish(group, skip_next_bucket_dispatch)
 
 
 def _make_start(original):

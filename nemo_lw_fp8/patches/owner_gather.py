@@ -1,0 +1,66 @@
+"""megatron's bucket-group sync contract for owner-packed gathers (not a patch of its own).
+
+The compact layout (bf16 values) and the blockwise FP8 gather (FP8 codes + tile scales) both
+replace a layer-wise bucket group's ``start_param_sync`` / ``finish_param_sync`` with one
+collective of owner-packed segments. What megatron's callers rely on is the same for both, so it
+lives here once: a forced sync completes an in-flight gather instead of issuing another, an
+overlapped gather is asynchronous and its ``finish`` dispatches the next group before unpacking,
+and ``param_gather_dispatched`` / ``param_gather_handle`` keep megatron's meaning. Each kind
+supplies its own steps: ``dispatch(group, async_op)`` packs and issues the collective (and
+unpacks at once when synchronous), ``unpack(group)`` writes a finished gather into the weights,
+``post(group)`` runs after the weights are current (blockwise: derive the columnwise copies), and
+``empty(group)`` says a group has nothing to gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+def _nothing(group: Any) -> None:
+    return None
+
+
+def _never(group: Any) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class OwnerPackedSync:
+    """The steps of one kind of owner-packed gather (see the module docstring)."""
+
+    dispatch: Callable[[Any, bool], None]
+    unpack: Callable[[Any], None]
+    post: Callable[[Any], None] = _nothing
+    empty: Callable[[Any], bool] = _never
+
+    def start(self, group: Any, force_sync: bool = False) -> None:
+        overlap = group.ddp_config.overlap_param_gather
+        if force_sync and group.param_gather_handle is not None:
+            group.param_gather_handle.wait()
+            group.param_gather_handle = None
+            self.unpack(group)
+            self.post(group)
+            return
+        if self.empty(group):
+            group.param_gather_dispatched = True
+            return
+        self.dispatch(group, overlap and not force_sync)
+        if force_sync and overlap:
+            self.post(group)
+        group.param_gather_dispatched = True
+
+    def finish(self, group: Any, skip_next_bucket_dispatch: bool = False) -> None:
+        if not group.param_gather_dispatched:
+            self.start(group)
+        if group.param_gather_handle is not None:
+            group.param_gather_handle.wait()
+            group.param_gather_handle = None
+            following = group.next_param_gather_bucket_group
+            dispatch_next = following is not None and not skip_next_bucket_dispatch
+            if dispatch_next and not following.param_gather_dispatched:
+                following.start_param_sync()
+            self.unpack(group)
+            self.post(group)
