@@ -55,21 +55,31 @@ def expert_view(grouped: torch.Tensor) -> torch.Tensor | None:
 
 
 class ExpertSlice(torch.nn.Parameter):
-    """Experts ``[lo, hi)`` of the grouped weight ``parent`` (see the module docstring)."""
+    """Experts ``[lo, hi)`` of the grouped weight ``parent`` (see the module docstring).
+
+    ``materialize=False``: a run another rank owns (every rank knows every run, to place the
+    gathered bytes); for MXFP8 storage it then holds no copy, only its shape.
+    """
 
     parent: torch.nn.Parameter
     lo: int
     hi: int
 
-    def __new__(cls, parent: torch.nn.Parameter, lo: int, hi: int) -> ExpertSlice:
+    def __new__(
+        cls, parent: torch.nn.Parameter, lo: int, hi: int, materialize: bool = True
+    ) -> ExpertSlice:
         if parent.dim() != 3 or not 0 <= lo < hi <= parent.shape[0]:
             raise ValueError(
                 f"an expert slice needs a 3-D grouped weight and 0 <= lo < hi <= E; got shape "
                 f"{tuple(parent.shape)}, experts [{lo}, {hi})"
             )
         view = expert_view(parent)
+        shape = (hi - lo, int(parent.shape[1]), int(parent.shape[2]))
         if view is not None:
             data = view[lo:hi]
+        elif not materialize:
+            # Another rank's run of MXFP8 experts: only its shape and place are ever read here.
+            data = torch.zeros((), dtype=torch.bfloat16, device=parent.device).expand(shape)
         else:
             # MXFP8 storage: a bf16 copy of the dequantized experts, read once when the optimizer
             # builds the fp32 master (which TE's preserved init value then overwrites).

@@ -234,3 +234,35 @@ def test_auto_keeps_balanced_grouped_weights_whole():
     auto = _run(scenario.with_(grouped_weight_ownership="auto"))
     assert _expert_owners(auto) == {} and any(GROUPED in r["masters"] for r in auto)
     assert_same_training(whole, auto)
+
+
+def _slice_storage(scenario) -> list[tuple[int, int, int]]:
+    """(owner, this rank, bytes of storage) for every expert slice this rank knows."""
+    import torch.distributed as dist
+
+    from nemo_lw_fp8.expert_slices import is_slice
+    from nemo_lw_fp8.testing.training import build_model, wrap_and_build_optimizer
+
+    module, config = build_model(scenario)
+    _, optimizer = wrap_and_build_optimizer(module, config, scenario)
+    found = []
+    for child in optimizer.chained_optimizers:
+        for pieces in getattr(child, "_nemo_lw_fp8_pieces", {}).values():
+            for piece in pieces:
+                if is_slice(piece):
+                    nbytes = piece.untyped_storage().nbytes()
+                    found.append((piece._nemo_lw_fp8_owner_rank, dist.get_rank(), nbytes))
+    return found
+
+
+@needs_te
+def test_mxfp8_slices_of_other_ranks_hold_no_copy():
+    """For MXFP8 storage an owned run holds a bf16 copy (read once for its master); the runs
+    other ranks own, which every rank knows to place gathered bytes, hold none."""
+    scenario = _base().with_(
+        **PRECISIONS["mxfp8-primary"], single_grouped_weight=True, grouped_weight_ownership="expert"
+    )
+    for found in _run(scenario, fn=_slice_storage):
+        assert found and {owner for owner, _, _ in found} == {0, 1}
+        for owner, rank, nbytes in found:
+            assert (nbytes > 2) == (owner == rank), (owner, rank, nbytes)

@@ -249,7 +249,7 @@ def _expert_units(param: torch.nn.Parameter) -> int:
 
 
 def compact_pieces(
-    params: list[torch.nn.Parameter], world_size: int, ownership: str
+    params: list[torch.nn.Parameter], world_size: int, ownership: str, local_rank: int = 0
 ) -> list[torch.nn.Parameter]:
     """Per param, what its owner updates: the param itself, or expert slices of a grouped weight.
 
@@ -273,7 +273,8 @@ def compact_pieces(
     for piece in layout_math.choose_pieces(costs, units, world_size, sizes, ownership):
         param = params[piece.index]
         whole = piece.lo == 0 and piece.hi == units[piece.index]
-        entry = param if whole else ExpertSlice(param, piece.lo, piece.hi)
+        mine = piece.owner == local_rank
+        entry = param if whole else ExpertSlice(param, piece.lo, piece.hi, materialize=mine)
         entry._nemo_lw_fp8_owner_rank = piece.owner
         pieces.append(entry)
     return pieces
@@ -294,9 +295,11 @@ def _shard_compact(optimizer: Any, optimizers: list[Any], ownership: str) -> Non
         (expert if group.get("is_expert_parallel", False) else dense).extend(group["params"])
     pieces_of: dict[torch.nn.Parameter, list[torch.nn.Parameter]] = {}
     per_rank: dict[int, list[list[torch.nn.Parameter]]] = {}
-    for kind, (params, size) in enumerate(((dense, dp_size), (expert, expt_size))):
+    for kind, (params, size, rank) in enumerate(
+        ((dense, dp_size, dp_rank), (expert, expt_size, expt_rank))
+    ):
         per_rank[kind] = [[] for _ in range(size)]
-        for piece in compact_pieces(params, size, ownership):
+        for piece in compact_pieces(params, size, ownership, rank):
             pieces_of.setdefault(parent_of(piece), []).append(piece)
             per_rank[kind][piece._nemo_lw_fp8_owner_rank].append(piece)
     optimizer.dp_cp_params_list = per_rank[0]
