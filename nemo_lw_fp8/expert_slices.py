@@ -132,3 +132,20 @@ def is_slice(param: torch.Tensor) -> bool:
 def slice_init_value(piece: ExpertSlice, value: torch.Tensor) -> torch.Tensor:
     """The slice of a grouped weight's preserved high-precision init value."""
     return value.reshape(tuple(piece.parent.shape))[piece.lo : piece.hi]
+
+
+def release_copy(piece: ExpertSlice) -> None:
+    """Drop the owner's bf16 copy of MXFP8 experts once their master exists (the copy is read
+    only to build it; :func:`model_values` serves every later read)."""
+    if piece.quantized_parent:
+        shape = tuple(piece.shape)
+        piece.data = torch.zeros((), dtype=piece.dtype, device=piece.device).expand(shape)
+
+
+def model_values(piece: ExpertSlice) -> torch.Tensor:
+    """The experts' current values as the model holds them (dequantized for MXFP8 storage):
+    what megatron's ``reload_model_params`` copies into a master."""
+    if piece.quantized_parent:
+        return piece.parent.detach().dequantize()[piece.lo : piece.hi]
+    return piece.data
+

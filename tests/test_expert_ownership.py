@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import torch
 
 from nemo_lw_fp8 import layout
 from nemo_lw_fp8.emulation import te_backend
@@ -256,13 +257,50 @@ def _slice_storage(scenario) -> list[tuple[int, int, int]]:
 
 
 @needs_te
-def test_mxfp8_slices_of_other_ranks_hold_no_copy():
-    """For MXFP8 storage an owned run holds a bf16 copy (read once for its master); the runs
-    other ranks own, which every rank knows to place gathered bytes, hold none."""
+def test_mxfp8_slices_hold_no_copy():
+    """For MXFP8 storage an owned run's bf16 copy is read once, to build its master, and then
+    released; the runs other ranks own (every rank knows them, to place gathered bytes) never
+    hold one."""
     scenario = _base().with_(
         **PRECISIONS["mxfp8-primary"], single_grouped_weight=True, grouped_weight_ownership="expert"
     )
     for found in _run(scenario, fn=_slice_storage):
         assert found and {owner for owner, _, _ in found} == {0, 1}
-        for owner, rank, nbytes in found:
-            assert (nbytes > 2) == (owner == rank), (owner, rank, nbytes)
+        assert all(nbytes <= 2 for _, _, nbytes in found), found
+
+
+def _reloaded_masters(scenario) -> dict:
+    """megatron's ``reload_model_params`` (a checkpoint load without optimizer state), then the
+    fp32 masters this rank holds, by name."""
+    from nemo_lw_fp8.testing.training import (
+        build_model,
+        master_snapshot,
+        wrap_and_build_optimizer,
+    )
+
+    module, config = build_model(scenario)
+    _, optimizer = wrap_and_build_optimizer(module, config, scenario)
+    for child in optimizer.chained_optimizers:
+        for param_group in getattr(child, "param_groups", []):
+            for master in param_group["params"]:
+                master.data.fill_(1.0)  # anything but the model's values
+    optimizer.reload_model_params()
+    return {"masters": master_snapshot(optimizer, module), "layer_wise": True}
+
+
+@needs_te
+def test_reload_model_params_reads_mxfp8_slices_from_the_model():
+    """After ``reload_model_params`` every master under expert runs equals the one under whole
+    ownership (the dequantized MXFP8 weights), although the runs hold no copy."""
+    from nemo_lw_fp8.testing.grouped_experts import _merged_masters
+
+    scenario = _base().with_(**PRECISIONS["mxfp8-primary"], single_grouped_weight=True)
+    whole = _merged_masters(_run(scenario, fn=_reloaded_masters))
+    split = _merged_masters(
+        _run(scenario.with_(grouped_weight_ownership="expert"), fn=_reloaded_masters)
+    )
+    assert whole.keys() == split.keys()
+    for name, master in whole.items():
+        assert torch.equal(master, split[name]), name
+        if ".experts." in name:  # (norm weights start at 1.0 anyway)
+            assert not torch.all(master == 1.0), name

@@ -185,12 +185,32 @@ def _copy_non_quantized_main_params(child: Any) -> None:
             model_param.data.copy_(main_param.data)
 
 
+def _copy_model_params_to_main_params(child: Any, state_dict: Any = None) -> None:
+    """megatron's model -> master copy (``reload_model_params``), reading expert slices of
+    MXFP8 grouped weights from their grouped weight (their own bf16 copy is released)."""
+    from ..expert_slices import is_slice, model_values
+
+    if state_dict is not None:
+        raise AssertionError("Initialize main params from state dict is not supported")
+    for model_param, main_param in _model_main_pairs(child):
+        values = model_values(model_param) if is_slice(model_param) else model_param.data
+        main_param.data.copy_(values)
+
+
 def skip_requantize_on_inner_step(optimizer: Any) -> None:
     """Area 1b: the inner step leaves MXFP8 params alone (the post-gather quantize sets them)."""
+    from ..expert_slices import is_slice, release_copy
+
     for child in _float16_children(optimizer):
         child._copy_main_params_to_model_params = lambda child=child: (
             _copy_non_quantized_main_params(child)
         )
+        child._copy_model_params_to_main_params = lambda state_dict=None, child=child: (
+            _copy_model_params_to_main_params(child, state_dict)
+        )
+        for model_param, _ in _model_main_pairs(child):
+            if is_slice(model_param):
+                release_copy(model_param)
 
 
 # --------------------------------------------------------------------------- 2. staging
