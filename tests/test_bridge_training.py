@@ -51,6 +51,18 @@ def test_tiny_deepseek_v3_fp8_gather_on_equals_off_through_bridge(tmp_path):
     assert _losses(broken) != _losses(off)
 
 
+def test_expert_run_ownership_equals_whole_through_bridge(tmp_path):
+    """tiny DeepSeek-V3 (8 experts as single grouped weights, MXFP8 primary, compact, overlap):
+    the grouped weights' experts owned by both ranks train exactly as whole ownership."""
+    whole = _train(tmp_path, "whole", "tiny_deepseek_v3", 3)
+    expert = _train(
+        tmp_path, "expert", "tiny_deepseek_v3", 3, "optimizer.grouped_weight_ownership=expert"
+    )
+    assert expert["grouped_weight_ownership"] == "expert"
+    assert expert["expert_slices"] > 0 and whole["expert_slices"] == 0
+    assert _losses(expert) == _losses(whole)
+
+
 def test_tiny_qwen3_moe_trains_through_bridge(tmp_path):
     run = _train(tmp_path, "qwen", "tiny_qwen3_30b_a3b", 4)
     losses = _losses(run)

@@ -83,12 +83,26 @@ def resolve_config(
     return cfg
 
 
+def _count_expert_slices(optimizer: Any) -> int:
+    """Expert runs (``ExpertSlice``) among the pieces of ``optimizer`` and its chained children."""
+    from nemo_lw_fp8.expert_slices import is_slice
+
+    pieces = getattr(optimizer, "_nemo_lw_fp8_pieces", {})
+    count = sum(1 for group in pieces.values() for piece in group if is_slice(piece))
+    for child in getattr(optimizer, "chained_optimizers", []):
+        count += _count_expert_slices(child)
+    return count
+
+
 class _LossRecorder:
     """A Bridge callback keeping each iteration's reduced losses (and eval losses)."""
 
     def __init__(self) -> None:
         self.train: list[dict[str, float]] = []
         self.eval: list[dict[str, float]] = []
+        #: Optimizer pieces that are expert runs of grouped weights, on this rank (see
+        #: ``grouped_weight_ownership``); counted once, at the first step.
+        self.expert_slices: int | None = None
 
     @staticmethod
     def _floats(losses: dict[str, Any] | None) -> dict[str, float]:
@@ -105,6 +119,8 @@ class _LossRecorder:
         class Recorder(Callback):
             def on_train_step_end(self, context: Any) -> None:
                 recorder.train.append(recorder._floats(context.loss_dict))
+                if recorder.expert_slices is None:
+                    recorder.expert_slices = _count_expert_slices(context.optimizer)
 
             def on_eval_end(self, context: Any) -> None:
                 recorder.eval.append(recorder._floats(context.total_loss_dict))
@@ -132,7 +148,17 @@ def run(
     pretrain(cfg, forward_step, callbacks=[recorder.as_callback()])
     if losses_json and int(os.environ.get("RANK", "0")) == 0:
         with open(losses_json, "w") as handle:
-            json.dump({"train": recorder.train, "eval": recorder.eval}, handle)
+            json.dump(
+                {
+                    "train": recorder.train,
+                    "eval": recorder.eval,
+                    "grouped_weight_ownership": getattr(
+                        cfg.optimizer, "grouped_weight_ownership", None
+                    ),
+                    "expert_slices": recorder.expert_slices,
+                },
+                handle,
+            )
     return recorder
 
 
