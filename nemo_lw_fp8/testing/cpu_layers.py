@@ -123,6 +123,9 @@ def _swap_tree(node: Any, table: dict[type, Any], whole: dict[type, Any]) -> Any
             params={key: _swap(value) for key, value in node.params.items()},
         )
     if isinstance(node, functools.partial):
+        # megatron 0.19.2's MoE spec builds its experts as partial(SequentialMLP, submodules=..)
+        if node.func in whole:
+            return whole[node.func]
         keywords = {key: _swap(value) for key, value in node.keywords.items()}
         return functools.partial(_swap(node.func), *node.args, **keywords)
     if isinstance(node, list):
