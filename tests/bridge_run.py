@@ -18,6 +18,11 @@ if MUTATION == "init_value_table":
         return getter() if getter is not None else None
 
     muon.preserved_init_value = attribute_only
+elif MUTATION == "stage_before_hook_gather":
+    # No staging before the gathers of an eval run with the pre-hooks on (stock behaviour).
+    import nemo_lw_fp8.patches.restage_forced_sync as restage
+
+    restage.stage_if_unstaged = lambda chunk: None
 elif MUTATION:
     raise SystemExit(f"unknown mutation {MUTATION!r}")
 

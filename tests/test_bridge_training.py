@@ -20,7 +20,15 @@ OFF = ("mixed_precision.fp8_param_gather=false",
 pytestmark = pytest.mark.usefixtures("bridge_installed")
 
 
-def _train(tmp: Path, tag: str, recipe: str, steps: int, *extra: str, mutation: str = "") -> dict:
+def _train(
+    tmp: Path,
+    tag: str,
+    recipe: str,
+    steps: int,
+    *extra: str,
+    mutation: str = "",
+    eval_interval: int | None = None,
+) -> dict:
     out = tmp / f"{tag}.json"
     env = dict(os.environ, NEMO_LW_FP8_TEST_MUTATION=mutation)
     port = str(29700 + (os.getpid() + hash(tag)) % 200)
@@ -28,7 +36,7 @@ def _train(tmp: Path, tag: str, recipe: str, steps: int, *extra: str, mutation: 
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
          "--master-port", port, str(HERE / "bridge_run.py"), "pretrain", "--recipe", recipe,
          "--cpu", "--losses-json", str(out), f"train.train_iters={steps}",
-         f"validation.eval_interval={steps}", "train.global_batch_size=4", *extra],
+         f"validation.eval_interval={eval_interval or steps}", "train.global_batch_size=4", *extra],
         capture_output=True, text=True, env=env, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -39,28 +47,65 @@ def _losses(run: dict) -> list[float]:
     return [row["lm loss"] for row in run["train"]]
 
 
+def _eval_losses(run: dict) -> list[float]:
+    return [row["lm loss"] for row in run["eval"]]
+
+
 def test_tiny_deepseek_v3_fp8_gather_on_equals_off_through_bridge(tmp_path):
-    on = _train(tmp_path, "on", "tiny_deepseek_v3", 4)
-    off = _train(tmp_path, "off", "tiny_deepseek_v3", 4, *OFF)
+    on = _train(tmp_path, "on", "tiny_deepseek_v3", 4, eval_interval=2)
+    off = _train(tmp_path, "off", "tiny_deepseek_v3", 4, *OFF, eval_interval=2)
     assert len(_losses(on)) == 4
     assert _losses(on) == _losses(off)  # exact float equality at every iteration
     assert _losses(on)[-1] < _losses(on)[0]
+    # Evals at iterations 2 and 4 and the final one: Bridge keeps the pre-hooks on for a
+    # layer-wise run, and they gather the last step's params (Adam's included), exactly.
+    assert len(_eval_losses(on)) == 3
+    assert _eval_losses(on) == _eval_losses(off)
     # Control: without the init-value table (TE's attribute dropped by Module._apply) the
     # masters start from dequantized FP8 and the runs part after two steps.
     broken = _train(tmp_path, "broken", "tiny_deepseek_v3", 4, mutation="init_value_table")
     assert _losses(broken) != _losses(off)
+    # Control: without staging before those gathers, evals see stale Adam params; training
+    # (its loop zeroes and stages before every forward) stays bitwise.
+    stale = _train(
+        tmp_path,
+        "stale",
+        "tiny_deepseek_v3",
+        4,
+        eval_interval=2,
+        mutation="stage_before_hook_gather",
+    )
+    assert _losses(stale) == _losses(off)
+    assert _eval_losses(stale) != _eval_losses(off)
+
+
+def test_tiny_deepseek_v3_padded_layout_evals_through_bridge(tmp_path):
+    """Padded layer-wise buckets share the grad buffer: an unstaged eval gather ships gradients
+    into the MXFP8 weights (NaN); staged, the evals equal FP8 param gather off."""
+    padded = "optimizer.layer_wise_layout=padded"
+    on = _train(tmp_path, "padded-on", "tiny_deepseek_v3", 4, padded, eval_interval=2)
+    off = _train(tmp_path, "padded-off", "tiny_deepseek_v3", 4, padded, *OFF, eval_interval=2)
+    assert _losses(on) == _losses(off)
+    assert len(_eval_losses(on)) == 3
+    assert _eval_losses(on) == _eval_losses(off)
 
 
 def test_expert_run_ownership_equals_whole_through_bridge(tmp_path):
     """tiny DeepSeek-V3 (8 experts as single grouped weights, MXFP8 primary, compact, overlap):
     the grouped weights' experts owned by both ranks train exactly as whole ownership."""
-    whole = _train(tmp_path, "whole", "tiny_deepseek_v3", 3)
+    whole = _train(tmp_path, "whole", "tiny_deepseek_v3", 4, eval_interval=2)
     expert = _train(
-        tmp_path, "expert", "tiny_deepseek_v3", 3, "optimizer.grouped_weight_ownership=expert"
+        tmp_path,
+        "expert",
+        "tiny_deepseek_v3",
+        4,
+        "optimizer.grouped_weight_ownership=expert",
+        eval_interval=2,
     )
     assert expert["grouped_weight_ownership"] == "expert"
     assert expert["expert_slices"] > 0 and whole["expert_slices"] == 0
     assert _losses(expert) == _losses(whole)
+    assert len(_eval_losses(expert)) == 3 and _eval_losses(expert) == _eval_losses(whole)
 
 
 def test_tiny_qwen3_moe_trains_through_bridge(tmp_path):

@@ -81,6 +81,23 @@ def test_train_eval_train_equals_train_train(overlap):
     assert_bitwise(off, with_eval)
 
 
+@pytest.mark.parametrize("distribution", ["layerwise_padded", "layerwise_compact"])
+def test_eval_with_pre_hooks_on_equals_off(distribution):
+    """megatron-training's and Bridge's loops evaluate a layer-wise run with the pre-hooks on (no
+    forced sync, no zero_grad_buffer): the first eval forward must still gather the last step's
+    params, Adam's included, not what the grad buffer holds."""
+    scenario = BASE.with_(
+        distribution=distribution,
+        overlap=True,
+        eval_after=(1, 3),
+        eval_pre_hooks=True,
+        plugin=True,
+    )
+    off = run(scenario)
+    on = run(scenario.with_(fp8_param_gather=True))
+    assert_bitwise(off, on)
+
+
 # --------------------------------------------------------------------------- mutation checks
 
 
@@ -106,6 +123,7 @@ MUTATIONS = {
     "restage_after_zero": ("restage_forced_sync", "restage_after_zero", None),
     "ordering": ("restage_forced_sync", "prepare_chained", _stock_chained_prepare),
     "skip_requantize": ("muon_fp8_param_gather", "skip_requantize_on_inner_step", None),
+    "stage_before_hook_gather": ("restage_forced_sync", "stage_if_unstaged", None),
 }
 
 
@@ -160,21 +178,36 @@ def test_inner_step_does_not_requantize_mxfp8_weights():
 
 
 @pytest.mark.parametrize(
-    "fix, overlap",
+    "fix, overlap, eval_after",
     [
-        ("master_init", False),
-        ("staging", False),
-        ("per_bucket_ownership", False),
-        ("restage_after_zero", True),
-        ("ordering", True),
+        ("master_init", False, ()),
+        ("staging", False, ()),
+        ("per_bucket_ownership", False, ()),
+        # The first gather after a step stages what the step left unstaged (whatever zeroed the
+        # buffers before it); the re-stage is what survives a zero that follows a staging with
+        # no step in between: the forced sync of an eval, then the next step's zero_grad_buffer.
+        ("restage_after_zero", True, (1, 3)),
+        ("ordering", True, ()),
     ],
 )
-def test_each_fix_is_needed(fix, overlap):
-    off = run(BASE.with_(overlap=overlap))
-    on = run_on_ranks(
-        train_mutated, BASE.with_(overlap=overlap, fp8_param_gather=True), fix, boot=FP8
-    )
+def test_each_fix_is_needed(fix, overlap, eval_after):
+    scenario = BASE.with_(overlap=overlap, eval_after=eval_after)
+    off = run(scenario)
+    on = run_on_ranks(train_mutated, scenario.with_(fp8_param_gather=True), fix, boot=FP8)
     with pytest.raises(AssertionError):
+        assert_bitwise(off, on)
+
+
+@pytest.mark.parametrize("distribution", ["layerwise_padded", "layerwise_compact"])
+def test_eval_with_pre_hooks_needs_staging_before_the_gather(distribution):
+    scenario = BASE.with_(
+        distribution=distribution, overlap=True, eval_after=(1, 3), eval_pre_hooks=True
+    )
+    off = run(scenario)
+    on = run_on_ranks(
+        train_mutated, scenario.with_(fp8_param_gather=True), "stage_before_hook_gather", boot=FP8
+    )
+    with pytest.raises(AssertionError, match="eval losses differ"):
         assert_bitwise(off, on)
 
 

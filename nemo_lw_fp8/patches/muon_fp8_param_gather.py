@@ -231,6 +231,11 @@ def _param_slots(optimizer: Any) -> dict[torch.Tensor, tuple[Any, int, int]]:
     return slots
 
 
+#: True on an optimizer whose overlapped step left its new masters unstaged (the loop stages them
+#: after its zero_grad_buffer(); see restage_forced_sync.stage_if_unstaged); staging clears it.
+UNSTAGED_ATTR = "_nemo_lw_fp8_unstaged"
+
+
 def stage_owned_masters(optimizer: Any) -> None:
     """Area 2a: write the bf16 cast of owned MXFP8 masters into the DDP param buffer."""
     from ..expert_slices import is_slice
@@ -247,6 +252,7 @@ def stage_owned_masters(optimizer: Any) -> None:
     # The buffer now holds new values: the next forward pre-hook must gather them again.
     for chunk in optimizer.model_chunks:
         chunk.reset_param_sync_dispatch_state()
+    optimizer.__dict__[UNSTAGED_ATTR] = False
 
 
 def _lw_copy_main_params_to_param_buffer(self) -> None:
@@ -374,6 +380,8 @@ def _make_step(original_step):
             # the training loop re-stages after zero_grad_buffer() (restage_forced_sync).
             self._copy_main_params_to_param_buffer()
             self.start_param_sync_for_bucket_group_subset()
+        else:
+            self.__dict__[UNSTAGED_ATTR] = True
         return success
 
     step_with_ready_grads.__wrapped__ = original_step

@@ -16,8 +16,22 @@ re-stage their masters. It also fixes the ordering hazard of
 ``zero_grad_buffer()`` ran after, wiping LayerWise staging): it now zeroes once, then stages every
 child that stages.
 
-Patches: ``DistributedDataParallel.zero_grad_buffer``,
-``ChainedOptimizer.prepare_model_params_for_param_sync``; adds
+Gathers that no zero precedes: megatron-training's and Megatron-Bridge's loops disable the
+pre-hooks (forced sync, re-stage first) around an eval or a save only when
+``use_distributed_optimizer`` is on; a layer-wise run has it off, so its evals run with the
+pre-hooks on, right after a step, without a zero or a forced sync. Under grad-buffer reuse with
+overlapped gathers the step stages nothing itself (DistOpt's step skips its master -> param
+buffer copy, "called in the training loop"; the layer-wise step defers too), so those pre-hooks
+gathered what the buffers held: DistOpt params one step stale (whole bf16 param buffer) or the
+gradients (buffers shared with the grad buffer, e.g. padded layer-wise buckets: NaN). Each such
+step now marks its optimizer unstaged (the layer-wise step in :mod:`.muon_fp8_param_gather`);
+a DDP chunk's forward (pre-hooks on) or ``start_param_sync`` stages the marked optimizers before
+any gather; every staging clears the mark, so the training loop's own staging leaves nothing to
+do.
+
+Patches: ``DistributedDataParallel.zero_grad_buffer``, ``.forward``, ``.start_param_sync``,
+``ChainedOptimizer.prepare_model_params_for_param_sync``,
+``DistributedOptimizer.step_with_ready_grads`` and ``._copy_main_params_to_param_buffer``; adds
 ``DistributedDataParallel._nemo_lw_fp8_register_restager``.
 
 Detection: native when ``LayerWiseDistributedOptimizer`` defines
@@ -33,6 +47,7 @@ from typing import Any
 import torch
 
 from .framework import Override, Patch, register
+from .muon_fp8_param_gather import UNSTAGED_ATTR
 
 FEATURE = "restage_forced_sync"
 
@@ -69,6 +84,77 @@ def restage_after_zero(chunk: Any) -> None:
         optimizer = ref()
         if optimizer is not None and fp8_gather_active(optimizer):
             stage_owned_masters(optimizer)
+
+
+#: On a DDP chunk: weak references to the DistributedOptimizers whose steps left staging to the
+#: loop (the layer-wise ones are its restagers).
+_DEFERRED_ATTR = "_nemo_lw_fp8_deferred_stagers"
+
+
+def distopt_defers_staging(optimizer: Any) -> bool:
+    """Whether a DistributedOptimizer's step skipped its master -> param buffer copy (megatron
+    leaves it to the training loop under grad-buffer reuse with overlapped gathers)."""
+    if getattr(optimizer, "is_stub_optimizer", False):
+        return False
+    config = optimizer.config
+    return bool(config.reuse_grad_buf_for_mxfp8_param_ag and config.overlap_param_gather)
+
+
+def stage_if_unstaged(chunk: Any) -> None:
+    """Before a gather on ``chunk``: stage the optimizers whose last step is not staged yet.
+
+    Staging writes only each rank's own slots, so nothing else in the buffers (another
+    optimizer's staging, the other slots) is touched; no gather is in flight after a step.
+    """
+    refs = [*getattr(chunk, "_nemo_lw_fp8_restagers", ()), *chunk.__dict__.get(_DEFERRED_ATTR, ())]
+    for ref in refs:
+        optimizer = ref()
+        if optimizer is not None and optimizer.__dict__.get(UNSTAGED_ATTR, False):
+            optimizer._copy_main_params_to_param_buffer()
+
+
+def _make_distopt_step(original):
+    def step_with_ready_grads(self) -> bool:
+        success = original(self)
+        if distopt_defers_staging(self):
+            self.__dict__[UNSTAGED_ATTR] = True
+            for chunk in self.model_chunks:
+                refs = chunk.__dict__.setdefault(_DEFERRED_ATTR, [])
+                if all(ref() is not self for ref in refs):
+                    refs.append(weakref.ref(self))
+        return success
+
+    step_with_ready_grads.__wrapped__ = original
+    return step_with_ready_grads
+
+
+def _make_copy_to_param_buffer(original):
+    def _copy_main_params_to_param_buffer(self) -> None:
+        original(self)
+        self.__dict__[UNSTAGED_ATTR] = False
+
+    _copy_main_params_to_param_buffer.__wrapped__ = original
+    return _copy_main_params_to_param_buffer
+
+
+def _make_forward(original):
+    def forward(self, *inputs, **kwargs):
+        # The pre-hooks of this forward gather; a loop that zeroed and staged left nothing here.
+        if _pre_hooks_enabled(self):
+            stage_if_unstaged(self)
+        return original(self, *inputs, **kwargs)
+
+    forward.__wrapped__ = original
+    return forward
+
+
+def _make_start_param_sync(original):
+    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
+        stage_if_unstaged(self)
+        return original(self, *unused, force_sync=force_sync, force_dispatch=force_dispatch)
+
+    start_param_sync.__wrapped__ = original
+    return start_param_sync
 
 
 def _register_restager(self, optimizer: Any) -> None:
@@ -120,13 +206,24 @@ def _chained_prepare(self) -> None:
 
 def _build_overrides() -> list[Override]:
     from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-    ddp = DistributedDataParallel
+    ddp, distopt = DistributedDataParallel, DistributedOptimizer
+    copy_name = "_copy_main_params_to_param_buffer"
     return [
         Override(ddp, "zero_grad_buffer", _make_zero_grad_buffer(ddp.__dict__["zero_grad_buffer"])),
         Override(ddp, "_nemo_lw_fp8_register_restager", _register_restager),
+        # DDP inherits forward from _BaseDataParallel: wrap what instances resolve.
+        Override(ddp, "forward", _make_forward(ddp.forward)),
+        Override(ddp, "start_param_sync", _make_start_param_sync(ddp.__dict__["start_param_sync"])),
         Override(ChainedOptimizer, "prepare_model_params_for_param_sync", _chained_prepare),
+        Override(
+            distopt,
+            "step_with_ready_grads",
+            _make_distopt_step(distopt.__dict__["step_with_ready_grads"]),
+        ),
+        Override(distopt, copy_name, _make_copy_to_param_buffer(distopt.__dict__[copy_name])),
     ]
 
 

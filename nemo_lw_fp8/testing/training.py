@@ -58,6 +58,9 @@ class Scenario:
     fp8_recipe: str = "mxfp8"
     #: Run an evaluation forward (megatron's forced param sync around it) after these steps.
     eval_after: tuple[int, ...] = ()
+    #: Evaluate with the forward pre-hooks left on and no forced sync: what megatron-training's
+    #: and Megatron-Bridge's loops do when ``use_distributed_optimizer`` is off (layer-wise).
+    eval_pre_hooks: bool = False
     #: Record every rank's main_grads per step and fp32 masters at the end.
     snapshots: bool = False
     #: Put the linear weights' buckets and the vectors' buckets in one bucket group.
@@ -449,10 +452,11 @@ def _megatron_restage_distopt(model: list, optimizer) -> None:
 
 
 def evaluate(scenario: Scenario, model: list, optimizer) -> float:
-    """An eval forward the way megatron's loop does it: forced param sync, no pre-hooks."""
+    """An eval forward the way megatron's loop does it: forced param sync, no pre-hooks (or,
+    with ``eval_pre_hooks``, the pre-hooks gather the last step's params during the forward)."""
     from megatron.training.training import disable_forward_pre_hook, enable_forward_pre_hook
 
-    overlapped = model[0].ddp_config.overlap_param_gather
+    overlapped = model[0].ddp_config.overlap_param_gather and not scenario.eval_pre_hooks
     if overlapped:
         disable_forward_pre_hook(model, optimizer=optimizer)
     with torch.no_grad():
