@@ -41,6 +41,16 @@ def _quantized(param: torch.Tensor) -> bool:
     return bool(_param_uses_quantized_storage(param))
 
 
+def uses_quantized_storage(param: torch.Tensor) -> bool:
+    """Whether ``param`` (for an expert slice: its grouped weight) has MXFP8 storage."""
+    return _quantized(param.parent if isinstance(param, ExpertSlice) else param)
+
+
+def _shape_only(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` that allocates one element: for runs whose values live elsewhere."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
 def expert_view(grouped: torch.Tensor) -> torch.Tensor | None:
     """The live bf16 storage of a grouped weight as ``(E, out, in)``, or ``None`` when it is
     quantized (MXFP8 storage has no bf16 bytes to view)."""
@@ -79,7 +89,7 @@ class ExpertSlice(torch.nn.Parameter):
             data = view[lo:hi]
         elif not materialize:
             # Another rank's run of MXFP8 experts: only its shape and place are ever read here.
-            data = torch.zeros((), dtype=torch.bfloat16, device=parent.device).expand(shape)
+            data = _shape_only(shape, torch.bfloat16, parent.device)
         else:
             # MXFP8 storage: a bf16 copy of the dequantized experts, read once when the optimizer
             # builds the fp32 master (which TE's preserved init value then overwrites).
@@ -138,8 +148,7 @@ def release_copy(piece: ExpertSlice) -> None:
     """Drop the owner's bf16 copy of MXFP8 experts once their master exists (the copy is read
     only to build it; :func:`model_values` serves every later read)."""
     if piece.quantized_parent:
-        shape = tuple(piece.shape)
-        piece.data = torch.zeros((), dtype=piece.dtype, device=piece.device).expand(shape)
+        piece.data = _shape_only(tuple(piece.shape), piece.dtype, piece.device)
 
 
 def model_values(piece: ExpertSlice) -> torch.Tensor:

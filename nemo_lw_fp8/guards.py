@@ -447,7 +447,9 @@ def _layer_wise_cpu_offload(s: Settings) -> str | None:
 
 
 def _layout_value(s: Settings) -> str | None:
-    if s.layer_wise and s.layer_wise_layout not in ("padded", "compact", "legacy"):
+    from .layout import LAYER_WISE_LAYOUTS
+
+    if s.layer_wise and s.layer_wise_layout not in LAYER_WISE_LAYOUTS:
         return (
             f"layer_wise_layout={s.layer_wise_layout!r} is not a layout. Fix: use 'compact' "
             "(no padding, the plugin's default), 'padded' (megatron 0.19.2's) or 'legacy'."

@@ -160,6 +160,10 @@ def assign_owners_joint(
     return JointOwnership(dense=dense, expert=expert, rank_cost=cost)
 
 
+#: The layer-wise buffer layouts: megatron 0.19.2's shard-aligned one, the plugin's compact one,
+#: and no layout at all (flatten + all_gather).
+LAYER_WISE_LAYOUTS = ("padded", "compact", "legacy")
+
 #: How a single grouped expert weight is owned: ``"whole"`` (one rank, like any parameter),
 #: ``"expert"`` (runs of its experts, each owned by one rank), ``"auto"`` (per ownership group:
 #: expert runs when that lowers the busiest rank's Newton-Schulz work by more than

@@ -44,7 +44,9 @@ from megatron.bridge.training.config import (  # noqa: E402
 )
 from megatron.bridge.training.config import SchedulerConfig  # noqa: E402
 
-LAYOUTS = ("padded", "compact", "legacy")
+from ..layout import LAYER_WISE_LAYOUTS  # noqa: E402
+
+LAYOUTS = LAYER_WISE_LAYOUTS
 
 
 @dataclasses.dataclass

@@ -56,7 +56,7 @@ FEATURE = "compact_layout"
 LAYOUT_ATTR = "nemo_lw_fp8_layer_wise_layout"
 TOLERANCE_ATTR = "nemo_lw_fp8_gather_padding_tolerance"
 OWNERSHIP_ATTR = "nemo_lw_fp8_grouped_weight_ownership"
-LAYOUTS = ("padded", "compact", "legacy")
+LAYOUTS = layout_math.LAYER_WISE_LAYOUTS
 
 
 def set_layer_wise_layout(
@@ -234,13 +234,6 @@ def _cost(param: torch.nn.Parameter) -> int:
     return layout_math.newton_schulz_cost(param.shape)
 
 
-def compact_owners(params: list[torch.nn.Parameter], world_size: int) -> list[int]:
-    """Cost-balanced owners for whole params (called by name, so tests can swap it)."""
-    costs = [_cost(p) for p in params]
-    sizes = [p.numel() for p in params]
-    return layout_math.assign_owners(costs, world_size, sizes)
-
-
 def _expert_units(param: torch.nn.Parameter) -> int:
     """Experts a param can be split into for ownership: E for a 3-D grouped weight, else 1."""
     from .grouped_weight_layerwise import is_grouped_weight
@@ -260,15 +253,9 @@ def compact_pieces(
     """
     from ..expert_slices import ExpertSlice
 
-    if ownership == "whole":
-        owners = compact_owners(params, world_size)
-        pieces = list(params)
-        for param, owner in zip(pieces, owners, strict=True):
-            param._nemo_lw_fp8_owner_rank = owner
-        return pieces
     costs = [_cost(p) for p in params]
     sizes = [p.numel() for p in params]
-    units = [_expert_units(p) for p in params]
+    units = [1 if ownership == "whole" else _expert_units(p) for p in params]
     pieces = []
     for piece in layout_math.choose_pieces(costs, units, world_size, sizes, ownership):
         param = params[piece.index]

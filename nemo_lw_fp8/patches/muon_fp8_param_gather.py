@@ -58,11 +58,9 @@ FEATURE = "muon_fp8_param_gather"
 
 def _quantized(param: torch.Tensor) -> bool:
     """Whether ``param`` (an expert slice: its grouped weight) has MXFP8 storage."""
-    from megatron.core.distributed.param_and_grad_buffer import _param_uses_quantized_storage
+    from ..expert_slices import uses_quantized_storage
 
-    from ..expert_slices import parent_of
-
-    return _param_uses_quantized_storage(parent_of(param))
+    return uses_quantized_storage(param)
 
 
 def _owned_by_layer_wise(bucket: Any) -> bool:
