@@ -150,7 +150,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def run(models: tuple[str, ...]) -> tuple[str, bool]:
-    from nemo_lw_fp8.testing.harness import BootOptions, run_on_ranks, shutdown_pools
+    from tests.support.harness import BootOptions, run_on_ranks, shutdown_pools
 
     lines = [
         "layer-wise Muon param gather, bytes on the wire per step (whole model, every Muon "

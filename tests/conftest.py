@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from nemo_lw_fp8.testing.harness import shutdown_pools
+from tests.support.harness import shutdown_pools
 
 
 @pytest.fixture(scope="session")

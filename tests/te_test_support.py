@@ -1,7 +1,7 @@
 """Shared by the emulation tests: TE in a subprocess, and a MAX all-reduce over threads.
 
-Not a test module (pytest collects only ``test_*.py``); tests import it by name because pytest
-puts the tests folder on ``sys.path``.
+Not a test module (pytest collects only ``test_*.py``); tests import it as
+``tests.te_test_support`` (pytest puts the repository root on ``sys.path``).
 """
 
 from __future__ import annotations

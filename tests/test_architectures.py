@@ -138,8 +138,8 @@ def test_tiny_models_build_in_megatron_with_the_counted_size():
         import torch.distributed as dist
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
         dist.init_process_group("gloo", rank=0, world_size=1)
-        from nemo_lw_fp8.testing import cpu_standins
-        cpu_standins.install()
+        from nemo_lw_fp8.cpu import standins
+        standins.install()
         from megatron.core import parallel_state
         parallel_state.initialize_model_parallel()
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_lw_fp8.testing.harness import run_on_ranks
-from nemo_lw_fp8.testing.training import Scenario, train
+from tests.support.harness import run_on_ranks
+from tests.support.scenarios import Scenario
+from tests.support.training import train
 
 
 def _run(scenario: Scenario, world_size: int) -> list[dict]:

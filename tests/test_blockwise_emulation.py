@@ -23,11 +23,11 @@ from fractions import Fraction
 
 import pytest
 import torch
-from te_test_support import TE_PATH, ThreadedMaxAllReduce, needs_te, run_te_script
 
 from nemo_lw_fp8.emulation import blockwise as bw
 from nemo_lw_fp8.emulation import mxfp8 as mx
 from nemo_lw_fp8.emulation import te_backend
+from tests.te_test_support import TE_PATH, ThreadedMaxAllReduce, needs_te, run_te_script
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from nemo_lw_fp8.emulation import te_backend
-from nemo_lw_fp8.testing.harness import BootOptions, run_on_ranks
-from nemo_lw_fp8.testing.parity import assert_fp8_gather_parity as assert_bitwise
-from nemo_lw_fp8.testing.training import Scenario, train
+from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.parity import assert_fp8_gather_parity as assert_bitwise
+from tests.support.scenarios import Scenario
+from tests.support.training import train
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
     pytest.skip("the FP8 emulation needs TE's Python package", allow_module_level=True)
@@ -103,7 +104,7 @@ def test_train_eval_train_equals_train_train(distribution):
 )
 def test_checkpoint_resume_in_fresh_processes_is_bitwise(distribution, overlap, tmp_path):
     """Save after 3 steps, start new rank processes, load, run steps 3-5: same bits as 6 steps."""
-    from nemo_lw_fp8.testing.harness import get_pool
+    from tests.support.harness import get_pool
 
     scenario = BASE.with_(
         distribution=distribution, overlap=overlap, fp8_param_gather=True, steps=6
@@ -235,7 +236,8 @@ def gather_bytes(scenario: Scenario) -> dict:
     from megatron.core import parallel_state
 
     from nemo_lw_fp8.patches.blockwise_fp8_param_gather import STATE_ATTR, param_wire_bytes
-    from nemo_lw_fp8.testing.training import build_model, train_step, wrap_and_build_optimizer
+    from tests.support.scenarios import build_model
+    from tests.support.training import train_step, wrap_and_build_optimizer
 
     module, config = build_model(scenario)
     model, optimizer = wrap_and_build_optimizer(module, config, scenario)
@@ -291,9 +293,9 @@ def test_fp8_bytes_on_the_wire_are_about_half_of_bf16(distribution):
 
 
 def build_with(scenario: Scenario, reuse: bool) -> str:
-    from nemo_lw_fp8.testing import training
+    from tests.support import scenarios, training
 
-    module, config = training.build_model(scenario)
+    module, config = scenarios.build_model(scenario)
     saved = training._reuse_grad_buf
     training._reuse_grad_buf = lambda s: reuse
     try:

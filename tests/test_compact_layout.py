@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from nemo_lw_fp8.emulation import te_backend
-from nemo_lw_fp8.testing.harness import BootOptions, run_on_ranks
-from nemo_lw_fp8.testing.parity import assert_fp8_gather_parity
-from nemo_lw_fp8.testing.training import Scenario, train
+from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.parity import assert_fp8_gather_parity
+from tests.support.scenarios import Scenario
+from tests.support.training import train
 
 FP8 = BootOptions(fp8_emulation=True)
 COMPACT = Scenario(optimizer="muon", distribution="layerwise_compact", plugin=True)
@@ -86,7 +87,8 @@ def test_owner_must_unpack_its_own_segment_for_mxfp8():
 
 def layout_facts(scenario: Scenario) -> dict:
     """Buffers, bucket groups and ownership as this rank built them."""
-    from nemo_lw_fp8.testing.training import build_model, wrap_and_build_optimizer
+    from tests.support.scenarios import build_model
+    from tests.support.training import wrap_and_build_optimizer
 
     module, config = build_model(scenario)
     model, optimizer = wrap_and_build_optimizer(module, config, scenario)
@@ -218,7 +220,8 @@ def count_layer_wise_gathers(scenario: Scenario) -> dict:
     """Param-gather collectives of the layer-wise bucket groups during steps 1 and 2."""
     from megatron.core import parallel_state
 
-    from nemo_lw_fp8.testing.training import build_model, train_step, wrap_and_build_optimizer
+    from tests.support.scenarios import build_model
+    from tests.support.training import train_step, wrap_and_build_optimizer
 
     module, config = build_model(scenario)
     model, optimizer = wrap_and_build_optimizer(module, config, scenario)
@@ -268,7 +271,8 @@ def test_compact_issues_one_collective_per_bucket_group_per_step(tolerance):
 
 def allocated_buffers(scenario: Scenario) -> list[dict]:
     """The grad (and param) storage megatron really allocated, per buffer."""
-    from nemo_lw_fp8.testing.training import build_model, wrap_and_build_optimizer
+    from tests.support.scenarios import build_model
+    from tests.support.training import wrap_and_build_optimizer
 
     module, config = build_model(scenario)
     model, _ = wrap_and_build_optimizer(module, config, scenario)
@@ -284,7 +288,7 @@ def allocated_buffers(scenario: Scenario) -> list[dict]:
 
 def _mlp_specs():
     from nemo_lw_fp8.model_shapes import ParamSpec
-    from nemo_lw_fp8.testing.training import TinyMLP
+    from tests.support.scenarios import TinyMLP
 
     return [
         ParamSpec(name, tuple(p.shape), muon=p.dim() == 2)
@@ -314,7 +318,7 @@ def test_planner_bytes_equal_allocated_buffers(world_size, distribution):
 
 def test_expert_parallel_moe_layouts_equal_plain_muon():
     """A tiny MoE GPT with EP 2 on 4 ranks: expert matrices are owned over the expert-DP group."""
-    from nemo_lw_fp8.testing.harness import ParallelSpec
+    from tests.support.harness import ParallelSpec
 
     moe = Scenario(optimizer="muon", model="moe_gpt", ep=2, steps=3)
     ep2 = ParallelSpec(ep=2)

@@ -100,7 +100,7 @@ GROUPED = "decoder.layers.0.mlp.experts.linear_fc1.weight"
 
 
 def _base():
-    from nemo_lw_fp8.testing.training import Scenario
+    from tests.support.scenarios import Scenario
 
     return Scenario(
         model="moe_grouped",
@@ -113,8 +113,8 @@ def _base():
 
 
 def _run(scenario, world_size=2, parallel=None, fn=None):
-    from nemo_lw_fp8.testing.harness import BootOptions, ParallelSpec, run_on_ranks
-    from nemo_lw_fp8.testing.training import train
+    from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
+    from tests.support.training import train
 
     return run_on_ranks(
         fn or train,
@@ -138,7 +138,7 @@ def _expert_owners(results, name=GROUPED):
 @needs_te
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_expert_ownership_equals_discrete(precision):
-    from nemo_lw_fp8.testing.grouped_experts import assert_same_training
+    from tests.support.parity import assert_same_training
 
     scenario = _base().with_(**PRECISIONS[precision])
     discrete = _run(scenario)
@@ -152,7 +152,7 @@ def test_expert_ownership_equals_discrete(precision):
 @needs_te
 def test_expert_ownership_overlap_eval_equals_discrete():
     """MXFP8 primary weights, overlapped gather, grad-buffer reuse, an eval after step 1."""
-    from nemo_lw_fp8.testing.grouped_experts import assert_same_training
+    from tests.support.parity import assert_same_training
 
     scenario = _base().with_(
         **PRECISIONS["mxfp8-primary"], overlap=True, steps=4, eval_after=(1,)
@@ -180,7 +180,7 @@ def _owner_skips_its_own_segment():
 
 
 def _train_skipping_own_segment(scenario):
-    from nemo_lw_fp8.testing.training import train
+    from tests.support.training import train
 
     with _owner_skips_its_own_segment():
         return train(scenario)
@@ -190,7 +190,7 @@ def _train_skipping_own_segment(scenario):
 def test_control_mxfp8_slices_need_the_owners_own_bytes():
     """With MXFP8 primary weights a grouped weight is re-quantized whole from every expert run,
     the owner's own included; leaving it out breaks parity (the parity test can fail)."""
-    from nemo_lw_fp8.testing.grouped_experts import assert_same_training
+    from tests.support.parity import assert_same_training
 
     scenario = _base().with_(**PRECISIONS["mxfp8-primary"])
     discrete = _run(scenario)
@@ -206,8 +206,8 @@ def test_control_mxfp8_slices_need_the_owners_own_bytes():
 def test_expert_parallel_grouped_weights_equal_discrete():
     """EP 2 on 4 ranks (expert-DP 2): single grouped weights, whole and expert-run ownership,
     against discrete experts; the two EP ranks hold different experts."""
-    from nemo_lw_fp8.testing.grouped_experts import assert_same_training
-    from nemo_lw_fp8.testing.harness import ParallelSpec
+    from tests.support.harness import ParallelSpec
+    from tests.support.parity import assert_same_training
 
     scenario = _base().with_(ep=2)
     ep2 = ParallelSpec(ep=2)
@@ -228,7 +228,7 @@ def test_expert_parallel_grouped_weights_equal_discrete():
 @needs_te
 def test_auto_keeps_balanced_grouped_weights_whole():
     """The test model's 4 grouped weights balance on 2 ranks: auto owns them whole."""
-    from nemo_lw_fp8.testing.grouped_experts import assert_same_training
+    from tests.support.parity import assert_same_training
 
     scenario = _base().with_(single_grouped_weight=True)
     whole = _run(scenario)
@@ -242,7 +242,8 @@ def _slice_storage(scenario) -> list[tuple[int, int, int]]:
     import torch.distributed as dist
 
     from nemo_lw_fp8.expert_slices import is_slice
-    from nemo_lw_fp8.testing.training import build_model, wrap_and_build_optimizer
+    from tests.support.scenarios import build_model
+    from tests.support.training import wrap_and_build_optimizer
 
     module, config = build_model(scenario)
     _, optimizer = wrap_and_build_optimizer(module, config, scenario)
@@ -272,11 +273,8 @@ def test_mxfp8_slices_hold_no_copy():
 def _reloaded_masters(scenario) -> dict:
     """megatron's ``reload_model_params`` (a checkpoint load without optimizer state), then the
     fp32 masters this rank holds, by name."""
-    from nemo_lw_fp8.testing.training import (
-        build_model,
-        master_snapshot,
-        wrap_and_build_optimizer,
-    )
+    from tests.support.scenarios import build_model
+    from tests.support.training import master_snapshot, wrap_and_build_optimizer
 
     module, config = build_model(scenario)
     _, optimizer = wrap_and_build_optimizer(module, config, scenario)
@@ -292,7 +290,7 @@ def _reloaded_masters(scenario) -> dict:
 def test_reload_model_params_reads_mxfp8_slices_from_the_model():
     """After ``reload_model_params`` every master under expert runs equals the one under whole
     ownership (the dequantized MXFP8 weights), although the runs hold no copy."""
-    from nemo_lw_fp8.testing.grouped_experts import _merged_masters
+    from tests.support.parity import _merged_masters
 
     scenario = _base().with_(**PRECISIONS["mxfp8-primary"], single_grouped_weight=True)
     whole = _merged_masters(_run(scenario, fn=_reloaded_masters))

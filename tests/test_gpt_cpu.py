@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_lw_fp8.testing.harness import run_on_ranks
-from nemo_lw_fp8.testing.training import Scenario, train
+from tests.support.harness import run_on_ranks
+from tests.support.scenarios import Scenario
+from tests.support.training import train
 
 
 @pytest.mark.parametrize(

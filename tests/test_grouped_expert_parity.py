@@ -2,7 +2,7 @@
 
 A 2-layer MoE GPT (4 experts, top-2, megatron's real router and allgather dispatcher) whose
 experts present their weights as TE 2.20.2's ``GroupedLinear`` does: ONE ``GroupedTensor``
-``(E, out, in)`` per expert linear, or ``weight0..weight3`` (``nemo_lw_fp8.testing.
+``(E, out, in)`` per expert linear, or ``weight0..weight3`` (``nemo_lw_fp8.cpu.
 grouped_experts``). Every comparison is atol = rtol = 0: per-step losses, eval losses, every
 parameter, every main_grad and every fp32 master, with the single run's tensors split per expert.
 """
@@ -14,9 +14,10 @@ import contextlib
 import pytest
 
 from nemo_lw_fp8.emulation import te_backend
-from nemo_lw_fp8.testing.grouped_experts import assert_same_training
-from nemo_lw_fp8.testing.harness import BootOptions, run_on_ranks
-from nemo_lw_fp8.testing.training import Scenario, train
+from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.parity import assert_same_training
+from tests.support.scenarios import Scenario
+from tests.support.training import train
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
     pytest.skip("TE's GroupedTensor needs TE's Python package", allow_module_level=True)
@@ -189,7 +190,8 @@ def test_grouped_tensor_survives_training():
 
 
 def _grouped_param_types(scenario: Scenario) -> list[str]:
-    from nemo_lw_fp8.testing.training import build_model, wrap_and_build_optimizer
+    from tests.support.scenarios import build_model
+    from tests.support.training import wrap_and_build_optimizer
 
     module, config = build_model(scenario)
     wrap_and_build_optimizer(module, config, scenario)

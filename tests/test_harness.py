@@ -8,14 +8,8 @@ import time
 import pytest
 import torch
 
-from nemo_lw_fp8.testing import cpu_standins
-from nemo_lw_fp8.testing.harness import (
-    BootOptions,
-    RankFailure,
-    RankTimeout,
-    get_pool,
-    run_on_ranks,
-)
+from nemo_lw_fp8.cpu import standins
+from tests.support.harness import BootOptions, RankFailure, RankTimeout, get_pool, run_on_ranks
 
 # Failure tests kill their pool; keep them off the pool the parity tests share.
 DISPOSABLE = BootOptions(standins=("cuda_runtime", "cuda_device"))
@@ -58,7 +52,7 @@ def _uneven_all_gather():
 def _cuda_calls_on_cpu():
     from megatron.core import tensor_parallel
 
-    from nemo_lw_fp8.testing.training import seed_all
+    from tests.support.scenarios import seed_all
 
     seed_all(7)
     made = torch.zeros(3, device="cuda")
@@ -132,19 +126,19 @@ def test_standins_uninstall_restores_originals():
         "Stream": torch.cuda.Stream,
         "all_gather": torch.distributed.all_gather,
     }
-    cpu_standins.install(names)
+    standins.install(names)
     try:
         assert torch.cuda.current_device() == torch.device("cpu")
         assert torch.distributed.all_gather is not before["all_gather"]
-        assert set(cpu_standins.installed()) == set(names)
+        assert set(standins.installed()) == set(names)
     finally:
-        cpu_standins.uninstall_all()
+        standins.uninstall_all()
     assert torch.cuda.current_device is before["current_device"]
     assert torch.cuda.Stream is before["Stream"]
     assert torch.distributed.all_gather is before["all_gather"]
-    assert cpu_standins.installed() == []
+    assert standins.installed() == []
 
 
 def test_unknown_standin_is_refused():
     with pytest.raises(KeyError, match="unknown CPU stand-in"):
-        cpu_standins.install(("warp_drive",))
+        standins.install(("warp_drive",))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from nemo_lw_fp8.testing.harness import run_on_ranks
-from nemo_lw_fp8.testing.mla_probe import local_attention_probe, mla_gpt_probe
+from tests.support.harness import run_on_ranks
+from tests.support.mla_probe import local_attention_probe, mla_gpt_probe
 
 
 def test_unpatched_local_attention_rejects_mla_channels():

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from nemo_lw_fp8.emulation import te_backend
-from nemo_lw_fp8.testing.harness import BootOptions, run_on_ranks
-from nemo_lw_fp8.testing.parity import assert_fp8_gather_parity as assert_bitwise
-from nemo_lw_fp8.testing.training import Scenario, train
+from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.parity import assert_fp8_gather_parity as assert_bitwise
+from tests.support.scenarios import Scenario
+from tests.support.training import train
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
     pytest.skip("the MXFP8 emulation needs TE's Python package", allow_module_level=True)
@@ -152,7 +153,8 @@ def first_step_touches_mxfp8_weights(scenario: Scenario) -> bool:
     from megatron.core import parallel_state
     from megatron.training.training import disable_forward_pre_hook
 
-    from nemo_lw_fp8.testing.training import build_model, train_step, wrap_and_build_optimizer
+    from tests.support.scenarios import build_model
+    from tests.support.training import train_step, wrap_and_build_optimizer
 
     module, config = build_model(scenario)
     model, optimizer = wrap_and_build_optimizer(module, config, scenario)
@@ -215,7 +217,8 @@ def test_eval_with_pre_hooks_needs_staging_before_the_gather(distribution):
 
 
 def build_with(scenario: Scenario) -> str:
-    from nemo_lw_fp8.testing.training import build_model, wrap_and_build_optimizer
+    from tests.support.scenarios import build_model
+    from tests.support.training import wrap_and_build_optimizer
 
     module, config = build_model(scenario)
     wrap_and_build_optimizer(module, config, scenario)
@@ -236,7 +239,7 @@ def test_unsupported_recipe_is_rejected_when_the_optimizer_is_built():
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 def test_checkpoint_resume_in_fresh_processes_is_bitwise(overlap, tmp_path):
     """Save after 3 steps, start new rank processes, load, run steps 3-5: same bits as 6 steps."""
-    from nemo_lw_fp8.testing.harness import get_pool
+    from tests.support.harness import get_pool
 
     scenario = BASE.with_(overlap=overlap, fp8_param_gather=True, steps=6)
     uninterrupted = run(scenario)

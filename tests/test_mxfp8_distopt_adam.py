@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from nemo_lw_fp8.emulation import te_backend
-from nemo_lw_fp8.testing.harness import BootOptions, run_on_ranks
-from nemo_lw_fp8.testing.training import Scenario, train
+from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.scenarios import Scenario
+from tests.support.training import train
 
 if te_backend.te_package_dirs() is None:
     pytest.skip("the MXFP8 emulation needs TE's Python package", allow_module_level=True)

@@ -16,9 +16,9 @@ from fractions import Fraction
 
 import pytest
 import torch
-from te_test_support import ThreadedMaxAllReduce
 
 from nemo_lw_fp8.emulation import mxfp8 as mx
+from tests.te_test_support import ThreadedMaxAllReduce
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

@@ -15,7 +15,7 @@ from nemo_lw_fp8.patches.framework import (
     Patch,
     UntestedMegatronVersion,
 )
-from nemo_lw_fp8.testing.harness import run_on_ranks
+from tests.support.harness import run_on_ranks
 
 TEST_FEATURE = "framework_selftest"
 
@@ -147,7 +147,8 @@ def test_failed_override_leaves_nothing_behind():
 
 
 def _apply_after_building_a_model():
-    from nemo_lw_fp8.testing.training import Scenario, build_model, wrap_and_build_optimizer
+    from tests.support.scenarios import Scenario, build_model
+    from tests.support.training import wrap_and_build_optimizer
 
     scenario = Scenario(optimizer="adam", distribution="distopt")
     module, config = build_model(scenario)

@@ -14,9 +14,9 @@ import importlib.util
 import sys
 
 import pytest
-from te_test_support import TE_PATH, needs_te, run_te_script
 
 from nemo_lw_fp8.emulation import te_backend
+from tests.te_test_support import TE_PATH, needs_te, run_te_script
 
 MAIN_SCRIPT = r"""
 import os, sys, json, pickle, io, random, threading

@@ -11,7 +11,7 @@ plugin's patches are applied before megatron builds anything, and every rule of
 :mod:`nemo_lw_fp8.guards` runs on the final configuration (also from Bridge's
 ``ConfigContainer.validate``), so a bad combination fails before a model exists.
 ``--cpu`` is the development / demo path: it boots the MXFP8 emulation, installs the CPU
-stand-ins of :mod:`nemo_lw_fp8.testing.bridge_cpu` and swaps in the CPU layers.
+stand-ins of :mod:`nemo_lw_fp8.cpu.bridge` and swaps in the CPU layers.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def resolve_config(
             cfg, config_filepath=config_file, cli_overrides=list(overrides)
         )
     if cpu:
-        from nemo_lw_fp8.testing import bridge_cpu
+        from nemo_lw_fp8.cpu import bridge as cpu_bridge
 
-        bridge_cpu.adapt_config(cfg)
+        cpu_bridge.adapt_config(cfg)
     bridge.finalize(cfg)
     return cfg
 
@@ -138,9 +138,9 @@ def run(
     """Resolve the config and train with Megatron-Bridge's ``pretrain``."""
     cfg = resolve_config(recipe, config_file, overrides, cpu)
     if cpu:
-        from nemo_lw_fp8.testing import bridge_cpu
+        from nemo_lw_fp8.cpu import bridge as cpu_bridge
 
-        bridge_cpu.install()
+        cpu_bridge.install()
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 

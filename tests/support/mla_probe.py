@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_mla_local_attention.py (test-only).
+"""Rank functions for tests/test_mla_local_attention.py.
 
 ``local_attention_probe``: megatron-core's local ``DotProductAttention`` built as MLA builds it
 (``k_channels`` != ``v_channels``), compared with a reference causal softmax attention computed
@@ -18,7 +18,7 @@ def _attention_module(heads: int, k_channels: int, v_channels: int):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from nemo_lw_fp8.testing.training import transformer_config
+    from tests.support.scenarios import transformer_config
 
     config = transformer_config(num_attention_heads=heads, hidden_size=heads * v_channels,
                                 bf16=False, params_dtype=torch.float32)
@@ -45,7 +45,7 @@ def local_attention_probe(plugin: bool) -> dict[str, Any]:
     finally:
         if plugin:
             nemo_lw_fp8.revert(["mla_local_attention"])
-    from nemo_lw_fp8.testing.training import seed_all
+    from tests.support.scenarios import seed_all
 
     seed_all(0)  # megatron's attention dropout forks the model-parallel RNG state
     gen = torch.Generator().manual_seed(0)
@@ -70,7 +70,7 @@ def mla_gpt_probe(steps: int = 3) -> dict[str, Any]:
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     import nemo_lw_fp8
-    from nemo_lw_fp8.testing.training import seed_all
+    from tests.support.scenarios import seed_all
 
     seed_all(0)
     nemo_lw_fp8.apply(["mla_local_attention"])

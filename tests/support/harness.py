@@ -3,7 +3,7 @@
 Design (see ``docs/testing.md``):
 
 * A :class:`RankPool` spawns ``world_size`` worker processes once. Each joins a gloo process group,
-  installs the CPU stand-ins (:mod:`nemo_lw_fp8.testing.cpu_standins`), imports megatron-core and
+  installs the CPU stand-ins (:mod:`nemo_lw_fp8.cpu.standins`), imports megatron-core and
   then serves tasks. Imports (about 10-20 s on two cores) are paid once per pool, not per test.
 * A task is a picklable module-level function. It runs on every rank with megatron's parallel
   state initialised for the requested :class:`ParallelSpec`; each rank's return value (or
@@ -190,9 +190,9 @@ def _worker_main(
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
-        from nemo_lw_fp8.testing import cpu_standins
+        from nemo_lw_fp8.cpu import standins
 
-        cpu_standins.install(boot.standins)
+        standins.install(boot.standins)
         _init_parallel_state(ParallelSpec())
         conn.send_bytes(pickle.dumps(("ready", None)))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the parent

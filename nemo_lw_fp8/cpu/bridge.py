@@ -1,8 +1,9 @@
 """Run Megatron-Bridge 0.6.2's own ``pretrain`` loop on CPU ranks (gloo).
 
-Test and demo infrastructure, like :mod:`nemo_lw_fp8.testing.cpu_standins` (which it installs
-first): production modules never import it. Each stand-in names the Bridge call site that needs
-it; Bridge's source is never edited and everything can be undone with :func:`uninstall`.
+Part of the CPU backend, like :mod:`nemo_lw_fp8.cpu.standins` (which it installs first): used
+by ``nemo-lw-fp8 pretrain --cpu`` (and so ``make demo``) and the Bridge tests, never by a GPU run.
+Each stand-in names the Bridge call site that needs it; Bridge's source is never edited and
+everything can be undone with :func:`uninstall`.
 
 ``allow_no_cuda``
     ``training/setup.py::setup`` calls ``initialize_megatron(cfg)``, which asserts
@@ -48,7 +49,7 @@ _undo: list[Callable[[], None]] = []
 
 
 def _swap(owner: Any, name: str, value: Any) -> None:
-    from nemo_lw_fp8.testing.cpu_standins import _swap_attrs
+    from nemo_lw_fp8.cpu.standins import _swap_attrs
 
     _undo.append(_swap_attrs(owner, {name: value}))
 
@@ -71,10 +72,10 @@ def install() -> None:
     """Install megatron-core's CPU stand-ins, then Bridge's (idempotent)."""
     if _undo:
         return
-    from nemo_lw_fp8.testing import cpu_standins
+    from nemo_lw_fp8.cpu import standins
 
-    cpu_standins.install()
-    _undo.append(cpu_standins.uninstall_all)
+    standins.install()
+    _undo.append(standins.uninstall_all)
 
     from megatron.bridge.training import initialize as bridge_initialize
     from megatron.bridge.training import setup as bridge_setup
@@ -136,11 +137,11 @@ def adapt_config(cfg: Any) -> Any:
     """Make a Bridge ``ConfigContainer`` run on CPU ranks, keeping its features.
 
     gloo instead of NCCL; megatron's local layers (TE's need CUDA) with the emulated FP8 linears
-    and single grouped experts of :mod:`nemo_lw_fp8.testing.cpu_layers` when the config asks for
+    and single grouped experts of :mod:`nemo_lw_fp8.cpu.layers` when the config asks for
     FP8 / single grouped weights (decided when the model is built, after every override); the
     CUDA-only fusions off. Tensor and pipeline parallel stay 1 (the CPU layers do not split).
     """
-    from nemo_lw_fp8.testing.cpu_layers import cpu_decoder_block_spec
+    from nemo_lw_fp8.cpu.layers import cpu_decoder_block_spec
 
     model = cfg.model
     if model.tensor_model_parallel_size != 1 or model.pipeline_model_parallel_size != 1:

@@ -1,317 +1,26 @@
 """Small, deterministic training runs over real megatron-core DDP and optimizers (CPU ranks).
 
-Every function here runs *inside* a rank of :mod:`nemo_lw_fp8.testing.harness`. A
-:class:`Scenario` names the optimizer and the way parameters are distributed; :func:`train` builds
-the model from a fixed seed (identical on all ranks and in every scenario), trains it for a few
-steps on per-rank data, and returns what parity tests compare: per-step losses, the final
-parameters, and a digest of them.
-
-Distribution modes:
-
-``ddp``               plain DDP, every rank holds whole gradients and runs the whole optimizer.
-``distopt``           megatron's DistributedOptimizer (byte-level sharding, reduce-scatter).
-``layerwise_legacy``  LayerWiseDistributedOptimizer without a param layout (ping-pong ownership,
-                      flatten + all_gather of whole params).
-``layerwise_padded``  LayerWiseDistributedOptimizer with megatron 0.19.2's shard-aligned padded
-                      layout (Muon matrices in layer-wise buffers, the rest under a sibling
-                      DistributedOptimizer).
-``layerwise_compact`` the plugin's compact layout (needs ``plugin=True``): no padding in the
-                      Muon buffers, cost-balanced ownership, one gather per bucket group.
+Every function here runs *inside* a rank of :mod:`tests.support.harness`. :func:`train` builds
+the :class:`~tests.support.scenarios.Scenario`'s model, wraps it in megatron DDP with the
+optimizer it names, trains it for a few steps on per-rank data, and returns what parity tests
+compare: per-step losses, the final parameters, and a digest of them (plus, on request, eval
+losses, main_grads, fp32 masters and the weights the FP8 GEMMs see).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-DISTRIBUTIONS = ("ddp", "distopt", "layerwise_legacy", "layerwise_padded", "layerwise_compact")
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """One way to train the same model; parity tests compare scenarios with each other."""
-
-    optimizer: str = "adam"  # "adam" or "muon"
-    distribution: str = "ddp"
-    overlap: bool = False  # overlap_grad_reduce + overlap_param_gather
-    model: str = "mlp"  # "mlp" or "gpt"
-    steps: int = 5
-    seed: int = 1234
-    lr: float = 1e-2
-    bucket_size: int | None = None
-    micro_batch: int = 4
-    #: 0 disables clipping; a global grad norm is summed in an order the layout decides.
-    clip_grad: float = 0.0
-    #: "random" tokens / features, or "pattern": a learnable sequence whose loss falls quickly.
-    data: str = "random"
-    #: Apply the plugin's patches (``nemo_lw_fp8.apply()``) before building anything.
-    plugin: bool = False
-    #: MXFP8 compute in the linear layers (model "fp8mlp"); needs the FP8 emulation boot on CPU.
-    fp8: bool = False
-    #: Persistent MXFP8 weights + ``fp8_param_gather`` + ``reuse_grad_buf_for_mxfp8_param_ag``.
-    fp8_param_gather: bool = False
-    #: The FP8 recipe: "mxfp8" (MXFP8 linear layers) or "blockwise" (TE's Float8BlockScaling:
-    #: 128x128 weight tiles, widths multiples of 128); other names only reach the guards.
-    fp8_recipe: str = "mxfp8"
-    #: Run an evaluation forward (megatron's forced param sync around it) after these steps.
-    eval_after: tuple[int, ...] = ()
-    #: Evaluate with the forward pre-hooks left on and no forced sync: what megatron-training's
-    #: and Megatron-Bridge's loops do when ``use_distributed_optimizer`` is off (layer-wise).
-    eval_pre_hooks: bool = False
-    #: Record every rank's main_grads per step and fp32 masters at the end.
-    snapshots: bool = False
-    #: Put the linear weights' buckets and the vectors' buckets in one bucket group.
-    single_bucket_group: bool = False
-    #: Resume: first step index to run (steps ``first_step .. steps-1`` run).
-    first_step: int = 0
-    #: Load a checkpoint (written by ``save_dir``) before the first step.
-    load_dir: str | None = None
-    #: Save a checkpoint after the last step (after megatron's end-of-training sync).
-    save_dir: str | None = None
-    #: Compact layout: transient padding allowed for an even gather (None: the default).
-    gather_padding_tolerance: float | None = None
-    #: Expert-parallel size the model is built for (run it with ParallelSpec(ep=...)).
-    ep: int = 1
-    #: model "moe_grouped": one TE GroupedTensor per expert linear (``moe_single_grouped_weight``
-    #: + ``NVTE_GROUPED_LINEAR_SINGLE_PARAM``) instead of E discrete weights.
-    single_grouped_weight: bool = False
-    #: Checkpoints keyed by parameter name in the discrete expert layout (model "moe_grouped"):
-    #: save single grouped, load discrete, and the reverse.
-    named_checkpoint: bool = False
-    #: model "moe_grouped": fused wgrad accumulation in the expert layers (TE's behaviour under
-    #: ``gradient_accumulation_fusion``): expert wgrads go straight into ``main_grad``.
-    grad_accum_fusion: bool = False
-    #: Compact layout: how single grouped expert weights are owned ("whole", "expert", "auto").
-    grouped_weight_ownership: str = "whole"
-
-    def with_(self, **changes: Any) -> Scenario:
-        return replace(self, **changes)
-
-
-# --------------------------------------------------------------------------- models
-
-
-class TinyMLP(torch.nn.Module):
-    """Linear layers with biases and LayerNorms: Muon matrices plus Adam vectors."""
-
-    def __init__(
-        self,
-        widths: tuple[int, ...] = (32, 64, 64, 48, 64, 16),
-        linear: Any = torch.nn.Linear,
-        norm_dtype: torch.dtype | None = None,
-    ):
-        super().__init__()
-        layers: list[torch.nn.Module] = []
-        for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
-            layers.append(linear(fan_in, fan_out, bias=True))
-            if i < len(widths) - 2:
-                layers.append(torch.nn.LayerNorm(fan_out, dtype=norm_dtype))
-                layers.append(torch.nn.GELU())
-        self.net = torch.nn.Sequential(*layers)
-        self.in_features = widths[0]
-        self.out_features = widths[-1]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-class TinyFP8MLP(TinyMLP):
-    """MXFP8 linear layers (weights: Muon matrices) with bf16 biases and LayerNorms (Adam);
-    widths are multiples of 32, as MXFP8 needs."""
-
-    def __init__(self, widths: tuple[int, ...] = (32, 64, 64, 96, 64, 32)):
-        from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear
-
-        super().__init__(widths, linear=MXFP8Linear, norm_dtype=torch.bfloat16)
-
-
-class TinyBlockwiseMLP(TinyMLP):
-    """Blockwise FP8 linear layers (128x128 weight tiles; Muon matrices) with bf16 biases and
-    LayerNorms (Adam); widths multiples of 128, several tiles per matrix, and K = 128 / 384 so
-    TE's scale buffers carry round-up padding."""
-
-    def __init__(self, widths: tuple[int, ...] = (128, 256, 384, 128, 256, 128)):
-        from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
-
-        super().__init__(widths, linear=BlockwiseFP8Linear, norm_dtype=torch.bfloat16)
-
-
-def _build_blockwise_mlp(scenario: Scenario) -> torch.nn.Module:
-    if not scenario.fp8_param_gather:
-        return TinyBlockwiseMLP()
-    from transformer_engine.common.recipe import Float8BlockScaling
-    from transformer_engine.pytorch import quantized_model_init
-
-    with quantized_model_init(
-        enabled=True, recipe=Float8BlockScaling(), preserve_high_precision_init_val=True
-    ):
-        return TinyBlockwiseMLP()
-
-
-def _build_fp8_mlp(scenario: Scenario) -> torch.nn.Module:
-    if scenario.fp8_recipe == "blockwise":
-        return _build_blockwise_mlp(scenario)
-    if not scenario.fp8_param_gather:
-        return TinyFP8MLP()
-    from transformer_engine.common.recipe import MXFP8BlockScaling
-    from transformer_engine.pytorch import quantized_model_init
-
-    with quantized_model_init(
-        enabled=True, recipe=MXFP8BlockScaling(), preserve_high_precision_init_val=True
-    ):
-        return TinyFP8MLP()
-
-
-def _build_moe_grouped(scenario: Scenario):
-    """The tiny MoE GPT whose experts are :class:`~nemo_lw_fp8.testing.grouped_experts.
-    GroupedExperts` (TE's grouped-weight presentation, CPU GEMMs); needs the FP8 emulation boot."""
-    import contextlib
-
-    from nemo_lw_fp8.testing.grouped_experts import moe_block_spec, single_param_env
-
-    config = transformer_config(
-        num_moe_experts=4,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=64,
-        add_bias_linear=False,
-        moe_token_dispatcher_type="allgather",
-        expert_model_parallel_size=scenario.ep,
-        # fp64 routing takes megatron's torch.mm path (TE's router GEMM is a CUDA kernel).
-        moe_router_dtype="fp64",
-        moe_grouped_gemm=True,
-        use_transformer_engine_op_fuser=True,
-        moe_single_grouped_weight=scenario.single_grouped_weight,
-    )
-    init: Any = contextlib.nullcontext()
-    if scenario.fp8_param_gather:
-        from transformer_engine.common.recipe import MXFP8BlockScaling
-        from transformer_engine.pytorch import quantized_model_init
-
-        init = quantized_model_init(
-            enabled=True, recipe=MXFP8BlockScaling(), preserve_high_precision_init_val=True
-        )
-    from megatron.core.models.gpt import GPTModel
-
-    with single_param_env(scenario.single_grouped_weight), init:
-        module = GPTModel(
-            config=config,
-            transformer_layer_spec=moe_block_spec(
-                config.num_layers, scenario.fp8, fuse_wgrad_accumulation=scenario.grad_accum_fusion
-            ),
-            vocab_size=GPT_VOCAB,
-            max_sequence_length=GPT_SEQ,
-            pre_process=True,
-            post_process=True,
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="rope",
-        )
-    # Grouped and MXFP8 expert weights are final; cast only plain parameters.
-    for param in module.parameters():
-        if type(param.data) is torch.Tensor:
-            param.data = param.data.to(torch.bfloat16)
-    return module, config
-
-
-def transformer_config(**overrides: Any):
-    """A small TransformerConfig that megatron's DDP and GPT code accept on CPU."""
-    from megatron.core.transformer import TransformerConfig
-
-    settings: dict[str, Any] = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        ffn_hidden_size=128,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-    )
-    settings.update(overrides)
-    return TransformerConfig(**settings)
-
-
-GPT_VOCAB = 128
-GPT_SEQ = 16
-
-
-def build_gpt(config) -> torch.nn.Module:
-    """A tiny GPTModel on megatron-core's local (non-TE) layer spec (MoE when the config has
-    experts)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=GPT_VOCAB,
-        max_sequence_length=GPT_SEQ,
-        pre_process=True,
-        post_process=True,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-    )
-
-
-def seed_all(seed: int) -> None:
-    """Seed the CPU generator and megatron's model-parallel RNG tracker identically everywhere."""
-    from megatron.core import tensor_parallel
-
-    torch.manual_seed(seed)
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    tracker.reset()
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def build_model(scenario: Scenario):
-    """Build the scenario's bf16 model from its seed; returns (module, transformer_config)."""
-    if scenario.plugin:
-        import nemo_lw_fp8
-
-        nemo_lw_fp8.apply()
-    seed_all(scenario.seed)
-    if scenario.model == "gpt":
-        config = transformer_config()
-        module = build_gpt(config)
-    elif scenario.model == "moe_gpt":
-        # Experts without biases: megatron 0.19.2's layer-wise + DistOpt path cannot hold
-        # expert-parallel parameters that Muon does not manage.
-        config = transformer_config(
-            num_moe_experts=4,
-            moe_router_topk=2,
-            moe_ffn_hidden_size=64,
-            add_bias_linear=False,
-            moe_token_dispatcher_type="allgather",
-            expert_model_parallel_size=scenario.ep,
-        )
-        module = build_gpt(config)
-    elif scenario.model == "moe_grouped":
-        return _build_moe_grouped(scenario)
-    elif scenario.model == "mlp":
-        config = transformer_config()
-        module = TinyMLP()
-    elif scenario.model == "fp8mlp":
-        config = transformer_config()
-        module = _build_fp8_mlp(scenario)
-        # MXFP8 weights are already final; only cast what is not quantized.
-        for param in module.parameters():
-            if not hasattr(param, "dequantize"):
-                param.data = param.data.to(torch.bfloat16)
-        return module, config
-    else:
-        raise ValueError(f"unknown model {scenario.model!r}; use 'mlp', 'fp8mlp' or 'gpt'")
-    return module.to(torch.bfloat16), config
-
+from tests.support.checkpoints import (
+    load_checkpoint,
+    load_named_checkpoint,
+    save_checkpoint,
+    save_named_checkpoint,
+)
+from tests.support.scenarios import DISTRIBUTIONS, GPT_SEQ, GPT_VOCAB, Scenario, build_model
 
 # --------------------------------------------------------------------------- wrapping
 
@@ -477,69 +186,6 @@ def final_sync(model: list, optimizer=None) -> None:
         force_param_sync(model, optimizer=optimizer)
 
 
-def _optimizer_state(child) -> dict[str, Any]:
-    """What one chained optimizer holds on this rank, exactly."""
-    if hasattr(child, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
-        return {
-            "inner": child.optimizer.state_dict(),
-            "masters": [
-                [p.detach().clone() for p in g] for g in child.shard_fp32_from_float16_groups
-            ],
-        }
-    return {"state_dict": child.state_dict()}
-
-
-def _load_optimizer_state(child, state: dict[str, Any]) -> None:
-    if "inner" in state:
-        child.optimizer.load_state_dict(state["inner"])
-        for group, saved in zip(
-            child.shard_fp32_from_float16_groups, state["masters"], strict=True
-        ):
-            for param, value in zip(group, saved, strict=True):
-                param.data.copy_(value)
-    else:
-        child.load_state_dict(state["state_dict"])
-
-
-def save_checkpoint(model: list, optimizer, directory: str) -> None:
-    """A fixed-DP, per-rank checkpoint: model state dict and every chained optimizer's state.
-
-    megatron-core 0.19.2's own "torch" format cannot serve here: beside a layer-wise optimizer
-    the DistributedOptimizer has no gloo group (``get_parameter_state_dp_zero`` asserts),
-    ``ChainedOptimizer.save_parameter_state`` drops the layer-wise child while
-    ``load_parameter_state`` indexes by child position, and the dp-zero loader expects TE's
-    FusedAdam state layout, not torch's. (torch_dist, megatron's default format, takes none
-    of these paths.) What matters to the plugin is that weights, masters and optimizer state
-    come back to the bit.
-    """
-    import os
-
-    import torch.distributed as dist
-
-    os.makedirs(directory, exist_ok=True)
-    children = getattr(optimizer, "chained_optimizers", [optimizer])
-    torch.save(
-        {
-            "model": model[0].module.state_dict(),
-            "optimizers": [_optimizer_state(child) for child in children],
-        },
-        os.path.join(directory, f"rank{dist.get_rank()}.pt"),
-    )
-
-
-def load_checkpoint(model: list, optimizer, directory: str) -> None:
-    """Load what :func:`save_checkpoint` wrote into a freshly built model and optimizer."""
-    import os
-
-    import torch.distributed as dist
-
-    state = torch.load(os.path.join(directory, f"rank{dist.get_rank()}.pt"), weights_only=False)
-    model[0].module.load_state_dict(state["model"])
-    children = getattr(optimizer, "chained_optimizers", [optimizer])
-    for child, child_state in zip(children, state["optimizers"], strict=True):
-        _load_optimizer_state(child, child_state)
-
-
 def bucket_group_layout(model: list) -> list[list[str]]:
     """For each bucket group, who owns each bucket: "layerwise" or "distopt" (+ ":fp8")."""
     groups = []
@@ -698,8 +344,6 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
     start = time.perf_counter()
     if scenario.load_dir is not None:
         if scenario.named_checkpoint:
-            from nemo_lw_fp8.testing.grouped_experts import load_named_checkpoint
-
             load_named_checkpoint(model, optimizer, scenario.load_dir)
         else:
             load_checkpoint(model, optimizer, scenario.load_dir)
@@ -725,8 +369,6 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     if scenario.save_dir is not None:
         if scenario.named_checkpoint:
-            from nemo_lw_fp8.testing.grouped_experts import save_named_checkpoint
-
             save_named_checkpoint(model, optimizer, scenario.save_dir)
         else:
             save_checkpoint(model, optimizer, scenario.save_dir)

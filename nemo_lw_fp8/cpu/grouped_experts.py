@@ -1,6 +1,7 @@
 """A CPU expert layer that presents its weights exactly as TE 2.20.2's ``GroupedLinear`` does.
 
-TEST-ONLY. Production code never imports this module.
+Part of the CPU backend (:mod:`nemo_lw_fp8.cpu`): the routed experts of the CPU layer specs
+(:mod:`nemo_lw_fp8.cpu.layers`) under ``--cpu``, and of the tests' tiny MoE models.
 
 Why it exists
     megatron-core 0.19.2 trains single grouped expert weights only through TE's op fuser
@@ -40,13 +41,13 @@ Arithmetic
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
 
 from nemo_lw_fp8.emulation.fp8_linear import quantize_dequantize
 
+#: TE's switch for single grouped weights (read by ``resolve_grouped_linear_single_param_flags``).
 SINGLE_PARAM_ENV = "NVTE_GROUPED_LINEAR_SINGLE_PARAM"
 _ALIGN = 32
 
@@ -320,195 +321,3 @@ class GroupedExperts(torch.nn.Module):
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the main backward (no delayed wgrad)."""
-
-
-def single_param_env(enabled: bool):
-    """Context manager setting TE's switch ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` while building."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def scope():
-        before = os.environ.get(SINGLE_PARAM_ENV)
-        if enabled:
-            os.environ[SINGLE_PARAM_ENV] = "1"
-        else:
-            os.environ.pop(SINGLE_PARAM_ENV, None)
-        try:
-            yield
-        finally:
-            if before is None:
-                os.environ.pop(SINGLE_PARAM_ENV, None)
-            else:
-                os.environ[SINGLE_PARAM_ENV] = before
-
-    return scope()
-
-
-def moe_block_spec(num_layers: int, fp8: bool, fuse_wgrad_accumulation: bool = False):
-    """megatron's local GPT layers with 4-expert MoE whose experts are :class:`GroupedExperts`,
-    and a torch final norm (with TE importable megatron would pick TE's CUDA LayerNorm)."""
-    from functools import partial
-
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
-    experts = partial(GroupedExperts, fp8=fp8, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    spec.submodules.mlp = partial(MoELayer, submodules=MoESubmodules(experts=experts))
-    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=WrappedTorchNorm)
-
-
-def as_discrete(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename a single-grouped run's per-parameter tensors to the discrete layout's names."""
-    from nemo_lw_fp8.grouped_weights import grouped_prefixes, grouped_to_discrete
-
-    shapes = {name: tuple(value.shape) for name, value in named.items()}
-    return grouped_to_discrete(named, grouped_prefixes(named, shapes))
-
-
-def _merged_masters(results: list[dict]) -> dict[str, torch.Tensor]:
-    """Whole-parameter fp32 masters from every rank (layer-wise: each is held by its owner)."""
-    merged: dict[str, torch.Tensor] = {}
-    for result in results:
-        for name, master in as_discrete(result["masters"]).items():
-            assert name not in merged, f"{name} has two owners"
-            merged[name] = master
-    return merged
-
-
-def assert_same_training(
-    discrete: list[dict], single: list[dict], replicas: list[list[int]] | None = None
-) -> None:
-    """Two runs (either may use single grouped weights): per-step losses, eval losses and every
-    parameter on every rank equal to the last bit; with layer-wise runs and snapshots, every
-    fp32 master.
-
-    main_grads and DistOpt master shards are not compared: which rank holds which reduced
-    gradient or shard depends on the buffer layout, which the two presentations change.
-    """
-    for rank, (a, b) in enumerate(zip(discrete, single, strict=True)):
-        where = f"rank {rank}"
-        assert a["losses"] == b["losses"], f"{where}: losses {a['losses']} != {b['losses']}"
-        assert a["eval_losses"] == b["eval_losses"], f"{where}: eval losses differ"
-        params_a, params_b = as_discrete(a["params"]), as_discrete(b["params"])
-        assert params_a.keys() == params_b.keys(), f"{where}: parameter names differ"
-        for name, value in params_a.items():
-            assert torch.equal(value, params_b[name]), f"{where}: param {name}"
-    if discrete[0].get("layer_wise") and "masters" in discrete[0]:
-        # Masters are merged over one model replica's ranks; with expert parallelism the ranks
-        # of different EP ranks hold different experts under the same names (``replicas``:
-        # the rank lists that together hold one copy of each name, default all ranks).
-        for ranks in replicas or [list(range(len(discrete)))]:
-            ma = _merged_masters([discrete[r] for r in ranks])
-            mb = _merged_masters([single[r] for r in ranks])
-            assert ma.keys() == mb.keys(), "fp32 masters differ in what they cover"
-            for name, master in ma.items():
-                assert torch.equal(master, mb[name]), f"fp32 master of {name}"
-
-
-# ------------------------------------------------------------------ cross-layout checkpoint
-
-
-def _layer_wise_children(optimizer) -> tuple[list, list]:
-    """(the layer-wise optimizers' Float16 inner optimizers, every other chained child)."""
-    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
-
-    inner, others = [], []
-    for child in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(child, LayerWiseDistributedOptimizer):
-            inner.extend(child.chained_optimizers)
-        else:
-            others.append(child)
-    return inner, others
-
-
-def _grouped_names(module: torch.nn.Module) -> list[str]:
-    return [
-        name for name, p in module.named_parameters() if name.endswith(".weight") and p.dim() == 3
-    ]
-
-
-def save_named_checkpoint(model: list, optimizer, directory: str) -> None:
-    """A per-rank checkpoint keyed by parameter NAME in the discrete layout, so it loads into
-    either presentation: model values, and for every layer-wise parameter this rank owns its
-    fp32 master and Muon state; other chained optimizers (DistOpt Adam: no expert weights
-    here, identical in both layouts) as :func:`~nemo_lw_fp8.testing.training.save_checkpoint`."""
-    import torch.distributed as dist
-
-    from nemo_lw_fp8.grouped_weights import grouped_to_discrete
-    from nemo_lw_fp8.testing.training import _optimizer_state
-
-    module = model[0].module
-    grouped = _grouped_names(module)
-    names = {id(p): n for n, p in module.named_parameters()}
-    per_quantity: dict[str, dict[str, torch.Tensor]] = {"master": {}}
-    inner, others = _layer_wise_children(optimizer)
-    for child in inner:
-        for model_group, main_group in zip(
-            child.float16_groups, child.fp32_from_float16_groups, strict=True
-        ):
-            for param, master in zip(model_group, main_group, strict=True):
-                name = names[id(param)]
-                per_quantity["master"][name] = master.detach().clone()
-                for key, value in child.optimizer.state.get(master, {}).items():
-                    if not torch.is_tensor(value):
-                        raise TypeError(f"{name}: non-tensor optimizer state {key!r}")
-                    per_quantity.setdefault(key, {})[name] = value.detach().clone()
-    values = {n: p.detach().clone() for n, p in module.named_parameters()}
-    state = {
-        "model": grouped_to_discrete(values, grouped),
-        "layer_wise": {
-            key: grouped_to_discrete(tensors, [n for n in grouped if n in tensors])
-            for key, tensors in per_quantity.items()
-        },
-        "others": [_optimizer_state(child) for child in others],
-    }
-    os.makedirs(directory, exist_ok=True)
-    torch.save(state, os.path.join(directory, f"rank{dist.get_rank()}.pt"))
-
-
-def load_named_checkpoint(model: list, optimizer, directory: str) -> None:
-    """Load :func:`save_named_checkpoint` into a model of either presentation: every rank reads
-    every rank's layer-wise state (ownership differs between layouts) and takes what it owns."""
-    import glob
-
-    import torch.distributed as dist
-
-    from nemo_lw_fp8.grouped_weights import discrete_to_grouped
-    from nemo_lw_fp8.testing.training import _load_optimizer_state
-
-    module = model[0].module
-    grouped = _grouped_names(module)
-    mine = torch.load(os.path.join(directory, f"rank{dist.get_rank()}.pt"), weights_only=False)
-    merged: dict[str, dict[str, torch.Tensor]] = {}
-    for path in sorted(glob.glob(os.path.join(directory, "rank*.pt"))):
-        for key, tensors in torch.load(path, weights_only=False)["layer_wise"].items():
-            merged.setdefault(key, {}).update(tensors)
-
-    def to_model_layout(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        present = [n for n in grouped if any(k.startswith(n) for k in tensors)]
-        return discrete_to_grouped(tensors, present)
-
-    values = to_model_layout(mine["model"])
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            param.copy_(values[name])
-    layer_wise = {key: to_model_layout(tensors) for key, tensors in merged.items()}
-    names = {id(p): n for n, p in module.named_parameters()}
-    inner, others = _layer_wise_children(optimizer)
-    for child in inner:
-        for model_group, main_group in zip(
-            child.float16_groups, child.fp32_from_float16_groups, strict=True
-        ):
-            for param, master in zip(model_group, main_group, strict=True):
-                name = names[id(param)]
-                master.data.copy_(layer_wise["master"][name])
-                child.optimizer.state[master] = {
-                    key: tensors[name].clone()
-                    for key, tensors in layer_wise.items()
-                    if key != "master" and name in tensors
-                }
-    for child, child_state in zip(others, mine["others"], strict=True):
-        _load_optimizer_state(child, child_state)

@@ -1,6 +1,6 @@
 """Layer specs that let megatron-core's real GPT / MLA / MoE layers train with FP8 on CPU.
 
-TEST AND DEMO INFRASTRUCTURE: production modules never import it.
+Part of the CPU backend (:mod:`nemo_lw_fp8.cpu`): used under ``--cpu`` and by the tests only.
 
 Why
     With FP8 on, megatron builds Transformer Engine layers, whose GEMMs are CUDA kernels. On CPU
@@ -10,7 +10,7 @@ Why
     exactly emulated). Under megatron's ``get_fp8_context(is_init=True)`` (TE's
     ``quantized_model_init``) their weights become TE ``MXFP8Tensor`` parameters, so megatron's
     MXFP8 param-gather paths see what they see on a GPU. Routed experts can be the single
-    grouped weight of :mod:`nemo_lw_fp8.testing.grouped_experts`.
+    grouped weight of :mod:`nemo_lw_fp8.cpu.grouped_experts`.
 
 Limits (checked, not silently ignored): tensor parallelism 1 (the adapters do no TP
 communication), linear widths multiples of 32 (MXFP8 blocks). MLA's two down projections stay
@@ -145,7 +145,7 @@ def cpu_decoder_block_spec(
 ) -> Any:
     """megatron's local decoder block spec for ``config`` (dense / MoE layers per
     ``moe_layer_freq``, MLA or standard attention, torch norms), with MXFP8 linears when ``fp8``
-    and :class:`~nemo_lw_fp8.testing.grouped_experts.GroupedExperts` routed experts when
+    and :class:`~nemo_lw_fp8.cpu.grouped_experts.GroupedExperts` routed experts when
     ``single_grouped_experts``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -168,7 +168,7 @@ def cpu_decoder_block_spec(
         table[ColumnParallelLinear] = MXFP8ColumnParallelLinear
         table[RowParallelLinear] = MXFP8RowParallelLinear
     if single_grouped_experts:
-        from nemo_lw_fp8.testing.grouped_experts import GroupedExperts
+        from nemo_lw_fp8.cpu.grouped_experts import GroupedExperts
 
         whole[SequentialMLP] = functools.partial(GroupedExperts, fp8=fp8)
     return _swap_tree(spec, table, whole)

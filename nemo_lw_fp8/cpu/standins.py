@@ -3,8 +3,8 @@
 megatron-core's DDP buffers and optimizers are written for CUDA. None of their *logic* needs a GPU,
 but a handful of call sites touch the CUDA runtime directly. Each stand-in below exists because of
 a named call site (see ``docs/testing.md``); nothing else is changed, and megatron's source is never
-edited. The stand-ins are test and demo infrastructure: production modules of this package never
-import this file.
+edited. Part of the CPU backend (:mod:`nemo_lw_fp8.cpu`): installed by the rank workers of the
+tests and by ``nemo-lw-fp8 pretrain --cpu``, never by a GPU run.
 
 Stand-ins (each can be installed and removed on its own):
 

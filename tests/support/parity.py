@@ -1,0 +1,82 @@
+"""Bitwise comparisons of two training runs (the results of :func:`tests.support.training.train`).
+
+:func:`assert_fp8_gather_parity`: FP8 param gather on against off. :func:`assert_same_training`:
+two expert-weight presentations (discrete, single grouped, split ownership), compared under
+the discrete names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_fp8_gather_parity(off: list[dict], on: list[dict]) -> None:
+    """Losses, eval losses, forward output, every main_grad, every fp32 master, the weights the
+    GEMMs see, and every parameter that is not MXFP8: equal to the last bit on every rank."""
+    for rank, (a, b) in enumerate(zip(off, on, strict=True)):
+        where = f"rank {rank}"
+        assert a["losses"] == b["losses"], f"{where}: losses {a['losses']} != {b['losses']}"
+        assert a["eval_losses"] == b["eval_losses"], f"{where}: eval losses differ"
+        assert torch.equal(a["probe_output"], b["probe_output"]), f"{where}: forward output"
+        for step, (ga, gb) in enumerate(zip(a["main_grads"], b["main_grads"], strict=True)):
+            for name, grad in ga.items():
+                assert torch.equal(grad, gb[name]), f"{where}: main_grad of {name}, step {step}"
+        assert a["masters"].keys() == b["masters"].keys()
+        for name, master in a["masters"].items():
+            assert torch.equal(master, b["masters"][name]), f"{where}: fp32 master of {name}"
+        for name, weight in a["effective_weights"].items():
+            assert torch.equal(weight, b["effective_weights"][name]), f"{where}: {name} weight"
+        # MXFP8 weights were compared above as the values the GEMMs use; the rest bit for bit.
+        mxfp8_weights = {f"{name}.weight" for name in a["effective_weights"]}
+        for name, value in a["params"].items():
+            if name not in mxfp8_weights:
+                assert torch.equal(value, b["params"][name]), f"{where}: param {name}"
+    assert len({r["digest"] for r in on}) == 1, "ranks hold different parameters"
+
+
+def as_discrete(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename a single-grouped run's per-parameter tensors to the discrete layout's names."""
+    from nemo_lw_fp8.grouped_weights import grouped_prefixes, grouped_to_discrete
+
+    shapes = {name: tuple(value.shape) for name, value in named.items()}
+    return grouped_to_discrete(named, grouped_prefixes(named, shapes))
+
+
+def _merged_masters(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Whole-parameter fp32 masters from every rank (layer-wise: each is held by its owner)."""
+    merged: dict[str, torch.Tensor] = {}
+    for result in results:
+        for name, master in as_discrete(result["masters"]).items():
+            assert name not in merged, f"{name} has two owners"
+            merged[name] = master
+    return merged
+
+
+def assert_same_training(
+    discrete: list[dict], single: list[dict], replicas: list[list[int]] | None = None
+) -> None:
+    """Two runs (either may use single grouped weights): per-step losses, eval losses and every
+    parameter on every rank equal to the last bit; with layer-wise runs and snapshots, every
+    fp32 master.
+
+    main_grads and DistOpt master shards are not compared: which rank holds which reduced
+    gradient or shard depends on the buffer layout, which the two presentations change.
+    """
+    for rank, (a, b) in enumerate(zip(discrete, single, strict=True)):
+        where = f"rank {rank}"
+        assert a["losses"] == b["losses"], f"{where}: losses {a['losses']} != {b['losses']}"
+        assert a["eval_losses"] == b["eval_losses"], f"{where}: eval losses differ"
+        params_a, params_b = as_discrete(a["params"]), as_discrete(b["params"])
+        assert params_a.keys() == params_b.keys(), f"{where}: parameter names differ"
+        for name, value in params_a.items():
+            assert torch.equal(value, params_b[name]), f"{where}: param {name}"
+    if discrete[0].get("layer_wise") and "masters" in discrete[0]:
+        # Masters are merged over one model replica's ranks; with expert parallelism the ranks
+        # of different EP ranks hold different experts under the same names (``replicas``:
+        # the rank lists that together hold one copy of each name, default all ranks).
+        for ranks in replicas or [list(range(len(discrete)))]:
+            ma = _merged_masters([discrete[r] for r in ranks])
+            mb = _merged_masters([single[r] for r in ranks])
+            assert ma.keys() == mb.keys(), "fp32 masters differ in what they cover"
+            for name, master in ma.items():
+                assert torch.equal(master, mb[name]), f"fp32 master of {name}"
