@@ -60,16 +60,11 @@ def test_compact_with_mxfp8_param_gather_on_equals_off(world_size, overlap):
 
 def train_with_owner_skipping_itself(scenario: Scenario) -> dict:
     """Mutation: the owner does not take its own weights from the gathered bf16 bytes."""
-    from nemo_lw_fp8.patches import compact_layout
+    from nemo_lw_fp8.mechanics.compact import CompactGroup
 
-    saved = compact_layout.ranks_to_unpack
-    compact_layout.ranks_to_unpack = lambda state, me: [
-        r for r in range(len(state.segments)) if r != me
-    ]
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CompactGroup, "unpack_own", False)
         return train(scenario)
-    finally:
-        compact_layout.ranks_to_unpack = saved
 
 
 @needs_te

@@ -64,3 +64,13 @@ class OwnerPackedSync:
                 following.start_param_sync()
             self.unpack(group)
             self.post(group)
+
+
+def ranks_to_unpack(plan: Any, my_rank: int) -> list[int]:
+    """The ranks whose gathered segments this rank writes into its weights.
+
+    ``plan.unpack_own`` says whether the owner also takes its own weights from the gathered
+    bytes: the compact gather does (the inner step left MXFP8 weights alone, and every rank must
+    quantize the same bf16 bytes), the blockwise gather does not (the owner quantized in place).
+    """
+    return [rank for rank in range(len(plan.segments)) if plan.unpack_own or rank != my_rank]
