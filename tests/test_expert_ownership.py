@@ -7,7 +7,6 @@ different ranks, and training is bitwise what discrete expert weights (and whole
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

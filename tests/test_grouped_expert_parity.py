@@ -9,7 +9,6 @@ parameter, every main_grad and every fp32 master, with the single run's tensors 
 
 from __future__ import annotations
 
-
 import pytest
 
 from nemo_lw_fp8.emulation import te_backend
