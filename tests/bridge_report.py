@@ -18,7 +18,8 @@ from nemo_lw_fp8.emulation import te_backend
 
 te_backend.activate()
 
-from nemo_lw_fp8 import architectures, bridge, recipes  # noqa: E402
+from nemo_lw_fp8 import bridge, recipes  # noqa: E402
+from nemo_lw_fp8 import models as architectures  # noqa: E402
 from nemo_lw_fp8.guards import ConfigError  # noqa: E402
 from nemo_lw_fp8.launch.pretrain import resolve_config  # noqa: E402
 from nemo_lw_fp8.patches.compact_layout import LAYOUT_ATTR  # noqa: E402
