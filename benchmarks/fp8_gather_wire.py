@@ -1,6 +1,6 @@
 """Bytes per parameter on the wire: bf16 staging vs blockwise FP8 gather, layer-wise Muon.
 
-For DeepSeek-V3 and Qwen3-235B-A22B (shapes from :mod:`nemo_lw_fp8.model_shapes`), every distinct
+For DeepSeek-V3 and Qwen3-235B-A22B (shapes from :mod:`nemo_lw_fp8.models.shapes`), every distinct
 Muon-managed matrix shape is gathered once on 2 CPU ranks over gloo, through the plugin's real
 gather code, and the bytes are counted by wrapping ``torch.distributed.all_gather`` /
 ``all_gather_into_tensor`` (bytes of the received buffers):
@@ -36,7 +36,7 @@ MODELS = ("deepseek-v3", "qwen3-235b-a22b")
 
 def muon_matrices(model: str) -> Counter[tuple[tuple[int, ...], bool]]:
     """(shape, quantized) -> how many Muon-managed matrices of the model have it."""
-    from nemo_lw_fp8.model_shapes import param_shapes
+    from nemo_lw_fp8.models import param_shapes
 
     return Counter(
         (tuple(spec.shape), spec.quantized)

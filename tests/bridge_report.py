@@ -18,8 +18,9 @@ from nemo_lw_fp8.emulation import te_backend
 
 te_backend.activate()
 
-from nemo_lw_fp8 import architectures, bridge, recipes  # noqa: E402
+from nemo_lw_fp8 import bridge, recipes  # noqa: E402
 from nemo_lw_fp8 import config as plugin_config  # noqa: E402
+from nemo_lw_fp8 import models as architectures  # noqa: E402
 from nemo_lw_fp8.guards import ConfigError  # noqa: E402
 from nemo_lw_fp8.launch.pretrain import resolve_config  # noqa: E402
 from nemo_lw_fp8.recipe_yaml import recipe_row  # noqa: E402

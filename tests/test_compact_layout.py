@@ -278,7 +278,7 @@ def allocated_buffers(scenario: Scenario) -> list[dict]:
 
 
 def _mlp_specs():
-    from nemo_lw_fp8.model_shapes import ParamSpec
+    from nemo_lw_fp8.models import ParamSpec
     from nemo_lw_fp8.testing.training import TinyMLP
 
     return [
@@ -290,7 +290,7 @@ def _mlp_specs():
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("distribution", ["layerwise_padded", "layerwise_compact"])
 def test_planner_bytes_equal_allocated_buffers(world_size, distribution):
-    from nemo_lw_fp8.planner import plan
+    from nemo_lw_fp8.models import plan
 
     scenario = Scenario(optimizer="muon", distribution=distribution, plugin=True)
     real = run_on_ranks(allocated_buffers, scenario, world_size=world_size)[0]
