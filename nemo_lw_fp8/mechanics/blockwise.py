@@ -92,14 +92,10 @@ class BlockwiseGroup:
 
     @property
     def gather_bytes(self) -> int:
-        if self.even:
-            return max(self.segment_bytes) * len(self.segment_bytes) if self.segment_bytes else 0
-        return sum(self.segment_bytes)
+        return owner_gather.gathered_length(self.segment_bytes, self.even)
 
     def segment_start(self, rank: int) -> int:
-        if self.even:
-            return rank * max(self.segment_bytes)
-        return sum(self.segment_bytes[:rank])
+        return owner_gather.segment_start(self.segment_bytes, self.even, rank)
 
 
 def _gather_group(bucket_group: Any) -> Any:
@@ -250,16 +246,9 @@ def _dispatch(group: Any, async_op: bool) -> None:
     send = torch.zeros(send_bytes, dtype=torch.uint8, device=device)
     with torch.no_grad():
         pack_owned(state, rank, send)
-    if state.even:
-        work = torch.distributed.all_gather_into_tensor(
-            gathered, send, group=process_group, async_op=async_op
-        )
-    else:
-        outputs = [
-            gathered[state.segment_start(r) :][: state.segment_bytes[r]]
-            for r in range(process_group.size())
-        ]
-        work = torch.distributed.all_gather(outputs, send, group=process_group, async_op=async_op)
+    work = owner_gather.all_gather_segments(
+        gathered, send, state.segment_bytes, state.even, process_group, async_op
+    )
     record.pending = gathered
     group.param_gather_handle = work if async_op else None
     if not async_op:

@@ -94,14 +94,10 @@ class CompactGroup:
     @property
     def gather_numel(self) -> int:
         """Elements of the gathered buffer."""
-        if self.even:
-            return max(self.segment_numel) * len(self.segment_numel) if self.segment_numel else 0
-        return sum(self.segment_numel)
+        return owner_gather.gathered_length(self.segment_numel, self.even)
 
     def segment_start(self, rank: int) -> int:
-        if self.even:
-            return rank * max(self.segment_numel)
-        return sum(self.segment_numel[:rank])
+        return owner_gather.segment_start(self.segment_numel, self.even, rank)
 
 
 def compact_groups(chunk: Any) -> list[Any]:
@@ -275,16 +271,9 @@ def dispatch(group: Any, async_op: bool) -> None:
         for param in plan.segments[rank]:
             send[offset : offset + param.numel()].copy_(_source(param).detach().reshape(-1))
             offset += param.numel()
-    if plan.even:
-        work = torch.distributed.all_gather_into_tensor(
-            gathered, send, group=process_group, async_op=async_op
-        )
-    else:
-        outputs = [
-            gathered[plan.segment_start(r) :][: plan.segment_numel[r]]
-            for r in range(process_group.size())
-        ]
-        work = torch.distributed.all_gather(outputs, send, group=process_group, async_op=async_op)
+    work = owner_gather.all_gather_segments(
+        gathered, send, plan.segment_numel, plan.even, process_group, async_op
+    )
     record.pending = gathered
     group.param_gather_handle = work if async_op else None
     if not async_op:
