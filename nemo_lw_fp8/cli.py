@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # `pretrain` and `slurm` parse their own words (options and key=value overrides mixed).
     sub.add_parser("pretrain", help="train a recipe with Megatron-Bridge (run under torchrun)")
-    from .launch.slurm import add_slurm_subcommand
+    from .launch.slurm_cli import add_slurm_subcommand
 
     add_slurm_subcommand(sub)
     sub.add_parser("recipes", help="list the recipes")
