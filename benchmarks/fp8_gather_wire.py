@@ -1,6 +1,6 @@
 """Bytes per parameter on the wire: bf16 staging vs blockwise FP8 gather, layer-wise Muon.
 
-For DeepSeek-V3 and Qwen3-235B-A22B (shapes from :mod:`nemo_lw_fp8.model_shapes`), every distinct
+For DeepSeek-V3 and Qwen3-235B-A22B (shapes from :mod:`nemo_lw_fp8.models.shapes`), every distinct
 Muon-managed matrix shape is gathered once on 2 CPU ranks over gloo, through the plugin's real
 gather code, and the bytes are counted by wrapping ``torch.distributed.all_gather`` /
 ``all_gather_into_tensor`` (bytes of the received buffers):
@@ -36,7 +36,7 @@ MODELS = ("deepseek-v3", "qwen3-235b-a22b")
 
 def muon_matrices(model: str) -> Counter[tuple[tuple[int, ...], bool]]:
     """(shape, quantized) -> how many Muon-managed matrices of the model have it."""
-    from nemo_lw_fp8.model_shapes import param_shapes
+    from nemo_lw_fp8.models import param_shapes
 
     return Counter(
         (tuple(spec.shape), spec.quantized)
@@ -86,8 +86,9 @@ def measure(shapes: list[tuple[tuple[int, ...], bool]]) -> list[dict[str, int]]:
     import torch.distributed as dist
 
     from nemo_lw_fp8 import layout
-    from nemo_lw_fp8.patches import blockwise_fp8_param_gather as bwg
-    from nemo_lw_fp8.patches import compact_layout
+    from nemo_lw_fp8.mechanics import blockwise as bwg
+    from nemo_lw_fp8.mechanics import compact
+    from nemo_lw_fp8.state import group_state
 
     counted = {"bytes": 0}
     originals = {name: getattr(dist, name) for name in ("all_gather", "all_gather_into_tensor")}
@@ -109,13 +110,13 @@ def measure(shapes: list[tuple[tuple[int, ...], bool]]) -> list[dict[str, int]]:
         for shape, quantized in shapes:
             plain = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16))
             segments = [[plain]] + [[] for _ in range(world - 1)]
-            state = compact_layout.CompactGroup(
+            state = compact.CompactGroup(
                 segments, [plain.numel()] + [0] * (world - 1), even=False
             )
             bf16_group = _Group(plain, group)
-            bf16_group._nemo_lw_fp8_compact = state
+            group_state(bf16_group).compact = state
             counted["bytes"] = 0
-            compact_layout._compact_dispatch(bf16_group, async_op=False)
+            compact.dispatch(bf16_group, async_op=False)
             bf16 = counted["bytes"]
             del plain, bf16_group, state
 
@@ -131,7 +132,7 @@ def measure(shapes: list[tuple[tuple[int, ...], bool]]) -> list[dict[str, int]]:
                 group,
             )
             fp8_group = _Group(weight, group)
-            fp8_group.__dict__[bwg.STATE_ATTR] = fp8_state
+            group_state(fp8_group).blockwise = fp8_state
             counted["bytes"] = 0
             bwg._dispatch(fp8_group, async_op=False)
             rows.append({"bf16": bf16, "fp8": counted["bytes"], "numel": weight.numel()})

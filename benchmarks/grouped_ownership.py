@@ -1,6 +1,6 @@
 """Who owns single grouped expert weights under layer-wise Muon: whole vs expert runs.
 
-For each model at its recipe's expert-parallel and pipeline sizes (``nemo_lw_fp8.architectures``,
+For each model at its recipe's expert-parallel and pipeline sizes (``nemo_lw_fp8.models``,
 GB200 defaults), scaling the expert-data-parallel size ``d`` (more GPUs): the grouped weights of
 the busiest pipeline stage (fc1 and fc2 of each MoE layer, ``E / EP`` local experts each) are
 owned over the ``d`` ranks of an expert-DP group, whole (``grouped_weight_ownership="whole"``)
@@ -19,7 +19,7 @@ import json
 import math
 
 from nemo_lw_fp8 import layout
-from nemo_lw_fp8.architectures import get_architecture, parallelism
+from nemo_lw_fp8.models import get_architecture, parallelism
 
 MODELS = ("deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b")
 EXPERT_DP = (1, 2, 4, 8, 16, 32, 64)

@@ -4,7 +4,8 @@ For DeepSeek-V3 at DP 64 / EP 64 and Qwen3-235B-A22B at DP 64 / EP 32 (TP = PP =
 param gather, fp32 grads, megatron's default buckets): bytes per rank (worst rank) of megatron-core
 0.19.2's padded layer-wise layout and of the compact layout, their ratio, the Newton-Schulz
 max/mean cost per rank, and the parameter-gather collectives per step. Everything is computed by
-:func:`nemo_lw_fp8.planner.plan` (megatron's own layout code on meta-device stand-ins; no GPU).
+:func:`nemo_lw_fp8.models.planner.plan` (megatron's own layout code on meta-device stand-ins;
+no GPU).
 
     python benchmarks/layout.py [--json] [--no-fp8-param-gather] [--grad-dtype bf16]
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nemo_lw_fp8.planner import plan  # noqa: E402
+from nemo_lw_fp8.models import plan  # noqa: E402
 
 CONFIGS = (("deepseek-v3", 64, 64), ("qwen3-235b-a22b", 64, 32))
 

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="versions, accelerator, FP8 backend, upstream status")
     doctor.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    # `plan` has its own parser (nemo_lw_fp8.planner.main); listed here for --help.
+    # `plan` has its own parser (nemo_lw_fp8.models.plan_cli.main); listed here for --help.
     sub.add_parser("plan", help="per-rank memory and communication: padded vs compact vs Adam")
 
     demo = sub.add_parser(
@@ -29,16 +29,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # `pretrain` and `slurm` parse their own words (options and key=value overrides mixed).
     sub.add_parser("pretrain", help="train a recipe with Megatron-Bridge (run under torchrun)")
-    from .launch.slurm import add_slurm_subcommand
+    from .launch.slurm_cli import add_slurm_subcommand
 
     add_slurm_subcommand(sub)
     sub.add_parser("recipes", help="list the recipes")
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
-        from . import planner
+        from .models import plan_cli
 
-        return planner.main(argv[1:])
+        return plan_cli.main(argv[1:])
     if argv[:1] == ["pretrain"]:
         from .launch import pretrain as pretrain_mod
 

@@ -81,31 +81,29 @@ def fp8_backend() -> dict[str, str]:
 
 
 def upstream_status() -> list[ChangeStatus]:
-    from . import patches
-    from .upstream import CHANGES
+    """One row per tracked megatron-core change: the patch registry plus the changes that need
+    no patch (:mod:`nemo_lw_fp8.upstream`)."""
+    from .upstream import megatron_core_changes
 
-    patches.load_all()
-    registered = patches.registry()
     rows = []
-    for item in CHANGES:
+    for pr, (title, detect, patch) in megatron_core_changes().items():
         try:
-            native, reason = item.detect()
+            native, reason = detect()
         except Exception as exc:  # noqa: BLE001 - a detector failure is itself a finding
-            rows.append(ChangeStatus(item.pr, item.title, "unavailable", f"detector failed: {exc}"))
+            rows.append(ChangeStatus(pr, title, "unavailable", f"detector failed: {exc}"))
             continue
-        patch = registered.get(item.feature)
         if native and patch is not None and not patch.detect_native()[0]:
             # Upstream has the change for some optimizers; the plugin extends it further.
             status = "native (extended)" if patch.applied else "native (extendable)"
             reason = f"{reason}; layer-wise extension: {patch.summary}"
         elif native:
             status = "native"
-        elif item.feature in registered:
-            status = "patched" if registered[item.feature].applied else "patchable"
+        elif patch is not None:
+            status = "patched" if patch.applied else "patchable"
         else:
             status = "unavailable"
-            reason = f"{reason}; the plugin's patch is planned in {item.planned_in}"
-        rows.append(ChangeStatus(item.pr, item.title, status, reason))
+            reason = f"{reason}; the plugin has no patch for it"
+        rows.append(ChangeStatus(pr, title, status, reason))
     return rows
 
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .layout import DEFAULT_GATHER_PADDING_TOLERANCE, GROUPED_WEIGHT_OWNERSHIP, LAYER_WISE_LAYOUTS
+
 
 class ConfigError(ValueError):
     """An unsupported combination of settings, caught before training starts."""
@@ -65,7 +67,7 @@ class Settings:
     ddp_overlap_param_gather: bool | None = None
     overlap_param_gather_with_optimizer_step: bool = False
     optimizer_cpu_offload: bool = False
-    gather_padding_tolerance: float = 0.1
+    gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     #: Compact layout: how a single grouped weight is owned ("whole", "expert", "auto").
     grouped_weight_ownership: str = "whole"
     #: A checkpoint is saved during training (Bridge ``checkpoint.save`` / ``--save``); None:
@@ -447,8 +449,6 @@ def _layer_wise_cpu_offload(s: Settings) -> str | None:
 
 
 def _layout_value(s: Settings) -> str | None:
-    from .layout import LAYER_WISE_LAYOUTS
-
     if s.layer_wise and s.layer_wise_layout not in LAYER_WISE_LAYOUTS:
         return (
             f"layer_wise_layout={s.layer_wise_layout!r} is not a layout. Fix: use 'compact' "
@@ -480,8 +480,6 @@ def _padding_tolerance(s: Settings) -> str | None:
 
 
 def _ownership_value(s: Settings) -> str | None:
-    from .layout import GROUPED_WEIGHT_OWNERSHIP
-
     if s.layer_wise and s.grouped_weight_ownership not in GROUPED_WEIGHT_OWNERSHIP:
         return (
             f"grouped_weight_ownership={s.grouped_weight_ownership!r} is not an ownership mode. "

@@ -43,7 +43,7 @@ SECTIONS: dict[str, list[tuple[str, str]]] = {
 
 def recipe_row(cfg: Any) -> dict[str, Any]:
     """The plugin-relevant settings of a built ``ConfigContainer`` (flat, JSON-friendly)."""
-    from nemo_lw_fp8.patches.compact_layout import LAYOUT_ATTR
+    from nemo_lw_fp8 import config as plugin_config
     from nemo_lw_fp8.recipes import SINGLE_GROUPED_WEIGHT_ENV
 
     model, mixed, opt = cfg.model, cfg.mixed_precision, cfg.optimizer
@@ -52,7 +52,7 @@ def recipe_row(cfg: Any) -> dict[str, Any]:
         "optimizer": opt.optimizer,
         "optimizer_class": type(opt).__name__,
         "layout": opt.layer_wise_layout,
-        "ddp_layout": getattr(cfg.ddp, LAYOUT_ATTR, None),
+        "ddp_layout": getattr(plugin_config.read(cfg.ddp), "layout", None),
         "overlap_ddp": cfg.ddp.overlap_param_gather,
         "overlap_optimizer": opt.overlap_param_gather,
         "fp8": mixed.fp8,

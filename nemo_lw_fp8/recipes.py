@@ -1,7 +1,7 @@
 """Megatron-Bridge pretraining recipes with layer-wise Muon + FP8 param gather for MoE models.
 
 Each recipe is a function returning a Megatron-Bridge ``ConfigContainer`` built offline from the
-explicit hyper-parameters of :mod:`nemo_lw_fp8.architectures` (no Hugging Face Hub), with:
+explicit hyper-parameters of :mod:`nemo_lw_fp8.models.architectures` (no Hugging Face Hub), with:
 
 * layer-wise Muon from the plugin's optimizer factory
   (:func:`nemo_lw_fp8.bridge.layer_wise_muon_fp8_with_cosine_annealing`): compact layout,
@@ -11,7 +11,7 @@ explicit hyper-parameters of :mod:`nemo_lw_fp8.architectures` (no Hugging Face H
   compute, blockwise FP8 parameters with FP8 codes + scales on the wire, no grad-buffer reuse);
 * single grouped expert weights (TE's ``GroupedLinear`` with one parameter) on the grouped GEMM
   (``mxfp8`` and tiny recipes; the blockwise gather handles discrete expert weights only);
-* parallelism from :func:`nemo_lw_fp8.architectures.parallelism` (best published Bridge recipe
+* parallelism from :func:`nemo_lw_fp8.models.parallelism` (best published Bridge recipe
   of the model, adapted to Muon).
 
 Names: ``<model>_<variant>`` (``deepseek_v3_mxfp8``, ``qwen3_235b_a22b_hopper``...) and
@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import architectures as arch_mod
-from .architectures import MoEArchitecture, ParallelismDefaults
+from . import models
+from .models import MoEArchitecture, ParallelismDefaults
 
 VARIANTS = ("mxfp8", "hopper")
 #: GPU family each variant's parallelism is taken from.
 VARIANT_GPU = {"mxfp8": "gb200", "hopper": "h100"}
-#: Models with recipes (architecture names in :mod:`nemo_lw_fp8.architectures`).
+#: Models with recipes (architecture names in :mod:`nemo_lw_fp8.models.architectures`).
 MODELS = (
     "deepseek-v3",
     "deepseek-v2-lite",
@@ -105,9 +105,9 @@ def build(
     from .bridge import layer_wise_muon_fp8_with_cosine_annealing
 
     if isinstance(arch, str):
-        arch = arch_mod.get_architecture(arch)
+        arch = models.get_architecture(arch)
     if parallel is None:
-        parallel = arch_mod.parallelism(arch, VARIANT_GPU[variant or "mxfp8"])
+        parallel = models.parallelism(arch, VARIANT_GPU[variant or "mxfp8"])
     cfg = _pretrain_common()
     cfg.model = _provider(arch, parallel, transformer_impl)
     cfg.mixed_precision = mixed_precision(variant)
@@ -157,9 +157,9 @@ def build_tiny(
 ) -> Any:
     """The tiny version of ``arch`` with every feature on (as :func:`build`)."""
     if isinstance(arch, str):
-        arch = arch_mod.get_architecture(arch)
+        arch = models.get_architecture(arch)
     cfg = build(
-        arch_mod.tiny(arch),
+        models.tiny(arch),
         variant=variant,
         parallel=tiny_parallelism(),
         train_iters=train_iters,
@@ -226,7 +226,7 @@ def tiny_architecture_of(name: str) -> MoEArchitecture | None:
         return None
     for model in MODELS:
         if _key(model) == key[len("tiny_"):]:
-            return arch_mod.tiny(arch_mod.get_architecture(model))
+            return models.tiny(models.get_architecture(model))
     return None
 
 

@@ -18,10 +18,11 @@ from nemo_lw_fp8.emulation import te_backend
 
 te_backend.activate()
 
-from nemo_lw_fp8 import architectures, bridge, recipes  # noqa: E402
+from nemo_lw_fp8 import bridge, recipes  # noqa: E402
+from nemo_lw_fp8 import config as plugin_config  # noqa: E402
+from nemo_lw_fp8 import models as architectures  # noqa: E402
 from nemo_lw_fp8.guards import ConfigError  # noqa: E402
 from nemo_lw_fp8.launch.pretrain import resolve_config  # noqa: E402
-from nemo_lw_fp8.patches.compact_layout import LAYOUT_ATTR  # noqa: E402
 from nemo_lw_fp8.recipe_yaml import recipe_row  # noqa: E402
 
 SWITCH = recipes.SINGLE_GROUPED_WEIGHT_ENV
@@ -84,7 +85,7 @@ def yaml_checks(tmp: str) -> dict:
         "train_iters": cfg.train.train_iters,
         "lr": cfg.optimizer.lr,
         "layout": cfg.optimizer.layer_wise_layout,
-        "ddp_layout": getattr(cfg.ddp, LAYOUT_ATTR, None),
+        "ddp_layout": getattr(plugin_config.read(cfg.ddp), "layout", None),
         "num_layers": cfg.model.num_layers,
         "global_batch_size": cfg.train.global_batch_size,
         "hidden_size": cfg.model.hidden_size,

@@ -11,18 +11,18 @@ MUTATION = os.environ.get("NEMO_LW_FP8_TEST_MUTATION", "")
 
 if MUTATION == "init_value_table":
     # TE's init values only as the tensor attribute (dropped by Module._apply): stock behaviour.
-    import nemo_lw_fp8.patches.muon_fp8_param_gather as muon
+    import nemo_lw_fp8.mechanics.masters as masters
 
     def attribute_only(param):
         getter = getattr(param, "get_high_precision_init_val", None)
         return getter() if getter is not None else None
 
-    muon.preserved_init_value = attribute_only
+    masters.preserved_init_value = attribute_only
 elif MUTATION == "stage_before_hook_gather":
     # No staging before the gathers of an eval run with the pre-hooks on (stock behaviour).
-    import nemo_lw_fp8.patches.restage_forced_sync as restage
+    import nemo_lw_fp8.mechanics.staging as staging
 
-    restage.stage_if_unstaged = lambda chunk: None
+    staging.stage_if_unstaged = lambda chunk: None
 elif MUTATION:
     raise SystemExit(f"unknown mutation {MUTATION!r}")
 

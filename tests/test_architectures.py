@@ -1,4 +1,4 @@
-"""nemo_lw_fp8.architectures: sizes, tiny twins, parallelism defaults, planner view."""
+"""nemo_lw_fp8.models: sizes, tiny twins, parallelism defaults, planner view."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from nemo_lw_fp8 import architectures as A
-from nemo_lw_fp8.model_shapes import SPECS, param_shapes, total_params
+from nemo_lw_fp8 import models as A
+from nemo_lw_fp8.models import SPECS, param_shapes, total_params
 
 ARCHS = list(A.ARCHITECTURES.values())
 IDS = [a.name for a in ARCHS]
@@ -150,7 +150,7 @@ def test_tiny_models_build_in_megatron_with_the_counted_size():
         from megatron.core.transformer.dot_product_attention import DotProductAttention
         from megatron.core.transformer.transformer_config import (
             MLATransformerConfig, TransformerConfig)
-        from nemo_lw_fp8 import architectures as A
+        from nemo_lw_fp8 import models as A
 
         class DPA(DotProductAttention):  # megatron 0.19.2's local MLA spec passes k_channels
             def __init__(self, *args, k_channels=None, v_channels=None, **kw):
@@ -246,7 +246,7 @@ def test_unknown_gpu_family():
 
 @pytest.mark.parametrize("arch", ARCHS, ids=IDS)
 def test_planner_runs_on_tiny_twins(arch):
-    from nemo_lw_fp8 import planner
+    from nemo_lw_fp8.models import planner
 
     result = planner.plan(A.to_model_spec(A.tiny(arch), include_mtp=True).params(), 2, 2)
     compact = result["layouts"]["compact"]

@@ -25,7 +25,9 @@ import pytest
 import torch
 
 from nemo_lw_fp8.emulation import blockwise as bw
+from nemo_lw_fp8.emulation import blockwise_sharded_cast as bws
 from nemo_lw_fp8.emulation import mxfp8 as mx
+from nemo_lw_fp8.emulation import mxfp8_format as mxf
 from nemo_lw_fp8.emulation import te_backend
 from tests.te_test_support import TE_PATH, ThreadedMaxAllReduce, needs_te, run_te_script
 
@@ -258,8 +260,8 @@ def test_pow2_scale_inv_is_the_mxfp8_power_of_two(src):
     finite amax the same power of two as MXFP8's E8M0 rule (byte 0 read as 2^-127)."""
     amax = _positive_finite(src)
     for fmt in (E4M3, E5M2):
-        e8m0 = mx.e8m0_from_amax(amax, fmt)
-        mxfp8 = torch.where(e8m0 == 0, 2.0**-127, mx.dequantize_multipliers(e8m0))
+        e8m0 = mxf.e8m0_from_amax(amax, fmt)
+        mxfp8 = torch.where(e8m0 == 0, 2.0**-127, mxf.dequantize_multipliers(e8m0))
         scale = bw.compute_scale(amax, fmt, True, 0.0, bw.value_for_inf(src))
         assert torch.equal(bw.scale_inv_from_scale(scale), mxfp8)
 
@@ -320,7 +322,7 @@ def test_cast_is_mxfp8_saturating_cast_and_exact(fmt):
         values = values[::7]
     got = bw.saturating_cast(values, fmt)
     one = torch.ones(())
-    assert torch.equal(got, mx._scaled_cast(values, one, fmt, saturate=True, canonicalize_nan=True))
+    assert torch.equal(got, mx.scaled_cast(values, one, fmt, saturate=True, canonicalize_nan=True))
     want = [
         ref_cast(v if math.isnan(v) or math.isinf(v) else Fraction(v), fmt, math.copysign(1, v) < 0)
         for v in values.tolist()
@@ -443,9 +445,9 @@ def test_refused_inputs_are_clear_errors():
     with pytest.raises(ValueError, match="128x128"):
         bw.columnwise_from_rowwise(torch.zeros(256, 256, dtype=torch.uint8), torch.zeros(1, 4))
     with pytest.raises(ValueError, match="does not fit"):
-        bw.compute_partial_amax(torch.zeros(10), (128, 128), 128 * 128 - 5)
+        bws.compute_partial_amax(torch.zeros(10), (128, 128), 128 * 128 - 5)
     with pytest.raises(ValueError, match="2-D"):
-        bw.compute_partial_amax(torch.zeros(10), (2, 128, 128), 0)
+        bws.compute_partial_amax(torch.zeros(10), (2, 128, 128), 0)
     empty = bw.quantize(torch.zeros(0, 256))
     assert empty.rowwise_data.shape == (0, 256) and empty.columnwise_data.shape == (256, 0)
     assert empty.rowwise_scale_inv.shape == (0, 4)
@@ -488,14 +490,14 @@ def test_shard_cuts_give_full_quantize_bytes(ranks, trial):
     if trial == 0 and ranks == 4:
         cuts[2] = cuts[1]  # an empty shard
     shards = list(itertools.pairwise(cuts))
-    partial = [bw.compute_partial_amax(flat[a:b], shape, a) for a, b in shards]
+    partial = [bws.compute_partial_amax(flat[a:b], shape, a) for a, b in shards]
     amax = torch.stack(partial).amax(0)  # the MAX all-reduce
     scale = bw.compute_scale(amax, E4M3, True, 0.0, bw.FLT_MAX)
     scale_inv = bw.scale_inv_from_scale(scale)
     h, w = bw.valid_scale_shape(shape)
     assert torch.equal(scale_inv[:h, :w], full.rowwise_scale_inv[:h, :w])
     assert bool((scale_inv[:, w:] == 1.0).all())  # padding: amax 0 -> scale 1
-    codes = [bw.partial_cast(flat[a:b], scale, shape, a) for a, b in shards]
+    codes = [bws.partial_cast(flat[a:b], scale, shape, a) for a, b in shards]
     assert [c.numel() for c in codes] == [b - a for a, b in shards]
     assert torch.equal(torch.cat(codes), full.rowwise_data.reshape(-1))
 
@@ -509,10 +511,10 @@ def test_quantize_shard_with_all_reduce_hook(ranks):
     flat = x.reshape(-1)
     cuts = _cuts(flat.numel(), ranks, rng)
     hook = ThreadedMaxAllReduce(ranks)
-    results: dict[int, bw.ShardQuantization] = {}
+    results: dict[int, bws.ShardQuantization] = {}
 
     def rank(i: int) -> None:
-        results[i] = bw.quantize_shard(flat[cuts[i] : cuts[i + 1]], shape, cuts[i], hook)
+        results[i] = bws.quantize_shard(flat[cuts[i] : cuts[i + 1]], shape, cuts[i], hook)
 
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(ranks)]
     for t in threads:
@@ -833,7 +835,7 @@ def test_emulation_matches_te_kernels_on_gpu():
     shard = x.reshape(-1)[start : start + n].contiguous()
     amax = torch.zeros(bw.rowwise_scale_shape(shape), dtype=torch.float32, device="cuda")
     tex.fp8_block_scaling_compute_partial_amax(shard.cuda(), amax, *shape, start, 128)
-    want_amax = bw.compute_partial_amax(shard, shape, start)
+    want_amax = bws.compute_partial_amax(shard, shape, start)
     if not torch.equal(amax.cpu(), want_amax):
         failures.append("partial amax")
     for pow2 in (True, False):
@@ -857,6 +859,6 @@ def test_emulation_matches_te_kernels_on_gpu():
         tex.fp8_block_scaling_partial_cast(
             shard.cuda(), fragment, scale, *shape, start, 128, tex.DType.kFloat8E4M3
         )
-        if not torch.equal(fragment.cpu(), bw.partial_cast(shard, want, shape, start)):
+        if not torch.equal(fragment.cpu(), bws.partial_cast(shard, want, shape, start)):
             failures.append(f"partial cast pow2={pow2}")
     assert failures == []

@@ -142,11 +142,11 @@ def _one_list(buffers):
 
 #: step -> (module, attribute, replacement that undoes it; None: a no-op)
 MUTATIONS = {
-    "bf16_cast": ("blockwise_fp8_param_gather", "quantize_owned", _quantize_from_fp32),
-    "scales_on_the_wire": ("blockwise_fp8_param_gather", "write_scales", None),
-    "columnwise": ("blockwise_fp8_param_gather", "derive_columnwise", None),
-    "master_init": ("muon_fp8_param_gather", "init_masters_from_high_precision", None),
-    "separate_groups": ("blockwise_fp8_param_gather", "separate_owner_kinds", _one_list),
+    "bf16_cast": ("blockwise", "quantize_owned", _quantize_from_fp32),
+    "scales_on_the_wire": ("blockwise", "write_scales", None),
+    "columnwise": ("blockwise", "derive_columnwise", None),
+    "master_init": ("masters", "init_masters_from_high_precision", None),
+    "separate_groups": ("blockwise", "separate_owner_kinds", _one_list),
 }
 
 
@@ -156,13 +156,10 @@ def mutated(step: str):
     import importlib
 
     module_name, attr, replacement = MUTATIONS[step]
-    module = importlib.import_module(f"nemo_lw_fp8.patches.{module_name}")
-    saved = getattr(module, attr)
-    setattr(module, attr, replacement if replacement is not None else (lambda *a, **k: None))
-    try:
+    module = importlib.import_module(f"nemo_lw_fp8.mechanics.{module_name}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, attr, replacement if replacement is not None else (lambda *a, **k: None))
         yield
-    finally:
-        setattr(module, attr, saved)
 
 
 def train_mutated(scenario: Scenario, step: str) -> dict:
@@ -235,7 +232,7 @@ def gather_bytes(scenario: Scenario) -> dict:
     """What the layer-wise bucket groups gather during steps 1 and 2 (received bytes)."""
     from megatron.core import parallel_state
 
-    from nemo_lw_fp8.patches.blockwise_fp8_param_gather import STATE_ATTR, param_wire_bytes
+    from nemo_lw_fp8.mechanics.blockwise import param_wire_bytes, plan_of
     from tests.support.scenarios import build_model
     from tests.support.training import train_step, wrap_and_build_optimizer
 
@@ -255,7 +252,7 @@ def gather_bytes(scenario: Scenario) -> dict:
         for step in (1, 2):
             train_step(scenario, model, optimizer, step, rank)
     weights = [p for g in groups for b in g.buckets for p in b.params_list]
-    states = [g.__dict__.get(STATE_ATTR) for g in groups]
+    states = [plan_of(g) for g in groups]
     return {
         "blockwise_states": sum(s is not None for s in states),
         "planned_bytes": sum(s.gather_bytes for s in states if s is not None),
@@ -340,7 +337,7 @@ def test_owner_payload_from_te_kernels_equals_emulation_on_gpu():
     from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
 
     from nemo_lw_fp8.emulation import blockwise as bw
-    from nemo_lw_fp8.patches import blockwise_fp8_param_gather as bwg
+    from nemo_lw_fp8.mechanics import blockwise as bwg
 
     torch.manual_seed(0)
     for shape in ((256, 384), (576, 7168), (200, 300)):

@@ -61,16 +61,11 @@ def test_compact_with_mxfp8_param_gather_on_equals_off(world_size, overlap):
 
 def train_with_owner_skipping_itself(scenario: Scenario) -> dict:
     """Mutation: the owner does not take its own weights from the gathered bf16 bytes."""
-    from nemo_lw_fp8.patches import compact_layout
+    from nemo_lw_fp8.mechanics.compact import CompactGroup
 
-    saved = compact_layout.ranks_to_unpack
-    compact_layout.ranks_to_unpack = lambda state, me: [
-        r for r in range(len(state.segments)) if r != me
-    ]
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CompactGroup, "unpack_own", False)
         return train(scenario)
-    finally:
-        compact_layout.ranks_to_unpack = saved
 
 
 @needs_te
@@ -287,7 +282,7 @@ def allocated_buffers(scenario: Scenario) -> list[dict]:
 
 
 def _mlp_specs():
-    from nemo_lw_fp8.model_shapes import ParamSpec
+    from nemo_lw_fp8.models import ParamSpec
     from tests.support.scenarios import TinyMLP
 
     return [
@@ -299,7 +294,7 @@ def _mlp_specs():
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("distribution", ["layerwise_padded", "layerwise_compact"])
 def test_planner_bytes_equal_allocated_buffers(world_size, distribution):
-    from nemo_lw_fp8.planner import plan
+    from nemo_lw_fp8.models import plan
 
     scenario = Scenario(optimizer="muon", distribution=distribution, plugin=True)
     real = run_on_ranks(allocated_buffers, scenario, world_size=world_size)[0]

@@ -7,8 +7,6 @@ different ranks, and training is bitwise what discrete expert weights (and whole
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -77,12 +75,11 @@ def test_unknown_ownership_is_refused():
 
 
 def test_split_ownership_needs_the_compact_layout():
-    from megatron.core.distributed import DistributedDataParallelConfig
+    from nemo_lw_fp8 import LayerWiseConfig
+    from nemo_lw_fp8.guards import ConfigError
 
-    from nemo_lw_fp8.patches.compact_layout import set_layer_wise_layout
-
-    with pytest.raises(ValueError, match="needs the compact layout"):
-        set_layer_wise_layout(DistributedDataParallelConfig(), "padded", 0.1, "expert")
+    with pytest.raises(ConfigError, match="grouped-weight-split-ownership-needs-compact"):
+        LayerWiseConfig(layout="padded", grouped_weight_ownership="expert")
 
 
 # --------------------------------------------------------------------------- training parity
@@ -163,26 +160,14 @@ def test_expert_ownership_overlap_eval_equals_discrete():
     assert_same_training(discrete, split)
 
 
-@contextlib.contextmanager
-def _owner_skips_its_own_segment():
+def _train_skipping_own_segment(scenario):
     """Mutation: unpack only the other ranks' segments, as a gather that trusts the owner's
     weights to be current would."""
-    from nemo_lw_fp8.patches import compact_layout
-
-    saved = compact_layout.ranks_to_unpack
-    compact_layout.ranks_to_unpack = lambda state, me: [
-        r for r in range(len(state.segments)) if r != me
-    ]
-    try:
-        yield
-    finally:
-        compact_layout.ranks_to_unpack = saved
-
-
-def _train_skipping_own_segment(scenario):
+    from nemo_lw_fp8.mechanics.compact import CompactGroup
     from tests.support.training import train
 
-    with _owner_skips_its_own_segment():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CompactGroup, "unpack_own", False)
         return train(scenario)
 
 
@@ -241,19 +226,24 @@ def _slice_storage(scenario) -> list[tuple[int, int, int]]:
     """(owner, this rank, bytes of storage) for every expert slice this rank knows."""
     import torch.distributed as dist
 
-    from nemo_lw_fp8.expert_slices import is_slice
+    from nemo_lw_fp8.mechanics.expert_slices import is_slice
     from tests.support.scenarios import build_model
     from tests.support.training import wrap_and_build_optimizer
 
     module, config = build_model(scenario)
     _, optimizer = wrap_and_build_optimizer(module, config, scenario)
+    from nemo_lw_fp8.state import OptimizerState, peek
+
     found = []
     for child in optimizer.chained_optimizers:
-        for pieces in getattr(child, "_nemo_lw_fp8_pieces", {}).values():
+        record = peek(child)
+        if not isinstance(record, OptimizerState):
+            continue
+        for pieces in record.pieces.values():
             for piece in pieces:
                 if is_slice(piece):
                     nbytes = piece.untyped_storage().nbytes()
-                    found.append((piece._nemo_lw_fp8_owner_rank, dist.get_rank(), nbytes))
+                    found.append((record.owner_of[piece], dist.get_rank(), nbytes))
     return found
 
 

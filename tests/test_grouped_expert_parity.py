@@ -9,8 +9,6 @@ parameter, every main_grad and every fp32 master, with the single run's tensors 
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 from nemo_lw_fp8.emulation import te_backend
@@ -156,20 +154,11 @@ def test_train_eval_train_equals_train_only(optimizer):
     assert_same_training(discrete, with_eval)
 
 
-@contextlib.contextmanager
-def _without_restage_after_zero():
-    from nemo_lw_fp8.patches import restage_forced_sync
-
-    saved = restage_forced_sync.restage_after_zero
-    restage_forced_sync.restage_after_zero = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        restage_forced_sync.restage_after_zero = saved
-
-
 def train_without_restage(scenario: Scenario) -> dict:
-    with _without_restage_after_zero():
+    from nemo_lw_fp8.mechanics import staging
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(staging, "restage_after_zero", lambda *a, **k: None)
         return train(scenario)
 
 

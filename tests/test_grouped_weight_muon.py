@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import nemo_lw_fp8
-from nemo_lw_fp8.patches.grouped_weight_layerwise import MEMBERS_ATTR
+from nemo_lw_fp8.mechanics.grouped import MEMBERS_ATTR
 
 EXPERTS, ROWS, COLS = 4, 48, 32
 

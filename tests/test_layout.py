@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_lw_fp8 import layout as lo
-from nemo_lw_fp8.model_shapes import param_shapes
+from nemo_lw_fp8.models import param_shapes
 
 # ----------------------------------------------------------------------------- cost
 

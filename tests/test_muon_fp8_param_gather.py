@@ -104,27 +104,30 @@ def test_eval_with_pre_hooks_on_equals_off(distribution):
 
 def _stock_owned_buckets(bucket_group, layer_wise):
     """0.19.2's rule: the whole group belongs to whoever owns its first bucket."""
-    from nemo_lw_fp8.patches.muon_fp8_param_gather import _owned_by_layer_wise
+    from nemo_lw_fp8.mechanics.bucket_owners import owned_by_layer_wise
 
-    first_is_layer_wise = _owned_by_layer_wise(bucket_group.buckets[0])
+    first_is_layer_wise = owned_by_layer_wise(bucket_group.buckets[0])
     return list(bucket_group.buckets) if first_is_layer_wise == layer_wise else []
 
 
 def _stock_chained_prepare(self):
-    from nemo_lw_fp8.patches import restage_forced_sync
+    """megatron-core's own ChainedOptimizer.prepare_model_params_for_param_sync."""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-    return restage_forced_sync.original_chained_prepare()(self)
+    from nemo_lw_fp8.patches import original
+
+    return original(ChainedOptimizer, "prepare_model_params_for_param_sync")(self)
 
 
 #: fix name -> (module, attribute, replacement that undoes the fix)
 MUTATIONS = {
-    "master_init": ("muon_fp8_param_gather", "init_masters_from_high_precision", None),
-    "staging": ("muon_fp8_param_gather", "stage_owned_masters", None),
-    "per_bucket_ownership": ("muon_fp8_param_gather", "owned_buckets", _stock_owned_buckets),
-    "restage_after_zero": ("restage_forced_sync", "restage_after_zero", None),
-    "ordering": ("restage_forced_sync", "prepare_chained", _stock_chained_prepare),
-    "skip_requantize": ("muon_fp8_param_gather", "skip_requantize_on_inner_step", None),
-    "stage_before_hook_gather": ("restage_forced_sync", "stage_if_unstaged", None),
+    "master_init": ("masters", "init_masters_from_high_precision", None),
+    "staging": ("staging", "stage_owned_masters", None),
+    "per_bucket_ownership": ("bucket_owners", "owned_buckets", _stock_owned_buckets),
+    "restage_after_zero": ("staging", "restage_after_zero", None),
+    "ordering": ("staging", "prepare_chained", _stock_chained_prepare),
+    "skip_requantize": ("masters", "skip_requantize_on_inner_step", None),
+    "stage_before_hook_gather": ("staging", "stage_if_unstaged", None),
 }
 
 
@@ -134,13 +137,10 @@ def mutated(fix: str):
     import importlib
 
     module_name, attr, replacement = MUTATIONS[fix]
-    module = importlib.import_module(f"nemo_lw_fp8.patches.{module_name}")
-    saved = getattr(module, attr)
-    setattr(module, attr, replacement if replacement is not None else (lambda *a, **k: None))
-    try:
+    module = importlib.import_module(f"nemo_lw_fp8.mechanics.{module_name}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, attr, replacement if replacement is not None else (lambda *a, **k: None))
         yield
-    finally:
-        setattr(module, attr, saved)
 
 
 def train_mutated(scenario: Scenario, fix: str) -> dict:

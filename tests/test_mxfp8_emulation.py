@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from nemo_lw_fp8.emulation import mxfp8 as mx
+from nemo_lw_fp8.emulation import mxfp8_format as mxf
+from nemo_lw_fp8.emulation import mxfp8_sharded_cast as mxs
 from tests.te_test_support import ThreadedMaxAllReduce
 
 E4M3 = torch.float8_e4m3fn
@@ -87,7 +89,7 @@ def ref_e8m0(amax: float, fmt: torch.dtype) -> int:
         return 0xFE
     if amax == 0:
         return 0
-    v = Fraction(amax) / Fraction(mx.fp8_max(fmt))
+    v = Fraction(amax) / Fraction(mxf.fp8_max(fmt))
     return min(max(ceil_log2(v) + 127, 0), 254)
 
 
@@ -120,7 +122,7 @@ def ref_code(x: float, e8m0: int, fmt: torch.dtype) -> int:
 
 def ref_quantize(x: torch.Tensor, fmt: torch.dtype, two_d: bool = False):
     """Slow per-block reference of rowwise and columnwise codes and compact scales."""
-    rows, cols = mx.flat_2d_shape(x.shape)
+    rows, cols = mxf.flat_2d_shape(x.shape)
     vals = x.reshape(rows, cols).float().tolist()
     mags = [[0.0 if math.isnan(v) else abs(v) for v in row] for row in vals]
 
@@ -190,7 +192,7 @@ def test_e8m0_matches_exact_arithmetic_for_every_finite_amax(fmt, src):
     bits = torch.arange(1, 0x8000, dtype=torch.int32).to(torch.int16)
     amax = bits.view(src)
     amax = amax[torch.isfinite(amax)]
-    got = mx.e8m0_from_amax(amax, fmt).tolist()
+    got = mxf.e8m0_from_amax(amax, fmt).tolist()
     want = [ref_e8m0(a, fmt) for a in amax.float().tolist()]
     bad = [(a, g, w) for a, g, w in zip(amax.float().tolist(), got, want, strict=True) if g != w]
     assert not bad, f"{len(bad)} mismatches, first: {bad[:5]}"
@@ -198,19 +200,19 @@ def test_e8m0_matches_exact_arithmetic_for_every_finite_amax(fmt, src):
 
 def test_e8m0_specials_and_fp32_bit_rule():
     special = torch.tensor([0.0, -0.0, math.inf, math.nan], dtype=torch.float32)
-    assert mx.e8m0_from_amax(special).tolist() == [0x00, 0x00, 0xFE, 0xFF]
+    assert mxf.e8m0_from_amax(special).tolist() == [0x00, 0x00, 0xFE, 0xFF]
     # The bit rule on fp32 v = amax / 448, at the subnormal and saturation edges.
     v_bits = [0x00000001, 0x00400000, 0x00400001, 0x00800000, 0x00800001, 0x3F800000, 0x3F800001]
     v_bits += [0x7F000000, 0x7F000001, 0x7F7FFFFF]
     v = torch.tensor(v_bits, dtype=torch.int32).view(torch.float32)
-    assert mx.e8m0_round_up(v).tolist() == [0, 0, 1, 1, 2, 127, 128, 0xFE, 0xFE, 0xFE]
-    assert mx.e8m0_round_up(-v[:1]).tolist() == [0]  # -subnormal: sign bit is not the exponent
+    assert mxf.e8m0_round_up(v).tolist() == [0, 0, 1, 1, 2, 127, 128, 0xFE, 0xFE, 0xFE]
+    assert mxf.e8m0_round_up(-v[:1]).tolist() == [0]  # -subnormal: sign bit is not the exponent
 
 
 def test_torch_e8m0_cast_is_not_te_rule():
     """torch's float8_e8m0fnu cast does not round up like TE (the reason it is not used)."""
     amax = torch.tensor([448.0 * 1.25, 448.0 * 1.75, 448.0 * 1.9], dtype=torch.float32)
-    te_rule = mx.e8m0_from_amax(amax)
+    te_rule = mxf.e8m0_from_amax(amax)
     assert te_rule.tolist() == [128, 128, 128]
     torch_rule = (amax / 448).to(torch.float8_e8m0fnu).view(torch.uint8)
     assert not torch.equal(te_rule, torch_rule)
@@ -228,7 +230,7 @@ def test_cast_matches_brute_force_rne_for_every_bf16_in_range(fmt):
     The block scale is then 2^0, so each code must be the round-nearest-even FP8 value of x
     (ties included: bf16 has more mantissa bits than either FP8 format).
     """
-    top = mx.fp8_max(fmt)
+    top = mxf.fp8_max(fmt)
     bits = torch.arange(0, 0x10000, dtype=torch.int32).to(torch.int16)
     vals = bits.view(torch.bfloat16)
     keep = torch.isfinite(vals) & (vals.float().abs() <= top)
@@ -259,11 +261,11 @@ def test_cast_ties_neighbours_and_saturation_fp32(fmt):
     x = torch.tensor(pts + [-p for p in pts], dtype=torch.float32)
     x32 = torch.tensor(x.tolist(), dtype=torch.float64).float()  # the fp32 values actually used
     ones = torch.ones(x32.numel(), 1)
-    codes = mx._scaled_cast(x32.view(-1, 1), ones, fmt, saturate=True).view(-1).tolist()
+    codes = mx.scaled_cast(x32.view(-1, 1), ones, fmt, saturate=True).view(-1).tolist()
     want = [ref_cast(v, fmt) for v in x32.tolist()]
     assert codes == want
     over = torch.tensor([top * 1.01, top * 1.5, 1e30, math.inf, -1e30, -math.inf, math.nan])
-    sat = mx._scaled_cast(
+    sat = mx.scaled_cast(
         over.view(-1, 1), torch.ones(7, 1), fmt, saturate=True, canonicalize_nan=True
     )
     mx_code = FMT[fmt][3]
@@ -368,12 +370,12 @@ def test_non_multiple_of_32_shapes_refused():
     ],
 )
 def test_scale_shapes_and_padding(shape, row_shape, col_shape):
-    assert mx.rowwise_scale_shape(shape) == row_shape
-    assert mx.columnwise_scale_shape(shape) == col_shape
+    assert mxf.rowwise_scale_shape(shape) == row_shape
+    assert mxf.columnwise_scale_shape(shape) == col_shape
     if math.prod(shape) > 1 << 20:
         return
     q = mx.quantize(torch.randn(shape).bfloat16() + 3)
-    rows, cols = mx.flat_2d_shape(shape)
+    rows, cols = mxf.flat_2d_shape(shape)
     assert q.rowwise_data.shape == shape and q.columnwise_data.shape == shape
     assert tuple(q.rowwise_scale_inv.shape) == row_shape
     assert tuple(q.columnwise_scale_inv.shape) == col_shape
@@ -386,10 +388,10 @@ def test_scale_shapes_and_padding(shape, row_shape, col_shape):
 
 def test_swizzle_index_formula():
     # Hand-worked: (i=33, j=5) with 2 tiles per tile row -> tile 1, row 1 of group 1, col 1.
-    assert mx.gemm_swizzled_scale_index(33, 5, 2) == 512 + 1 * 16 + 1 * 4 + 1
-    assert mx.gemm_swizzled_scale_index(0, 0, 3) == 0
-    assert mx.gemm_swizzled_scale_index(127, 3, 1) == 31 * 16 + 3 * 4 + 3
-    assert mx.gemm_swizzled_scale_index(128, 0, 3) == 3 * 512
+    assert mxf.gemm_swizzled_scale_index(33, 5, 2) == 512 + 1 * 16 + 1 * 4 + 1
+    assert mxf.gemm_swizzled_scale_index(0, 0, 3) == 0
+    assert mxf.gemm_swizzled_scale_index(127, 3, 1) == 31 * 16 + 3 * 4 + 3
+    assert mxf.gemm_swizzled_scale_index(128, 0, 3) == 3 * 512
     rng = random.Random(0)
     for shape in [(32, 128), (256, 544), (96, 4096)]:
         q = mx.quantize(torch.randn(shape).bfloat16(), swizzle=False)
@@ -397,21 +399,21 @@ def test_swizzle_index_formula():
         for columnwise in (False, True):
             compact = q.columnwise_scale_inv if columnwise else q.rowwise_scale_inv
             compact = torch.randint(0, 256, compact.shape, dtype=torch.uint8)
-            swz = mx.swizzle_scales(compact, columnwise).reshape(-1)
+            swz = mxf.swizzle_scales(compact, columnwise).reshape(-1)
             r, c = compact.shape
             for _ in range(300):
                 i, j = rng.randrange(r), rng.randrange(c)
                 if columnwise:  # indexed (column, block row), tiles over the block rows
-                    k = mx.gemm_swizzled_scale_index(j, i, r // 4)
+                    k = mxf.gemm_swizzled_scale_index(j, i, r // 4)
                 else:
-                    k = mx.gemm_swizzled_scale_index(i, j, c // 4)
+                    k = mxf.gemm_swizzled_scale_index(i, j, c // 4)
                 assert swz[k] == compact[i, j]
-            assert torch.equal(mx.unswizzle_scales(swz.view(r, c), columnwise), compact)
+            assert torch.equal(mxf.unswizzle_scales(swz.view(r, c), columnwise), compact)
         # quantize(swizzle=True) stores exactly the swizzled compact scales, same shapes
         x = torch.randn(shape).bfloat16()
         a, b = mx.quantize(x), mx.quantize(x, swizzle=True)
-        assert torch.equal(b.rowwise_scale_inv, mx.swizzle_scales(a.rowwise_scale_inv, False))
-        assert torch.equal(b.columnwise_scale_inv, mx.swizzle_scales(a.columnwise_scale_inv, True))
+        assert torch.equal(b.rowwise_scale_inv, mxf.swizzle_scales(a.rowwise_scale_inv, False))
+        assert torch.equal(b.columnwise_scale_inv, mxf.swizzle_scales(a.columnwise_scale_inv, True))
         assert torch.equal(mx.dequantize(a), mx.dequantize(b))
         assert qs.with_gemm_swizzled_scales
 
@@ -464,15 +466,15 @@ def test_shard_cuts_give_full_quantize_bytes(ranks, trial):
     cuts = _cuts(flat.numel(), ranks, rng)
     if trial == 0:
         cuts[1] = cuts[2] if ranks > 2 else cuts[1]  # an empty shard
-    partial = [mx.compute_partial_amax(flat[a:b], shape, a) for a, b in itertools.pairwise(cuts)]
+    partial = [mxs.compute_partial_amax(flat[a:b], shape, a) for a, b in itertools.pairwise(cuts)]
     amax_row = torch.stack([p[0] for p in partial]).amax(0)  # the MAX all-reduce
     amax_col = torch.stack([p[1] for p in partial]).amax(0)
-    scale_row, scale_col = mx.e8m0_from_amax(amax_row), mx.e8m0_from_amax(amax_col)
+    scale_row, scale_col = mxf.e8m0_from_amax(amax_row), mxf.e8m0_from_amax(amax_col)
     assert torch.equal(scale_row, full.rowwise_scale_inv)
     assert torch.equal(scale_col, full.columnwise_scale_inv)
     rows, cols = [], []
     for a, b in itertools.pairwise(cuts):
-        rc, cc = mx.partial_cast(flat[a:b], scale_row, scale_col, shape, a)
+        rc, cc = mxs.partial_cast(flat[a:b], scale_row, scale_col, shape, a)
         assert rc.numel() == b - a
         rows.append(rc)
         cols.append(cc)
@@ -489,11 +491,11 @@ def test_quantize_shard_with_all_reduce_hook(ranks):
     flat = x.reshape(-1)
     cuts = _cuts(flat.numel(), ranks, rng)
     hook = ThreadedMaxAllReduce(ranks)
-    results: dict[int, mx.ShardQuantization] = {}
+    results: dict[int, mxs.ShardQuantization] = {}
 
     def rank(i: int) -> None:
         a, b = cuts[i], cuts[i + 1]
-        results[i] = mx.quantize_shard(flat[a:b], shape, a, hook)
+        results[i] = mxs.quantize_shard(flat[a:b], shape, a, hook)
 
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(ranks)]
     for t in threads:
@@ -511,17 +513,17 @@ def test_quantize_shard_with_all_reduce_hook(ranks):
 
 def test_shard_outside_tensor_refused():
     with pytest.raises(ValueError, match="does not fit"):
-        mx.compute_partial_amax(torch.zeros(10, dtype=torch.bfloat16), (32, 32), 1020)
+        mxs.compute_partial_amax(torch.zeros(10, dtype=torch.bfloat16), (32, 32), 1020)
     with pytest.raises(ValueError, match="2-D"):
-        mx.compute_partial_amax(torch.zeros(10, dtype=torch.bfloat16), (2, 32, 32), 0)
+        mxs.compute_partial_amax(torch.zeros(10, dtype=torch.bfloat16), (2, 32, 32), 0)
 
 
 def test_empty_tensors():
     for shape in [(0, 32), (32, 0), (2, 0, 64)]:
         q = mx.quantize(torch.zeros(shape, dtype=torch.bfloat16))
         assert q.rowwise_data.shape == shape and q.columnwise_data.shape == shape
-        assert tuple(q.rowwise_scale_inv.shape) == mx.rowwise_scale_shape(shape)
-        assert tuple(q.columnwise_scale_inv.shape) == mx.columnwise_scale_shape(shape)
+        assert tuple(q.rowwise_scale_inv.shape) == mxf.rowwise_scale_shape(shape)
+        assert tuple(q.columnwise_scale_inv.shape) == mxf.columnwise_scale_shape(shape)
         assert mx.dequantize(q).shape == shape
 
 

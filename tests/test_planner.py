@@ -1,4 +1,4 @@
-"""nemo_lw_fp8.model_shapes and nemo_lw_fp8.planner."""
+"""nemo_lw_fp8.models.shapes, nemo_lw_fp8.models.planner and nemo_lw_fp8.models.plan_cli."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from nemo_lw_fp8 import planner
-from nemo_lw_fp8.model_shapes import SPECS, ModelSpec, ParamSpec, param_shapes, total_params
+from nemo_lw_fp8.models import plan_cli, planner
+from nemo_lw_fp8.models.shapes import SPECS, ModelSpec, ParamSpec, param_shapes, total_params
 
 # ----------------------------------------------------------------------------- model shapes
 
@@ -341,14 +341,14 @@ def test_plan_arguments_and_main(capsys):
     single = planner.plan("tiny-moe", 2, overlap_grad_reduce=False)
     assert single["bucket_size"] is None
     assert all(b["buckets"] == 1 for b in single["layouts"]["compact"]["buffers"])
-    assert planner.main(["tiny-moe", "--dp", "4", "--ep", "2", "--json"]) == 0
+    assert plan_cli.main(["tiny-moe", "--dp", "4", "--ep", "2", "--json"]) == 0
     parsed = json.loads(capsys.readouterr().out)
     assert parsed["expert_dp"] == 2 and parsed["model"] == "tiny-moe"
-    assert planner.main(["tiny-moe", "--dp", "2", "--no-fp8-param-gather"]) == 0
+    assert plan_cli.main(["tiny-moe", "--dp", "2", "--no-fp8-param-gather"]) == 0
     out = capsys.readouterr().out
     assert "stock_padded" in out and "Newton-Schulz max/mean" in out
     with pytest.raises(SystemExit):
-        planner.main(["tiny-moe", "--dp", "3", "--ep", "2"])
+        plan_cli.main(["tiny-moe", "--dp", "3", "--ep", "2"])
     assert math.isclose(
         planner.plan("tiny-moe", 4, 2)["params"]["total"], total_params(param_shapes("tiny-moe"))
     )

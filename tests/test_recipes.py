@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_lw_fp8 import architectures, recipes
+from nemo_lw_fp8 import models, recipes
 
 HERE = Path(__file__).parent
 
@@ -66,15 +66,15 @@ def test_recipe_key_settings(report, name):
                     "vocab_size", "multi_latent_attention"):
             assert row[key] == arch[key], key
         gpu = recipes.VARIANT_GPU[name.rsplit("_", 1)[1]]
-        parallel = architectures.parallelism(name.rsplit("_", 1)[0], gpu)
+        parallel = models.parallelism(name.rsplit("_", 1)[0], gpu)
         assert (row["pp"], row["ep"]) == (parallel.pp, parallel.ep)
         assert row["global_batch_size"] == parallel.global_batch_size
 
 
 @pytest.mark.parametrize("model", recipes.MODELS)
 def test_recipe_models_match_published_sizes(model):
-    arch = architectures.get_architecture(model)
-    _, delta = architectures.published_comparison(arch)
+    arch = models.get_architecture(model)
+    _, delta = models.published_comparison(arch)
     assert abs(delta) <= 0.01
 
 

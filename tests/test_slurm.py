@@ -23,8 +23,9 @@ from unittest import mock
 
 import pytest
 
-from nemo_lw_fp8.launch import slurm
-from nemo_lw_fp8.launch.slurm import SlurmConfigError, write_sbatch
+from nemo_lw_fp8.launch import slurm_cli, slurm_nemo_run
+from nemo_lw_fp8.launch.slurm import write_sbatch
+from nemo_lw_fp8.launch.slurm_settings import SlurmConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES_DIR = REPO / "recipes" / "slurm"
@@ -434,7 +435,7 @@ def test_examples_pass_shellcheck() -> None:
 
 def test_cli_writes_script_and_mixes_options_with_overrides(tmp_path: Path, capsys) -> None:
     out = tmp_path / "x.sbatch"
-    rc = slurm.main(
+    rc = slurm_cli.main(
         [
             "tiny_deepseek_v3",
             "a=1",
@@ -467,7 +468,7 @@ def test_cli_writes_script_and_mixes_options_with_overrides(tmp_path: Path, caps
         overrides=["a=1", "b=2"],
         cpu=True,
     )
-    assert slurm.main(["r", "--nodes", "1"]) == 0
+    assert slurm_cli.main(["r", "--nodes", "1"]) == 0
     assert capsys.readouterr().out.startswith("#!/bin/bash\n")
 
 
@@ -481,7 +482,7 @@ def test_cli_writes_script_and_mixes_options_with_overrides(tmp_path: Path, caps
     ],
 )
 def test_cli_bad_input_exit_code(argv: list[str], flag: str, capsys) -> None:
-    assert slurm.main(argv) == 2
+    assert slurm_cli.main(argv) == 2
     assert f"error: {flag}" in capsys.readouterr().err
 
 
@@ -490,7 +491,7 @@ def test_subcommand_registration_passes_everything_through(capsys) -> None:
 
     parser = argparse.ArgumentParser(prog="nemo-lw-fp8")
     sub = parser.add_subparsers(dest="command", required=True)
-    slurm.add_slurm_subcommand(sub)
+    slurm_cli.add_slurm_subcommand(sub)
     args = parser.parse_args(["slurm", "r", "--nodes", "1", "k=v", "--cpu"])
     assert args.handler(args) == 0
     assert "    --cpu \\\n    k=v\n" in capsys.readouterr().out
@@ -518,7 +519,7 @@ def nemo_run_dryrun() -> str:
     # nemo-run's local tunnel runs shell commands through invoke, which reads stdin; pytest's
     # captured stdin refuses reads, so give it an empty one.
     with mock.patch("sys.stdin", io.StringIO()):
-        return slurm.submit_nemo_run(
+        return slurm_nemo_run.submit_nemo_run(
             "tiny_deepseek_v3",
             dryrun=True,
             nodes=2,
@@ -540,7 +541,7 @@ def test_nemo_run_executor_fields() -> None:
         reason="needs nemo-run (pip install 'nemo-lw-fp8[bridge]')",
         exc_type=ImportError,
     )
-    ex = slurm.slurm_executor(
+    ex = slurm_nemo_run.slurm_executor(
         nodes=4,
         gpus_per_node=8,
         account="acc",
@@ -553,7 +554,7 @@ def test_nemo_run_executor_fields() -> None:
     assert ex.srun_args == ["--no-container-mount-home"]
     assert ex.env_vars["FOO"] == "'a b'"  # nemo-run writes `export NAME=VALUE` verbatim
     assert ex.env_vars["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-    script = slurm.pretrain_script("r", overrides=["k=v"], cpu=True)
+    script = slurm_nemo_run.pretrain_script("r", overrides=["k=v"], cpu=True)
     assert script.to_command(with_entrypoint=True) == [
         "python",
         "-m",
@@ -565,7 +566,7 @@ def test_nemo_run_executor_fields() -> None:
         "k=v",
     ]
     with pytest.raises(SlurmConfigError, match="^--nodes"):
-        slurm.slurm_executor(nodes=0)
+        slurm_nemo_run.slurm_executor(nodes=0)
 
 
 def test_nemo_run_dryrun_renders_a_valid_torchrun_job(nemo_run_dryrun: str, tmp_path) -> None:

@@ -389,6 +389,8 @@ def test_emulation_matches_te_kernels_on_blackwell():
     from transformer_engine.pytorch.optimizers.multi_tensor_apply import multi_tensor_applier
 
     from nemo_lw_fp8.emulation import mxfp8 as mx
+    from nemo_lw_fp8.emulation import mxfp8_format as mxf
+    from nemo_lw_fp8.emulation import mxfp8_sharded_cast as mxs
 
     torch.manual_seed(0)
     cases = []
@@ -406,7 +408,7 @@ def test_emulation_matches_te_kernels_on_blackwell():
     cases.append(torch.randn(64, 128, dtype=torch.float16))
     failures = []
     for x in cases:
-        rows, cols = mx.flat_2d_shape(x.shape)
+        rows, cols = mxf.flat_2d_shape(x.shape)
         for fmt, te_fmt in [
             (torch.float8_e4m3fn, tex.DType.kFloat8E4M3),
             (torch.float8_e5m2, tex.DType.kFloat8E5M2),
@@ -423,10 +425,10 @@ def test_emulation_matches_te_kernels_on_blackwell():
                             failures.append(f"{key} {name}")
                     got_r, got_c = t._rowwise_scale_inv.cpu(), t._columnwise_scale_inv.cpu()
                     if swizzle:
-                        got_r = mx.unswizzle_scales(got_r, columnwise=False)
-                        got_c = mx.unswizzle_scales(got_c, columnwise=True)
-                        want_r = mx.unswizzle_scales(ref.rowwise_scale_inv, columnwise=False)
-                        want_c = mx.unswizzle_scales(ref.columnwise_scale_inv, columnwise=True)
+                        got_r = mxf.unswizzle_scales(got_r, columnwise=False)
+                        got_c = mxf.unswizzle_scales(got_c, columnwise=True)
+                        want_r = mxf.unswizzle_scales(ref.rowwise_scale_inv, columnwise=False)
+                        want_c = mxf.unswizzle_scales(ref.columnwise_scale_inv, columnwise=True)
                     else:
                         want_r, want_c = ref.rowwise_scale_inv, ref.columnwise_scale_inv
                     # compact padding is uninitialised on the GPU: compare the valid region
@@ -444,10 +446,10 @@ def test_emulation_matches_te_kernels_on_blackwell():
     shape, start, n = (96, 160), 1234, 5000
     full = torch.randn(shape).bfloat16()
     shard = full.reshape(-1)[start : start + n].contiguous()
-    amax_r = torch.zeros(mx.rowwise_scale_shape(shape), dtype=torch.bfloat16, device="cuda")
-    amax_c = torch.zeros(mx.columnwise_scale_shape(shape), dtype=torch.bfloat16, device="cuda")
+    amax_r = torch.zeros(mxf.rowwise_scale_shape(shape), dtype=torch.bfloat16, device="cuda")
+    amax_c = torch.zeros(mxf.columnwise_scale_shape(shape), dtype=torch.bfloat16, device="cuda")
     tex.mxfp8_scaling_compute_partial_amax(shard.cuda(), amax_r, amax_c, *shape, start)
-    ref_r, ref_c = mx.compute_partial_amax(shard, shape, start)
+    ref_r, ref_c = mxs.compute_partial_amax(shard, shape, start)
     if not (torch.equal(amax_r.cpu(), ref_r) and torch.equal(amax_c.cpu(), ref_c)):
         failures.append("partial amax")
     scale_r = torch.empty_like(amax_r, dtype=torch.uint8)
@@ -456,14 +458,14 @@ def test_emulation_matches_te_kernels_on_blackwell():
         tex.multi_tensor_compute_scale_inv_e8m0, None, [[amax_r, amax_c], [scale_r, scale_c]]
     )
     if not (
-        torch.equal(scale_r.cpu(), mx.e8m0_from_amax(ref_r))
-        and torch.equal(scale_c.cpu(), mx.e8m0_from_amax(ref_c))
+        torch.equal(scale_r.cpu(), mxf.e8m0_from_amax(ref_r))
+        and torch.equal(scale_c.cpu(), mxf.e8m0_from_amax(ref_c))
     ):
         failures.append("compute_scale_inv_e8m0")
     out_r = torch.empty(n, dtype=torch.uint8, device="cuda")
     out_c = torch.empty(n, dtype=torch.uint8, device="cuda")
     tex.mxfp8_scaling_partial_cast(shard.cuda(), out_r, out_c, scale_r, scale_c, *shape, start)
-    want_r, want_c = mx.partial_cast(shard, scale_r.cpu(), scale_c.cpu(), shape, start)
+    want_r, want_c = mxs.partial_cast(shard, scale_r.cpu(), scale_c.cpu(), shape, start)
     if not (torch.equal(out_r.cpu(), want_r) and torch.equal(out_c.cpu(), want_c)):
         failures.append("partial cast")
     assert failures == []

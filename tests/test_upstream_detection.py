@@ -6,14 +6,14 @@ import dataclasses
 import json
 
 from nemo_lw_fp8 import cli, doctor
-from nemo_lw_fp8.upstream import change
+from nemo_lw_fp8.upstream import detect
 
 NATIVE_IN_0_19_2 = {3524: True, 4987: False, 4994: True, 5464: True, 5388: False}
 
 
 def test_detectors_on_megatron_core_0_19_2():
     for pr, expected in NATIVE_IN_0_19_2.items():
-        native, reason = change(pr).detect()
+        native, reason = detect(pr)
         assert native is expected, f"#{pr}: {reason}"
         assert reason
 
@@ -49,7 +49,7 @@ def test_detectors_flip_when_the_symbols_change(monkeypatch):
     monkeypatch.setattr(DistributedDataParallelConfig, "__dataclass_fields__", fields)
 
     for pr, expected in NATIVE_IN_0_19_2.items():
-        native, reason = change(pr).detect()
+        native, reason = detect(pr)
         assert native is (not expected), f"#{pr} did not flip: {reason}"
 
 
@@ -79,7 +79,7 @@ def test_doctor_after_apply_reports_patched_and_extended():
         assert statuses[5388] == "patched"
         assert statuses[5464] == "native (extended)"
         # Our own overrides never make a detector claim that upstream has the change.
-        assert change(4987).detect()[0] is False
+        assert detect(4987)[0] is False
     finally:
         nemo_lw_fp8.revert()
     assert {row.pr: row.status for row in doctor.upstream_status()}[4987] == "patchable"

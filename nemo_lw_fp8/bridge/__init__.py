@@ -44,27 +44,36 @@ from megatron.bridge.training.config import (  # noqa: E402
 )
 from megatron.bridge.training.config import SchedulerConfig  # noqa: E402
 
-from ..layout import LAYER_WISE_LAYOUTS  # noqa: E402
+from ..config import (  # noqa: E402
+    DEFAULT_GATHER_PADDING_TOLERANCE,
+    LAYER_WISE_LAYOUTS,
+    LayerWiseConfig,
+)
 
 LAYOUTS = LAYER_WISE_LAYOUTS
 
 
 @dataclasses.dataclass
 class LayerWiseMuonConfig(_BridgeOptimizerConfig):
-    """Bridge's ``OptimizerConfig`` for layer-wise Muon, plus the plugin's layout settings.
+    """Bridge's ``OptimizerConfig`` for layer-wise Muon, plus the plugin's settings.
 
-    ``layer_wise_layout``: ``"compact"`` (no padding, cost-balanced whole-matrix owners; the
-    plugin's default), ``"padded"`` (megatron 0.19.2's shard-aligned layout) or ``"legacy"``
-    (flatten + all_gather; no FP8 param gather). ``gather_padding_tolerance``: compact layout's
-    even-vs-uneven gather threshold (see ``docs/compact-layout.md``).
-    ``grouped_weight_ownership``: ``"whole"`` (a single grouped expert weight has one owner),
-    ``"expert"`` or ``"auto"`` (runs of its experts on different ranks; compact layout only,
-    see ``docs/moe-grouped-weights.md``).
+    The three fields are :class:`nemo_lw_fp8.LayerWiseConfig`'s, flat so that YAML and
+    ``key=value`` overrides reach them (``optimizer.layer_wise_layout=padded``):
+    ``layer_wise_layout`` (its ``layout``), ``gather_padding_tolerance`` and
+    ``grouped_weight_ownership``; :meth:`plugin_config` builds and checks the object.
     """
 
-    layer_wise_layout: str = "compact"
-    gather_padding_tolerance: float = 0.1
-    grouped_weight_ownership: str = "whole"
+    layer_wise_layout: str = LayerWiseConfig.layout
+    gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
+    grouped_weight_ownership: str = LayerWiseConfig.grouped_weight_ownership
+
+    def plugin_config(self) -> LayerWiseConfig:
+        """The plugin's settings as one checked object (raises ``ConfigError`` when bad)."""
+        return LayerWiseConfig(
+            layout=self.layer_wise_layout,
+            gather_padding_tolerance=self.gather_padding_tolerance,
+            grouped_weight_ownership=self.grouped_weight_ownership,
+        )
 
     def provide(
         self,
@@ -94,9 +103,11 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
         )
 
     def _layout_settings(self) -> dict[str, Any]:
+        """The plugin fields in the guards' names (unchecked: the guards report bad values)."""
         return {
             "layer_wise_layout": self.layer_wise_layout,
             "use_layer_wise_param_layout": self.layer_wise_layout != "legacy",
+            "gather_padding_tolerance": self.gather_padding_tolerance,
             "grouped_weight_ownership": self.grouped_weight_ownership,
         }
 
@@ -115,9 +126,9 @@ def layer_wise_muon_fp8_with_cosine_annealing(
     muon_num_ns_steps: int = 5,
     muon_extra_scale_factor: float = 1.0,
     muon_scalar_optimizer: str = "adam",
-    layer_wise_layout: str = "compact",
-    gather_padding_tolerance: float = 0.1,
-    grouped_weight_ownership: str = "whole",
+    layer_wise_layout: str = LayerWiseConfig.layout,
+    gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE,
+    grouped_weight_ownership: str = LayerWiseConfig.grouped_weight_ownership,
     overlap_param_gather: bool = True,
     start_weight_decay: float = 0.033,
     end_weight_decay: float = 0.033,
@@ -130,8 +141,6 @@ def layer_wise_muon_fp8_with_cosine_annealing(
     defaults to a tenth of ``max_lr`` (Bridge's Muon helper leaves it ``None``, which its
     scheduler rejects).
     """
-    if layer_wise_layout not in LAYOUTS:
-        raise ValueError(f"layer_wise_layout must be one of {LAYOUTS}, got {layer_wise_layout!r}")
     optimizer = LayerWiseMuonConfig(
         optimizer="dist_muon",
         lr=max_lr,
@@ -153,6 +162,7 @@ def layer_wise_muon_fp8_with_cosine_annealing(
         gather_padding_tolerance=gather_padding_tolerance,
         grouped_weight_ownership=grouped_weight_ownership,
     )
+    optimizer.plugin_config()  # a bad layout / tolerance / ownership fails here, naming the fix
     scheduler = SchedulerConfig(
         start_weight_decay=start_weight_decay,
         end_weight_decay=end_weight_decay,
@@ -221,21 +231,14 @@ def finalize(cfg: Any) -> Any:
         return cfg
     nemo_lw_fp8.apply()
     guards.check(settings_from_config(cfg))
-    from ..patches.compact_layout import set_layer_wise_layout
-
-    optimizer = cfg.optimizer
-    set_layer_wise_layout(
-        cfg.ddp,
-        optimizer.layer_wise_layout,
-        optimizer.gather_padding_tolerance,
-        grouped_weight_ownership=optimizer.grouped_weight_ownership,
-    )
+    cfg.optimizer.plugin_config().attach(cfg.ddp)
     return cfg
 
 
 __all__ = [
     "BRIDGE_VERSION",
     "LAYOUTS",
+    "LayerWiseConfig",
     "LayerWiseMuonConfig",
     "finalize",
     "layer_wise_muon_fp8_with_cosine_annealing",

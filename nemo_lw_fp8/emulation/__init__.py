@@ -1,11 +1,14 @@
 """CPU emulation of MXFP8 as Transformer Engine 2.20 does it.
 
-* :mod:`~nemo_lw_fp8.emulation.mxfp8`: pure-torch, bit-exact MXFP8 quantise / dequantise, the
-  scale layouts and the distributed-optimizer (sharded) cast. Needs nothing but torch.
+* :mod:`~nemo_lw_fp8.emulation.mxfp8`: pure-torch, bit-exact MXFP8 quantise / dequantise, with
+  the format (E8M0 scales, scale layouts) in :mod:`~nemo_lw_fp8.emulation.mxfp8_format` and the
+  distributed-optimizer (sharded) cast in :mod:`~nemo_lw_fp8.emulation.mxfp8_sharded_cast`.
+  Needs nothing but torch. Blockwise FP8 likewise: :mod:`~nemo_lw_fp8.emulation.blockwise`,
+  :mod:`~nemo_lw_fp8.emulation.blockwise_sharded_cast`.
 * :mod:`~nemo_lw_fp8.emulation.te_backend`: runs TE's own Python classes (``MXFP8Tensor``,
   ``quantized_model_init``, ``quantize_master_weights``) on CPU by replacing only TE's compiled
-  extension (:mod:`~nemo_lw_fp8.emulation.te_extension`). Call :func:`activate` before anything
-  imports ``megatron.core``.
+  extension (:mod:`~nemo_lw_fp8.emulation.te_extension` and its ``te_extension_*`` parts).
+  Call :func:`activate` before anything imports ``megatron.core``.
 * :mod:`~nemo_lw_fp8.emulation.fp8_linear`: a linear layer whose GEMM operands go through MXFP8
   the way TE's ``Linear`` does, with bf16 or persistent MXFP8 weights.
 

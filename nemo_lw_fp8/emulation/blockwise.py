@@ -3,7 +3,9 @@
 Why: Hopper GPUs (H100/H200) have no MXFP8 but do have TE's blockwise FP8. A layer-wise owner
 that quantises a whole weight can send its FP8 bytes plus one fp32 scale per 128x128 tile
 instead of bf16. This module produces, on CPU, the bytes TE's CUDA kernels produce, so that CI
-and the CPU multi-rank harness can test that path without a GPU.
+and the CPU multi-rank harness can test that path without a GPU. It holds the format (shapes,
+scales, the element cast) and the full quantise / dequantise; the distributed-optimizer cast
+of a flat shard is in :mod:`nemo_lw_fp8.emulation.blockwise_sharded_cast`.
 
 What TE 2.20 does (read from ``transpose/quantize_transpose_square_blockwise.cu`` (2-D),
 ``transpose/quantize_transpose_vector_blockwise.cu`` (1-D), ``recipe/recipe_common.cuh``,
@@ -48,12 +50,6 @@ What TE 2.20 does (read from ``transpose/quantize_transpose_square_blockwise.cu`
   :func:`columnwise_from_rowwise`.
 * Dequantisation (done by TE's Python in torch, not by a kernel):
   ``out = OType(fp32(code) * scale_inv)``.
-
-The distributed-optimizer cast (``quantize_master_weights`` for blockwise weights, 2-D only):
-partial 128x128 tile amaxes of a flat shard (tiles it does not touch get 0), a MAX all-reduce,
-``compute_scale_from_amax`` for every entry of the padded amax buffer (padding: amax 0 -> scale
-1, scale_inv 1), and a cast of the shard with the tile *scale*. Cut anywhere, the shards'
-codes concatenate to the full quantise's rowwise bytes.
 """
 
 from __future__ import annotations
@@ -64,33 +60,27 @@ from dataclasses import dataclass
 
 import torch
 
-from . import mxfp8 as _mx
-
-# The MAX all-reduce hook of the distributed cast is the same as MXFP8's (re-exported here).
-from .mxfp8 import AllReduceMax, torch_distributed_max_all_reduce
+from . import mxfp8_format as _mxf
+from .mxfp8 import scaled_cast
+from .mxfp8_format import round_up
 
 __all__ = [
     "BLOCK_LEN",
     "FLT_MAX",
     "FP8_DTYPES",
     "BlockwiseData",
-    "ShardQuantization",
     "columnwise_data_shape",
     "columnwise_from_rowwise",
     "columnwise_scale_shape",
-    "compute_partial_amax",
     "compute_scale",
     "dequantize",
     "dequantize_codes",
     "flat_2d_shape",
     "fp8_max",
-    "partial_cast",
     "quantize",
-    "quantize_shard",
     "rowwise_scale_shape",
     "saturating_cast",
     "scale_inv_from_scale",
-    "torch_distributed_max_all_reduce",
     "valid_scale_shape",
     "value_for_inf",
     "wire_bytes",
@@ -121,7 +111,7 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
             f"blockwise FP8 elements must be torch.float8_e4m3fn or torch.float8_e5m2, "
             f"got {fp8_dtype}"
         )
-    return _mx.fp8_max(fp8_dtype)
+    return _mxf.fp8_max(fp8_dtype)
 
 
 def value_for_inf(input_dtype: torch.dtype) -> float:
@@ -134,12 +124,9 @@ def value_for_inf(input_dtype: torch.dtype) -> float:
         ) from None
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
+    """How many blocks of ``b`` cover ``a`` elements (edge blocks may be partial)."""
     return (a + b - 1) // b
-
-
-def _round_up(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
 
 
 def _check_block_dim(block_dim: int) -> int:
@@ -169,16 +156,16 @@ def rowwise_scale_shape(shape: Sequence[int], block_dim: int = 2) -> tuple[int, 
     """Padded fp32 shape of rowwise scale_inv (``get_scale_shape(shape, columnwise=False)``)."""
     rows, cols = flat_2d_shape(shape)
     if _check_block_dim(block_dim) == 2:
-        return _ceil_div(rows, BLOCK_LEN), _round_up(_ceil_div(cols, BLOCK_LEN), 4)
-    return _ceil_div(cols, BLOCK_LEN), _round_up(rows, 4)
+        return ceil_div(rows, BLOCK_LEN), round_up(ceil_div(cols, BLOCK_LEN), 4)
+    return ceil_div(cols, BLOCK_LEN), round_up(rows, 4)
 
 
 def columnwise_scale_shape(shape: Sequence[int], block_dim: int = 2) -> tuple[int, int]:
     """Padded fp32 shape of columnwise scale_inv (``get_scale_shape(shape, columnwise=True)``)."""
     rows, cols = flat_2d_shape(shape)
     if _check_block_dim(block_dim) == 2:
-        return _ceil_div(cols, BLOCK_LEN), _round_up(_ceil_div(rows, BLOCK_LEN), 4)
-    return _ceil_div(rows, BLOCK_LEN), _round_up(cols, 4)
+        return ceil_div(cols, BLOCK_LEN), round_up(ceil_div(rows, BLOCK_LEN), 4)
+    return ceil_div(rows, BLOCK_LEN), round_up(cols, 4)
 
 
 def valid_scale_shape(
@@ -186,7 +173,7 @@ def valid_scale_shape(
 ) -> tuple[int, int]:
     """The region of a scale_inv tensor that holds scales (the rest is round-up padding)."""
     rows, cols = flat_2d_shape(shape)
-    m_tiles, k_tiles = _ceil_div(rows, BLOCK_LEN), _ceil_div(cols, BLOCK_LEN)
+    m_tiles, k_tiles = ceil_div(rows, BLOCK_LEN), ceil_div(cols, BLOCK_LEN)
     if _check_block_dim(block_dim) == 2:
         return (k_tiles, m_tiles) if columnwise else (m_tiles, k_tiles)
     return (m_tiles, cols) if columnwise else (k_tiles, rows)
@@ -202,9 +189,9 @@ def wire_bytes(shape: Sequence[int], block_dim: int = 2, padded: bool = True) ->
     if padded:
         scales = math.prod(rowwise_scale_shape(shape, block_dim))
     elif block_dim == 2:
-        scales = _ceil_div(rows, BLOCK_LEN) * _ceil_div(cols, BLOCK_LEN)
+        scales = ceil_div(rows, BLOCK_LEN) * ceil_div(cols, BLOCK_LEN)
     else:
-        scales = rows * _ceil_div(cols, BLOCK_LEN)
+        scales = rows * ceil_div(cols, BLOCK_LEN)
     return rows * cols + 4 * scales
 
 
@@ -252,20 +239,21 @@ def scale_inv_from_scale(scale: torch.Tensor) -> torch.Tensor:
 def saturating_cast(values: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """uint8 codes of ``static_cast<fp8>(values)``: RNE, saturating, NaN -> 0x7F.
 
-    Reuses the MXFP8 module's cast (``mxfp8._scaled_cast`` with multiplier 1), which clamps to
+    Reuses the MXFP8 module's cast (:func:`~.mxfp8.scaled_cast` with multiplier 1), which clamps to
     the largest finite value before torch's round-nearest-even FP8 conversion.
     """
     fp8_max(fp8_dtype)
     one = torch.ones((), dtype=values.dtype, device=values.device)
-    return _mx._scaled_cast(values, one, fp8_dtype, saturate=True, canonicalize_nan=True)
+    return scaled_cast(values, one, fp8_dtype, saturate=True, canonicalize_nan=True)
 
 
-def _abs_ignoring_nan(x: torch.Tensor) -> torch.Tensor:
+def abs_ignoring_nan(x: torch.Tensor) -> torch.Tensor:
+    """``|x|`` with NaN as 0, so a block's amax ignores NaN as TE's ``fmaxf`` does."""
     mag = x.abs()
     return torch.where(torch.isnan(mag), 0.0, mag)
 
 
-def _pad2d(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def pad2d(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Zero-pad a 2-D tensor at the bottom/right to ``(rows, cols)`` (no copy if not needed)."""
     r, c = x.shape
     if (r, c) == (rows, cols):
@@ -345,16 +333,16 @@ def quantize(
 
     x32 = x.detach().reshape(rows, cols).to(torch.float32)
     inf_value = value_for_inf(x.dtype)
-    m_tiles, k_tiles = _ceil_div(rows, BLOCK_LEN), _ceil_div(cols, BLOCK_LEN)
+    m_tiles, k_tiles = ceil_div(rows, BLOCK_LEN), ceil_div(cols, BLOCK_LEN)
     rows_p, cols_p = m_tiles * BLOCK_LEN, k_tiles * BLOCK_LEN
 
     def scales(amax: torch.Tensor) -> torch.Tensor:
         return compute_scale(amax, fp8_dtype, force_pow_2_scales, amax_epsilon, inf_value)
 
     if block_dim == 2:
-        xp = _pad2d(x32, rows_p, cols_p)
+        xp = pad2d(x32, rows_p, cols_p)
         tiles = xp.view(m_tiles, BLOCK_LEN, k_tiles, BLOCK_LEN)
-        amax = _abs_ignoring_nan(tiles).amax(dim=(1, 3))
+        amax = abs_ignoring_nan(tiles).amax(dim=(1, 3))
         scale = scales(amax)
         scale_inv = scale_inv_from_scale(scale)
         codes = saturating_cast(tiles * scale[:, None, :, None], fp8_dtype)
@@ -368,14 +356,14 @@ def quantize(
         return result
 
     if rowwise:
-        xr = _pad2d(x32, rows, cols_p).view(rows, k_tiles, BLOCK_LEN)
-        scale = scales(_abs_ignoring_nan(xr).amax(dim=-1))  # [rows, k_tiles]
+        xr = pad2d(x32, rows, cols_p).view(rows, k_tiles, BLOCK_LEN)
+        scale = scales(abs_ignoring_nan(xr).amax(dim=-1))  # [rows, k_tiles]
         codes = saturating_cast(xr * scale[:, :, None], fp8_dtype).view(rows, cols_p)
         result.rowwise_data = codes[:, :cols].contiguous().view(shape)
         result.rowwise_scale_inv[:, :rows] = scale_inv_from_scale(scale).t()
     if columnwise:
-        xc = _pad2d(x32, rows_p, cols).view(m_tiles, BLOCK_LEN, cols)
-        scale = scales(_abs_ignoring_nan(xc).amax(dim=1))  # [m_tiles, cols]
+        xc = pad2d(x32, rows_p, cols).view(m_tiles, BLOCK_LEN, cols)
+        scale = scales(abs_ignoring_nan(xc).amax(dim=1))  # [m_tiles, cols]
         codes = saturating_cast(xc * scale[:, None, :], fp8_dtype).view(rows_p, cols)
         result.columnwise_data = codes[:rows].t().contiguous().view(columnwise_data_shape(shape))
         result.columnwise_scale_inv[:, :cols] = scale_inv_from_scale(scale)
@@ -396,7 +384,7 @@ def columnwise_from_rowwise(
     """
     shape = tuple(rowwise_data.shape)
     rows, cols = flat_2d_shape(shape)
-    m_tiles, k_tiles = _ceil_div(rows, BLOCK_LEN), _ceil_div(cols, BLOCK_LEN)
+    m_tiles, k_tiles = ceil_div(rows, BLOCK_LEN), ceil_div(cols, BLOCK_LEN)
     expected = rowwise_scale_shape(shape, 2)
     if rowwise_scale_inv.dim() != 2 or rowwise_scale_inv.shape[0] != expected[0]:
         raise ValueError(
@@ -437,16 +425,14 @@ def dequantize_codes(
     if codes.numel() == 0:
         return torch.empty(logical, dtype=dtype, device=codes.device)
     values = codes.contiguous().view(torch.uint8).view(fp8_dtype).reshape(a, b)
-    a_tiles, b_tiles = _ceil_div(a, BLOCK_LEN), _ceil_div(b, BLOCK_LEN)
+    a_tiles, b_tiles = ceil_div(a, BLOCK_LEN), ceil_div(b, BLOCK_LEN)
     if block_dim == 2:
-        tiles = _pad2d(values.to(torch.float32), a_tiles * BLOCK_LEN, b_tiles * BLOCK_LEN)
+        tiles = pad2d(values.to(torch.float32), a_tiles * BLOCK_LEN, b_tiles * BLOCK_LEN)
         tiles = tiles.view(a_tiles, BLOCK_LEN, b_tiles, BLOCK_LEN)
         scale = scale_inv[:a_tiles, :b_tiles].to(torch.float32)
         out = (tiles * scale[:, None, :, None]).view(a_tiles * BLOCK_LEN, b_tiles * BLOCK_LEN)
     else:
-        blocks = _pad2d(values.to(torch.float32), a, b_tiles * BLOCK_LEN).view(
-            a, b_tiles, BLOCK_LEN
-        )
+        blocks = pad2d(values.to(torch.float32), a, b_tiles * BLOCK_LEN).view(a, b_tiles, BLOCK_LEN)
         scale = scale_inv[:b_tiles, :a].to(torch.float32).t()
         out = (blocks * scale[:, :, None]).view(a, b_tiles * BLOCK_LEN)
     out = out[:a, :b].to(dtype)
@@ -475,133 +461,3 @@ def dequantize(
         columnwise=use == "columnwise",
         dtype=dtype,
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Distributed-optimizer path (2-D tiles): partial amax / all-reduce / scales / partial cast
-# --------------------------------------------------------------------------------------------
-
-
-def _check_weight_shape(shape: Sequence[int]) -> tuple[int, int]:
-    shape = tuple(int(s) for s in shape)
-    if len(shape) != 2 or shape[0] <= 0 or shape[1] <= 0:
-        raise ValueError(
-            f"the distributed blockwise path works on non-empty 2-D weights, got shape {shape}"
-        )
-    return shape
-
-
-def _tile_segment(
-    shard: torch.Tensor, rows: int, cols: int, start_offset: int, fill: torch.Tensor
-) -> tuple[int, int, torch.Tensor]:
-    """The tile rows ``[t0, t1)`` a flat shard touches, as a zero-padded ``[.., cols_p]`` block
-    holding ``fill`` (the shard's values in some form) at the shard's positions."""
-    n = shard.numel()
-    end = start_offset + n
-    if start_offset < 0 or end > rows * cols:
-        raise ValueError(f"shard [{start_offset}, {end}) does not fit a {rows} x {cols} tensor")
-    t0 = (start_offset // cols) // BLOCK_LEN
-    t1 = ((end - 1) // cols) // BLOCK_LEN + 1
-    r0, r1 = t0 * BLOCK_LEN, min(t1 * BLOCK_LEN, rows)
-    segment = torch.zeros((r1 - r0) * cols, dtype=fill.dtype, device=fill.device)
-    offset = start_offset - r0 * cols
-    segment[offset : offset + n] = fill
-    padded = _pad2d(segment.view(r1 - r0, cols), (t1 - t0) * BLOCK_LEN, _round_up(cols, BLOCK_LEN))
-    return t0, t1, padded
-
-
-def compute_partial_amax(
-    shard: torch.Tensor,
-    shape: Sequence[int],
-    start_offset: int,
-    amax: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """128x128 tile amaxes of a flat shard (TE's ``fp8_block_scaling_compute_partial_amax``).
-
-    The shard holds elements ``[start_offset, start_offset + numel)`` of the flattened weight.
-    Every tile's entry ``amax[m_tile, k_tile]`` is written (0 for tiles the shard does not
-    touch, NaN ignored); the round-up-to-4 padding columns are left as they are (zeros when
-    ``amax`` is allocated here, with the rowwise scale shape, fp32).
-    """
-    rows, cols = _check_weight_shape(shape)
-    m_tiles, k_tiles = _ceil_div(rows, BLOCK_LEN), _ceil_div(cols, BLOCK_LEN)
-    if amax is None:
-        amax = torch.zeros(
-            rowwise_scale_shape((rows, cols), 2), dtype=torch.float32, device=shard.device
-        )
-    with torch.no_grad():
-        amax[:m_tiles, :k_tiles] = 0
-        shard = shard.detach().reshape(-1)
-        if shard.numel() == 0:
-            return amax
-        mag = _abs_ignoring_nan(shard.to(torch.float32))
-        t0, t1, block = _tile_segment(shard, rows, cols, start_offset, mag)
-        tiles = block.view(t1 - t0, BLOCK_LEN, k_tiles, BLOCK_LEN).amax(dim=(1, 3))
-        amax[t0:t1, :k_tiles] = tiles.to(amax.dtype)
-    return amax
-
-
-def partial_cast(
-    shard: torch.Tensor,
-    scale: torch.Tensor,
-    shape: Sequence[int],
-    start_offset: int,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-) -> torch.Tensor:
-    """uint8 rowwise codes of a flat shard (TE's ``fp8_block_scaling_partial_cast``).
-
-    ``scale`` is the per-tile *scale* (not scale_inv), indexed ``[m_tile, k_tile]``; each
-    element becomes ``static_cast<fp8>(fp32(x) * scale)`` (saturating).
-    """
-    rows, cols = _check_weight_shape(shape)
-    fp8_max(fp8_dtype)
-    shard = shard.detach().reshape(-1)
-    n = shard.numel()
-    if n == 0:
-        return torch.empty(0, dtype=torch.uint8, device=shard.device)
-    k_tiles = _ceil_div(cols, BLOCK_LEN)
-    t0, t1, block = _tile_segment(shard, rows, cols, start_offset, shard.to(torch.float32))
-    tiles = block.view(t1 - t0, BLOCK_LEN, k_tiles, BLOCK_LEN)
-    tile_scale = scale[t0:t1, :k_tiles].to(torch.float32)
-    codes = saturating_cast(tiles * tile_scale[:, None, :, None], fp8_dtype)
-    codes = codes.view((t1 - t0) * BLOCK_LEN, k_tiles * BLOCK_LEN)[:, :cols].reshape(-1)
-    offset = start_offset - t0 * BLOCK_LEN * cols
-    return codes[offset : offset + n].clone()
-
-
-@dataclass
-class ShardQuantization:
-    """One rank's result of the distributed path: full (padded) scales, its shard's codes."""
-
-    scale: torch.Tensor
-    scale_inv: torch.Tensor
-    codes: torch.Tensor
-
-
-def quantize_shard(
-    shard: torch.Tensor,
-    shape: Sequence[int],
-    start_offset: int,
-    all_reduce_max: AllReduceMax,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-    *,
-    force_pow_2_scales: bool = True,
-    amax_epsilon: float = 0.0,
-) -> ShardQuantization:
-    """The distributed-optimizer cast of one rank's flat shard of a 2-D weight, as TE's
-    ``quantize_master_weights`` for ``Float8BlockwiseQTensor`` (pass the shard already in the
-    weight's dtype, bf16 in TE, which casts the fp32 master first).
-
-    Partial tile amaxes, one MAX all-reduce through ``all_reduce_max``, scales for every entry
-    of the padded buffer (``inf_value = FLT_MAX``), then the cast. The scale_inv's valid region
-    equals a full :func:`quantize`'s rowwise scale_inv; its padding is 1.0 (amax 0 -> scale 1),
-    where TE's direct quantise leaves it uninitialised.
-    """
-    amax = compute_partial_amax(shard, shape, start_offset)
-    reduced = all_reduce_max(amax)
-    if reduced is not None:
-        amax = reduced
-    scale = compute_scale(amax, fp8_max(fp8_dtype), force_pow_2_scales, amax_epsilon, FLT_MAX)
-    scale_inv = scale_inv_from_scale(scale)
-    codes = partial_cast(shard, scale, shape, start_offset, fp8_dtype)
-    return ShardQuantization(scale, scale_inv, codes)

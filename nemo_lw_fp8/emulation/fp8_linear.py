@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from . import mxfp8 as mx
+from .mxfp8_format import BLOCK_SIZE
 
 __all__ = ["MXFP8Linear", "fp8_params_requested", "quantize_dequantize"]
 
@@ -150,10 +151,10 @@ class MXFP8Linear(torch.nn.Module):
         two_d_weights: bool | None = None,
     ) -> None:
         super().__init__()
-        if in_features % mx.BLOCK_SIZE or out_features % mx.BLOCK_SIZE:
+        if in_features % BLOCK_SIZE or out_features % BLOCK_SIZE:
             raise ValueError(
                 f"MXFP8Linear needs in_features and out_features to be multiples of "
-                f"{mx.BLOCK_SIZE}, got ({in_features}, {out_features})"
+                f"{BLOCK_SIZE}, got ({in_features}, {out_features})"
             )
         self.in_features = in_features
         self.out_features = out_features

@@ -1,80 +1,61 @@
-"""Bit-exact, vectorised CPU emulation of Transformer Engine 2.20 MXFP8 quantisation.
+"""Bit-exact, vectorised CPU emulation of Transformer Engine 2.20 MXFP8 quantise / dequantise.
 
 Why: the plugin trains with MXFP8 parameters on machines without a Blackwell GPU (CI, laptops,
 the CPU multi-rank harness). Every byte this module produces is meant to equal what TE 2.20's
 CUDA kernels produce, so that a CPU run and a GPU run of the same recipe agree bit for bit.
+The format's rules (shapes, E8M0 scales, scale layouts) are in
+:mod:`nemo_lw_fp8.emulation.mxfp8_format`; the distributed-optimizer cast of a flat shard is in
+:mod:`nemo_lw_fp8.emulation.mxfp8_sharded_cast`.
 
-What TE does (read from its kernels ``quantize_mxfp8.cuh``, ``recipe/mxfp8_scaling.cu``,
-``multi_tensor/compute_scale.cu`` and ``util/ptx.cuh``):
+What TE's kernel does (``quantize_mxfp8.cuh``):
 
 * Blocks of 32 elements: 1x32 along the last dim ("rowwise"), 32x1 along the flattened leading
   dims ("columnwise", stored in the same ``[M, K]`` layout, *not* transposed), or 32x32 tiles
   when 2-D quantisation is on (both directions then share the tile's scale).
-* ``amax = max |x|`` over the block; NaN elements are ignored (``fmaxf``/``__hmax`` semantics).
-* ``e8m0 = float_to_e8m0(fp32(amax * fp32(1 / fp8_max)))``: the fp32 exponent bits, plus one when
-  the mantissa is non-zero (round *up* to a power of two), NaN -> 0xFF, inf -> 0xFE, 0 -> 0x00,
-  saturating at 0xFE, and never rounding up from the subnormal range below 2^-127.
-  ``torch``'s own cast to ``float8_e8m0fnu`` rounds differently, so it is never used here.
-* Element codes: ``cvt.rn.satfinite(x * exp2f_rcp(e8m0))`` where ``exp2f_rcp`` is TE's bit trick
-  ``e == 0 ? 1.0 : bits((254 - e) << 23)``. Note the quirks this implies and which are kept:
-  a zero exponent multiplies by 1 (not 2^127), 0xFE multiplies by +0.0 and 0xFF by -inf.
+* ``amax = max |x|`` over the block; NaN elements are ignored (``fmaxf``/``__hmax`` semantics),
+  and the block's E8M0 scale follows from it (:func:`~.mxfp8_format.e8m0_from_amax`).
+* Element codes: ``cvt.rn.satfinite(x * exp2f_rcp(e8m0))`` (see
+  :func:`~.mxfp8_format.quantize_multipliers` for the multiplier's quirks, which are kept).
   The GPU turns every NaN into the canonical NaN, so a NaN code is always 0x7F.
 * Dequantisation: ``out = OType(q * bits(e << 23))`` (so e8m0 0 dequantises to zero).
-* Scales are stored as uint8, padded to ``(roundup(M, 128), roundup(K / 32, 4))`` rowwise and
-  ``(roundup(M / 32, 4), roundup(K, 128))`` columnwise. TE leaves compact padding uninitialised;
-  this emulation writes zeros there (as TE itself does for GEMM-swizzled scales).
-
-The GEMM-swizzled scale layout (cuBLAS "block scaling factors layout", TE's
-``gemm_swizzled_scale_idx``): the padded scale matrix is cut into tiles of 128 rows x 4 columns;
-tiles are stored row-major (``num_tiles_x = padded_cols / 4`` per tile row) and, inside a tile,
-element ``(r, c)`` goes to ``(r % 32) * 16 + (r // 32) * 4 + c``. Rowwise scales are indexed
-``(row, block_col)``; columnwise scales are indexed transposed, ``(col, block_row)``, with
-``num_tiles_x = roundup(M / 32, 4) / 4``. See :func:`gemm_swizzled_scale_index`.
 
 Exactness of the arithmetic on CPU: ``x * 2^k`` is exact for every input whose scaled value can
 round to a non-zero FP8 code, so the element multiply is done in bf16 for bf16 inputs (fast) and
 in fp32 otherwise; the FP8 cast is torch's round-nearest-even conversion, which never overflows
-because the scale was rounded up. The distributed-optimizer path (:func:`partial_cast`) clamps
-first, since its scales come from outside.
+because the scale was rounded up. The distributed-optimizer cast clamps first
+(``scaled_cast(..., saturate=True)``), since its scales come from outside.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .mxfp8_format import (
+    BLOCK_SIZE,
+    FP8_DTYPES,
+    columnwise_scale_shape,
+    dequantize_multipliers,
+    e8m0_from_amax,
+    flat_2d_shape,
+    fp8_max,
+    quantize_multipliers,
+    rowwise_scale_shape,
+    swizzle_scales,
+    unswizzle_scales,
+)
+
 __all__ = [
-    "BLOCK_SIZE",
-    "FP8_DTYPES",
     "MXFP8Data",
-    "columnwise_scale_shape",
-    "compute_partial_amax",
     "dequantize",
-    "dequantize_multipliers",
-    "e8m0_from_amax",
-    "e8m0_round_up",
-    "flat_2d_shape",
-    "fp8_max",
-    "gemm_swizzled_scale_index",
-    "partial_cast",
+    "dequantize_codes",
     "quantize",
-    "quantize_multipliers",
-    "quantize_shard",
-    "rowwise_scale_shape",
-    "swizzle_scales",
-    "torch_distributed_max_all_reduce",
-    "unswizzle_scales",
+    "scaled_cast",
+    "work_dtype",
 ]
-
-BLOCK_SIZE = 32
-"""Elements per MXFP8 scaling block (and the side of a 2-D tile)."""
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 # Bit patterns of |x| above which a value is NaN (per storage dtype of the input).
 _INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
@@ -83,192 +64,6 @@ _ABS_MASK = {torch.int16: 0x7FFF, torch.int32: 0x7FFFFFFF}
 
 # The canonical NaN the GPU's cvt instructions produce, for both FP8 formats.
 _FP8_CANONICAL_NAN = 0x7F
-
-# Scale row/column paddings of TE's compact layouts.
-_ROWWISE_PAD = (128, 4)
-_COLWISE_PAD = (4, 128)
-
-
-def fp8_max(fp8_dtype: torch.dtype) -> float:
-    """Largest finite value of an FP8 format; refuses anything but e4m3fn / e5m2."""
-    try:
-        return _FP8_MAX[fp8_dtype]
-    except KeyError:
-        raise ValueError(
-            f"MXFP8 elements must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}"
-        ) from None
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
-
-
-def flat_2d_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """``(prod(leading dims), last dim)``, refusing shapes TE cannot quantise to MXFP8.
-
-    TE needs both numbers to be multiples of 32 (``MXFP8Quantizer.is_quantizable`` and the C++
-    ``create_tensor`` check); we raise a ``ValueError`` naming the shape instead of its assert.
-    """
-    shape = tuple(int(s) for s in shape)
-    if len(shape) == 0:
-        raise ValueError("MXFP8 cannot quantise a 0-d tensor (shape ())")
-    cols = shape[-1]
-    rows = math.prod(shape[:-1])
-    if cols % BLOCK_SIZE != 0 or rows % BLOCK_SIZE != 0:
-        raise ValueError(
-            f"MXFP8 needs the last dimension and the product of the leading dimensions to be "
-            f"multiples of {BLOCK_SIZE}; got shape {shape} (flattened {rows} x {cols})"
-        )
-    return rows, cols
-
-
-def rowwise_scale_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """Padded uint8 shape of rowwise (1x32) scales: ``(roundup(M,128), roundup(K/32,4))``."""
-    rows, cols = flat_2d_shape(shape)
-    return _round_up(rows, _ROWWISE_PAD[0]), _round_up(cols // BLOCK_SIZE, _ROWWISE_PAD[1])
-
-
-def columnwise_scale_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """Padded uint8 shape of columnwise (32x1) scales: ``(roundup(M/32,4), roundup(K,128))``."""
-    rows, cols = flat_2d_shape(shape)
-    return _round_up(rows // BLOCK_SIZE, _COLWISE_PAD[0]), _round_up(cols, _COLWISE_PAD[1])
-
-
-# --------------------------------------------------------------------------------------------
-# E8M0 scales
-# --------------------------------------------------------------------------------------------
-
-_RCP_CACHE: dict[torch.dtype, torch.Tensor] = {}
-
-
-def _fp8_max_rcp(fp8_dtype: torch.dtype) -> torch.Tensor:
-    """``fp32(1 / fp8_max)`` as TE's ``Quantized_Limits<T>::max_norm_rcp`` (a 0-d fp32 tensor)."""
-    rcp = _RCP_CACHE.get(fp8_dtype)
-    if rcp is None:
-        rcp = torch.tensor(1.0 / fp8_max(fp8_dtype), dtype=torch.float32)
-        _RCP_CACHE[fp8_dtype] = rcp
-    return rcp
-
-
-def e8m0_round_up(v: torch.Tensor) -> torch.Tensor:
-    """TE's ``float_to_e8m0`` on fp32 values: the power of two at or above ``v``, as uint8.
-
-    NaN -> 0xFF, inf -> 0xFE, otherwise the fp32 exponent field plus one when the mantissa is
-    non-zero, except at 0xFE (saturation) and for subnormal ``v <= 2^-127`` (mantissa
-    <= 0x400000), which stay at 0x00. Same result as ``cvt.rp.satfinite.ue8m0x2.f32``.
-    """
-    v = v.to(torch.float32)
-    bits = v.view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    mantissa = bits & 0x7FFFFF
-    round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
-    e8m0 = exponent + round_up.to(torch.int32)
-    e8m0 = torch.where(torch.isinf(v), 0xFE, e8m0)
-    e8m0 = torch.where(torch.isnan(v), 0xFF, e8m0)
-    return e8m0.to(torch.uint8)
-
-
-def e8m0_from_amax(
-    amax: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
-) -> torch.Tensor:
-    """E8M0 scales (uint8) for block amaxes: ``e8m0_round_up(fp32(amax * fp32(1/fp8_max)))``."""
-    return e8m0_round_up(amax.to(torch.float32) * _fp8_max_rcp(fp8_dtype).to(amax.device))
-
-
-def _multiplier_table(dequant: bool) -> torch.Tensor:
-    """The 256 fp32 multipliers TE derives from an E8M0 byte.
-
-    Quantise (``exp2f_rcp``): ``e == 0 -> 1.0`` else the float with bits ``(254 - e) << 23``
-    (``254 -> +0.0``, ``255 -> -inf``). Dequantise (``exp2f``): the float with bits ``e << 23``
-    (``0 -> 0.0``, ``255 -> inf``).
-    """
-    e = torch.arange(256, dtype=torch.int32)
-    if dequant:
-        return (e << 23).view(torch.float32).clone()
-    table = ((254 - e) << 23).view(torch.float32).clone()
-    table[0] = 1.0
-    return table
-
-
-_QUANT_MULT = _multiplier_table(dequant=False)
-_DEQUANT_MULT = _multiplier_table(dequant=True)
-_TABLE_CACHE: dict[tuple[bool, torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _table(dequant: bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (dequant, dtype, device)
-    table = _TABLE_CACHE.get(key)
-    if table is None:
-        base = _DEQUANT_MULT if dequant else _QUANT_MULT
-        # Every entry is 0, +-inf or a power of two in [2^-127, 2^127]; the powers that bf16
-        # cannot hold (2^-127) never occur with bf16 arithmetic, so the cast is exact.
-        table = base.to(device=device, dtype=dtype)
-        _TABLE_CACHE[key] = table
-    return table
-
-
-def quantize_multipliers(e8m0: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """What each element of a block is multiplied by before the FP8 cast (TE's ``exp2f_rcp``)."""
-    return _table(False, dtype, e8m0.device)[e8m0.long()]
-
-
-def dequantize_multipliers(e8m0: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``2^(e - 127)`` as TE's dequantise kernel computes it (``e == 0`` gives 0.0)."""
-    return _table(True, dtype, e8m0.device)[e8m0.long()]
-
-
-# --------------------------------------------------------------------------------------------
-# GEMM-swizzled scale layout
-# --------------------------------------------------------------------------------------------
-
-
-def gemm_swizzled_scale_index(i: int, j: int, num_tiles_x: int) -> int:
-    """Flat position of compact scale ``(i, j)`` in TE's GEMM-swizzled layout.
-
-    Tiles are 128 (in ``i``) x 4 (in ``j``) scales = 512 bytes, laid out row-major with
-    ``num_tiles_x`` tiles per tile row; inside a tile the 128 rows are interleaved in four
-    groups of 32: ``(i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4``. For rowwise scales
-    ``i`` is the row and ``j`` the block column (``num_tiles_x = padded_cols / 4``); for
-    columnwise scales ``i`` is the column and ``j`` the block row
-    (``num_tiles_x = padded_block_rows / 4``).
-    """
-    tile = (i // 128) * num_tiles_x + j // 4
-    return tile * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4
-
-
-def _swizzle_rows_major(compact: torch.Tensor) -> torch.Tensor:
-    rows, cols = compact.shape
-    if rows % 128 or cols % 4:
-        raise ValueError(f"swizzling needs a (128k, 4m) scale matrix, got {tuple(compact.shape)}")
-    tiles = compact.reshape(rows // 128, 4, 32, cols // 4, 4)
-    # (tile_row, tile_col, i % 32, (i % 128) // 32, j % 4) is exactly the swizzled byte order.
-    return tiles.permute(0, 3, 2, 1, 4).reshape(-1)
-
-
-def _unswizzle_rows_major(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    tiles = flat.reshape(rows // 128, cols // 4, 32, 4, 4)
-    return tiles.permute(0, 3, 2, 1, 4).reshape(rows, cols)
-
-
-def swizzle_scales(compact: torch.Tensor, columnwise: bool) -> torch.Tensor:
-    """Reorder a padded compact scale matrix into the GEMM-swizzled byte order (same shape)."""
-    rows, cols = compact.shape
-    source = compact.t() if columnwise else compact
-    return _swizzle_rows_major(source.contiguous()).view(rows, cols)
-
-
-def unswizzle_scales(swizzled: torch.Tensor, columnwise: bool) -> torch.Tensor:
-    """Inverse of :func:`swizzle_scales`."""
-    rows, cols = swizzled.shape
-    flat = swizzled.reshape(-1)
-    if columnwise:
-        return _unswizzle_rows_major(flat, cols, rows).t().contiguous()
-    return _unswizzle_rows_major(flat, rows, cols).contiguous()
-
-
-# --------------------------------------------------------------------------------------------
-# Quantise / dequantise
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -284,7 +79,7 @@ class MXFP8Data:
     with_gemm_swizzled_scales: bool = False
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of the element multiply: bf16 stays bf16 (exact, fast), others go to fp32."""
     if dtype == torch.bfloat16:
         return torch.bfloat16
@@ -329,7 +124,7 @@ def _amax_lut(
     if lut is None:
         magnitudes = torch.arange(0x8000, dtype=torch.int16, device=device).view(in_dtype)
         e8m0 = e8m0_from_amax(magnitudes, fp8_dtype)
-        lut = (e8m0, _table(False, _work_dtype(in_dtype), device)[e8m0.long()])
+        lut = (e8m0, quantize_multipliers(e8m0, work_dtype(in_dtype)))
         _AMAX_LUT[key] = lut
     return lut
 
@@ -345,10 +140,10 @@ def _scales_and_multipliers(
         mult = torch.index_select(mult_lut, 0, index).view(amax_bits.shape)
         return e8m0, mult
     e8m0 = e8m0_from_amax(amax_bits.view(in_dtype), fp8_dtype)
-    return e8m0, quantize_multipliers(e8m0, _work_dtype(in_dtype))
+    return e8m0, quantize_multipliers(e8m0, work_dtype(in_dtype))
 
 
-def _scaled_cast(
+def scaled_cast(
     blocks: torch.Tensor,
     multipliers: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -407,7 +202,7 @@ def quantize(
     fp8_max(fp8_dtype)
     shape = tuple(x.shape)
     rows, cols = flat_2d_shape(shape)
-    work = _work_dtype(x.dtype)
+    work = work_dtype(x.dtype)
     device = x.device
     x2 = x.detach().contiguous().view(rows, cols)
     result = MXFP8Data(shape, fp8_dtype, None, None, None, None, swizzle)
@@ -473,7 +268,7 @@ def quantize(
             x_slab = x_slab.to(work)
         scratch = mul_buffer[: n * cols]
         if rowwise:
-            _scaled_cast(
+            scaled_cast(
                 x_slab.view(n, blocks_per_row, BLOCK_SIZE),
                 row_mult.unsqueeze(-1),
                 fp8_dtype,
@@ -486,7 +281,7 @@ def quantize(
                 # 32x32 tiles: the columnwise codes are the rowwise codes.
                 col_codes[r0 : r0 + n] = row_codes[r0 : r0 + n]
             else:
-                _scaled_cast(
+                scaled_cast(
                     x_slab.view(n // BLOCK_SIZE, BLOCK_SIZE, cols),
                     col_mult.unsqueeze(1),
                     fp8_dtype,
@@ -580,167 +375,3 @@ def dequantize(
     return dequantize_codes(
         codes, scales, data.fp8_dtype, use == "columnwise", dtype, data.with_gemm_swizzled_scales
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Distributed-optimizer path: partial amax / all-reduce / scales / partial cast
-# --------------------------------------------------------------------------------------------
-
-
-def _segment(shard: torch.Tensor, rows: int, cols: int, start_offset: int) -> tuple[int, int, int]:
-    """Block-row aligned row range ``[r0, r1)`` covering a flat shard, and its offset in it."""
-    n = shard.numel()
-    end = start_offset + n
-    if start_offset < 0 or end > rows * cols:
-        raise ValueError(f"shard [{start_offset}, {end}) does not fit a {rows} x {cols} tensor")
-    r0 = (start_offset // cols) // BLOCK_SIZE * BLOCK_SIZE
-    r1 = _round_up((end - 1) // cols + 1, BLOCK_SIZE)
-    return r0, r1, start_offset - r0 * cols
-
-
-def _check_2d(shape: Sequence[int]) -> tuple[int, int]:
-    if len(shape) != 2:
-        raise ValueError(
-            f"the distributed MXFP8 path works on 2-D weights, got shape {tuple(shape)}"
-        )
-    return flat_2d_shape(shape)
-
-
-def compute_partial_amax(
-    shard: torch.Tensor,
-    shape: Sequence[int],
-    start_offset: int,
-    amax_rowwise: torch.Tensor | None = None,
-    amax_colwise: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block amaxes of a flat shard of a 2-D tensor (TE's ``mxfp8_scaling_compute_partial_amax``).
-
-    The shard holds elements ``[start_offset, start_offset + numel)`` of the flattened tensor.
-    Blocks it does not touch get amax 0; NaN is ignored. Results have the padded scale shapes and
-    the shard's dtype, so a MAX all-reduce over ranks gives the full tensor's block amaxes.
-    """
-    rows, cols = _check_2d(shape)
-    shard = shard.reshape(-1)
-    if amax_rowwise is None:
-        amax_rowwise = torch.zeros(
-            rowwise_scale_shape(shape), dtype=shard.dtype, device=shard.device
-        )
-    if amax_colwise is None:
-        amax_colwise = torch.zeros(
-            columnwise_scale_shape(shape), dtype=shard.dtype, device=shard.device
-        )
-    amax_rowwise.zero_()
-    amax_colwise.zero_()
-    if shard.numel() == 0:
-        return amax_rowwise, amax_colwise
-    r0, r1, offset = _segment(shard, rows, cols, start_offset)
-    magnitude = shard.abs()
-    magnitude = torch.where(torch.isnan(magnitude), 0, magnitude).to(shard.dtype)
-    segment = torch.zeros((r1 - r0) * cols, dtype=shard.dtype, device=shard.device)
-    segment[offset : offset + shard.numel()] = magnitude
-    segment = segment.view(r1 - r0, cols)
-    amax_rowwise[r0:r1, : cols // BLOCK_SIZE] = segment.view(
-        r1 - r0, cols // BLOCK_SIZE, BLOCK_SIZE
-    ).amax(-1)
-    amax_colwise[r0 // BLOCK_SIZE : r1 // BLOCK_SIZE, :cols] = segment.view(
-        (r1 - r0) // BLOCK_SIZE, BLOCK_SIZE, cols
-    ).amax(1)
-    return amax_rowwise, amax_colwise
-
-
-def partial_cast(
-    shard: torch.Tensor,
-    scale_inv_rowwise: torch.Tensor,
-    scale_inv_colwise: torch.Tensor,
-    shape: Sequence[int],
-    start_offset: int,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rowwise and columnwise uint8 codes of a flat shard (TE's ``mxfp8_scaling_partial_cast``).
-
-    Uses compact (unswizzled) padded scales. TE's kernel always writes e4m3; other formats are
-    offered here for completeness. Casts saturate, since the scales are given.
-    """
-    rows, cols = _check_2d(shape)
-    shard = shard.reshape(-1)
-    n = shard.numel()
-    if n == 0:
-        empty = torch.empty(0, dtype=torch.uint8, device=shard.device)
-        return empty, empty.clone()
-    r0, r1, offset = _segment(shard, rows, cols, start_offset)
-    work = _work_dtype(shard.dtype)
-    segment = torch.zeros((r1 - r0) * cols, dtype=work, device=shard.device)
-    segment[offset : offset + n] = shard.to(work)
-    special = not bool(torch.isfinite(shard).all())
-    table = _table(False, work, shard.device)
-    row_mult = table[scale_inv_rowwise[r0:r1, : cols // BLOCK_SIZE].long()].unsqueeze(-1)
-    row_codes = _scaled_cast(
-        segment.view(r1 - r0, cols // BLOCK_SIZE, BLOCK_SIZE),
-        row_mult,
-        fp8_dtype,
-        saturate=True,
-        canonicalize_nan=special,
-    )
-    col_mult = table[
-        scale_inv_colwise[r0 // BLOCK_SIZE : r1 // BLOCK_SIZE, :cols].long()
-    ].unsqueeze(1)
-    col_codes = _scaled_cast(
-        segment.view((r1 - r0) // BLOCK_SIZE, BLOCK_SIZE, cols),
-        col_mult,
-        fp8_dtype,
-        saturate=True,
-        canonicalize_nan=special,
-    )
-    return (
-        row_codes.reshape(-1)[offset : offset + n],
-        col_codes.reshape(-1)[offset : offset + n],
-    )
-
-
-AllReduceMax = Callable[[torch.Tensor], "torch.Tensor | None"]
-"""A MAX all-reduce over data-parallel ranks: reduces its argument in place (or returns it)."""
-
-
-def torch_distributed_max_all_reduce(group: object | None = None) -> AllReduceMax:
-    """The hook for real runs: ``torch.distributed.all_reduce(..., op=MAX, group=group)``."""
-
-    def _reduce(buffer: torch.Tensor) -> None:
-        torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
-
-    return _reduce
-
-
-@dataclass
-class ShardQuantization:
-    """A rank's result of the distributed path: full scales and its shard's codes."""
-
-    rowwise_scale_inv: torch.Tensor
-    columnwise_scale_inv: torch.Tensor
-    rowwise_codes: torch.Tensor
-    columnwise_codes: torch.Tensor
-
-
-def quantize_shard(
-    shard: torch.Tensor,
-    shape: Sequence[int],
-    start_offset: int,
-    all_reduce_max: AllReduceMax,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-) -> ShardQuantization:
-    """The distributed-optimizer cast of one rank's flat shard, as TE's ``quantize_master_weights``.
-
-    Partial amax of the shard (in the shard's dtype, bf16 in TE), one MAX all-reduce of the packed
-    ``[rowwise | columnwise]`` amaxes through ``all_reduce_max``, E8M0 scales, then the partial
-    cast. Whatever the cut points, the shards' codes concatenate to the full quantise's bytes.
-    """
-    amax_row, amax_col = compute_partial_amax(shard, shape, start_offset)
-    packed = torch.cat([amax_row.reshape(-1), amax_col.reshape(-1)])
-    reduced = all_reduce_max(packed)
-    if reduced is not None:
-        packed = reduced
-    amax_row = packed[: amax_row.numel()].view(amax_row.shape)
-    amax_col = packed[amax_row.numel() :].view(amax_col.shape)
-    scale_row = e8m0_from_amax(amax_row, fp8_dtype)
-    scale_col = e8m0_from_amax(amax_col, fp8_dtype)
-    row_codes, col_codes = partial_cast(shard, scale_row, scale_col, shape, start_offset, fp8_dtype)
-    return ShardQuantization(scale_row, scale_col, row_codes, col_codes)

@@ -85,9 +85,11 @@ def resolve_config(
 
 def _count_expert_slices(optimizer: Any) -> int:
     """Expert runs (``ExpertSlice``) among the pieces of ``optimizer`` and its chained children."""
-    from nemo_lw_fp8.expert_slices import is_slice
+    from nemo_lw_fp8.mechanics.expert_slices import is_slice
+    from nemo_lw_fp8.state import peek
 
-    pieces = getattr(optimizer, "_nemo_lw_fp8_pieces", {})
+    record = peek(optimizer)
+    pieces = getattr(record, "pieces", {})
     count = sum(1 for group in pieces.values() for piece in group if is_slice(piece))
     for child in getattr(optimizer, "chained_optimizers", []):
         count += _count_expert_slices(child)

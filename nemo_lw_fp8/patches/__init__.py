@@ -1,9 +1,11 @@
 """Patch modules for the installed megatron-core, one module per behaviour.
 
 Each module opens with a docstring: the behaviour it brings, the upstream change it mirrors (by
-PR number), what it patches, and how it detects that upstream already has it. Modules register a
-:class:`~nemo_lw_fp8.patches.framework.Patch` when they are imported; :data:`PATCH_MODULES` lists
-them so :func:`load_all` can import every one.
+PR number), what it patches, and how it detects that upstream already has it. A patch module is
+its detector plus wiring: the overrides it installs call the mechanisms in
+:mod:`nemo_lw_fp8.mechanics`, and no patch module imports another (a patch that needs another
+names it in ``requires``). Modules register a :class:`~nemo_lw_fp8.patches.framework.Patch` when
+they are imported; :data:`PATCH_MODULES` lists them so :func:`load_all` can import every one.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .framework import (
 
 #: Patch modules shipped with the plugin (imported lazily: they import megatron-core).
 PATCH_MODULES: tuple[str, ...] = (
+    "layer_wise_init",
     "muon_fp8_param_gather",
     "restage_forced_sync",
     "compact_layout",

@@ -2,465 +2,35 @@
 
 Behaviour: with ``fp8_param_gather`` and TE's ``Float8BlockScaling`` recipe (persistent
 ``Float8BlockwiseQTensor`` weights, 128x128 tiles), each layer-wise bucket group is gathered by
-this module instead of megatron:
-
-* the owner of a weight (the rank that runs Muon on it) casts its fp32 master to bf16 and
-  quantizes it once, in place, into its own weight (TE's quantizer: rowwise codes and one fp32
-  scale per 128x128 tile);
-* it ships the rowwise FP8 codes plus the tiles' fp32 ``scale_inv`` (no padding) in one segment
-  per rank; one collective per bucket group: an even ``all_gather_into_tensor`` when padding the
-  segments to the longest costs at most ``gather_padding_tolerance`` of the payload, else one
-  uneven ``all_gather`` of the same segments;
-* receivers write the codes and scales into their weights and derive the columnwise form by the
-  exact transpose rule (megatron's ``post_all_gather_processing`` -> TE's
-  ``Float8BlockwiseQTensor._create_columnwise``).
-
-About half of bf16's bytes: ``M*K + 4*ceil(M/128)*ceil(K/128)`` instead of ``2*M*K``. Nothing is
-staged in the grad buffer (``reuse_grad_buf_for_mxfp8_param_ag`` must stay off). Works on the
-padded layout (0.19.2's ``use_layer_wise_param_layout=True``) and on the compact layout
-(:mod:`.compact_layout`). Training is bitwise identical to FP8 param gather off with the same
-blockwise FP8 compute: the owner quantizes exactly the bf16 values FP8-gather-off would hold.
-
-Also: masters of blockwise weights start from TE's preserved high-precision init values and the
-inner step does not re-quantize them (the functions of :mod:`.muon_fp8_param_gather`, reused);
-with blockwise weights present, ``partition_buckets`` never puts layer-wise and DistOpt buckets
-into one bucket group (its FP8 "case 3" would), so each group has one owner kind.
+the plugin: the owner of a weight quantizes its bf16-cast master once, in place, and ships the
+rowwise FP8 codes plus the tiles' fp32 scales; receivers write them and derive the columnwise
+copy by the exact transpose rule. About half of bf16's bytes, bitwise equal to FP8 param gather
+off with the same blockwise FP8 compute. Works on the padded and the compact layout. Masters of
+blockwise weights start from TE's preserved init values and the inner step does not re-quantize
+them. The mechanics: :mod:`nemo_lw_fp8.mechanics.blockwise`.
 
 Upstream: no Megatron-LM change ships FP8 bytes for layer-wise gathers. megatron-core 0.19.2
-gathers blockwise weights only through DistributedOptimizer's byte-range shards
-(``quantize_param_shard``: partial amax + MAX all-reduce, codes on the wire); upstream dev
+gathers blockwise weights only through DistributedOptimizer's byte-range shards; upstream dev
 allows blockwise for Muon only on the compact layout, with bf16 on the wire. Closest relatives:
 PR #4987 (MXFP8 layer-wise gather, bf16 on the wire) and #5388 (compact layout).
 
-Patches: ``LayerWiseDistributedOptimizer.__init__`` (masters, inner step, group states),
-``_ParamAndGradBucketGroup.start_param_sync`` / ``.finish_param_sync`` / ``._post_param_sync``
-(blockwise groups only), ``partition_buckets`` as DDP calls it (only when a layer-wise buffer
-holds blockwise FP8 weights).
+Patches: the layer-wise optimizer's build step (a step of ``patches/layer_wise_init.py``:
+checks, masters, inner step, gather plans), ``_ParamAndGradBucketGroup.start_param_sync`` /
+``.finish_param_sync`` / ``._post_param_sync`` (blockwise groups only), ``partition_buckets`` as
+DDP calls it (only when a layer-wise buffer holds blockwise FP8 weights).
 
 Detection: native when megatron's layer-wise optimizer or bucket-group gather code handles
 blockwise scales itself (refers to ``Float8BlockwiseQTensor`` or ``_rowwise_scale_inv``).
-
-The steps are module-level functions called by name, so mutation tests can switch each off.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-from typing import Any
 
-import torch
-
-from .. import guards
-from .. import layout as layout_math
+from ..mechanics import blockwise, lifecycle
 from .framework import Override, Patch, register
-from .owner_gather import OwnerPackedSync
 
 FEATURE = "blockwise_fp8_param_gather"
-BLOCK = 128
-STATE_ATTR = "_nemo_lw_fp8_blockwise"
-PENDING_ATTR = "_nemo_lw_fp8_blockwise_pending"
-
-
-# --------------------------------------------------------------------------- what a param is
-
-
-def _blockwise_class() -> type | None:
-    try:
-        from transformer_engine.pytorch.tensor.float8_blockwise_tensor import (
-            Float8BlockwiseQTensor,
-        )
-    except ImportError:
-        return None
-    return Float8BlockwiseQTensor
-
-
-def is_blockwise(param: torch.Tensor) -> bool:
-    """Whether ``param`` is a TE ``Float8BlockwiseQTensor`` (any block dimension)."""
-    cls = _blockwise_class()
-    if cls is None:
-        return False
-    data = param.data if isinstance(param, torch.nn.Parameter) else param
-    return isinstance(param, cls) or isinstance(data, cls)
-
-
-def _tiles(param: torch.Tensor) -> tuple[int, int]:
-    rows = param.numel() // param.shape[-1] if param.dim() else 1
-    cols = param.shape[-1] if param.dim() else 1
-    return -(-rows // BLOCK), -(-cols // BLOCK)
-
-
-def param_wire_bytes(param: torch.Tensor) -> int:
-    """Bytes one parameter occupies on the wire: FP8 codes plus one fp32 scale per 128x128 tile
-    for blockwise weights, its own dtype's bytes for anything else."""
-    if is_blockwise(param):
-        m_tiles, k_tiles = _tiles(param)
-        return param.numel() + 4 * m_tiles * k_tiles
-    return param.numel() * param.element_size()
-
-
-# --------------------------------------------------------------------------- the group state
-
-
-@dataclass
-class BlockwiseGroup:
-    """What one layer-wise bucket group gathers: per rank, the params it owns, in order."""
-
-    segments: list[list[torch.nn.Parameter]]
-    segment_bytes: list[int]
-    #: One even all_gather_into_tensor (segments padded to the longest) or one uneven all_gather.
-    even: bool
-    process_group: Any
-
-    @property
-    def gather_bytes(self) -> int:
-        if self.even:
-            return max(self.segment_bytes) * len(self.segment_bytes) if self.segment_bytes else 0
-        return sum(self.segment_bytes)
-
-    def segment_start(self, rank: int) -> int:
-        if self.even:
-            return rank * max(self.segment_bytes)
-        return sum(self.segment_bytes[:rank])
-
-
-def _owned_by_layer_wise(bucket: Any) -> bool:
-    from megatron.core.optimizer.layer_wise_optimizer import (
-        _bucket_is_managed_by_layer_wise_optimizer,
-    )
-
-    return _bucket_is_managed_by_layer_wise_optimizer(bucket, default_for_untagged=False)
-
-
-def _gather_group(bucket_group: Any) -> Any:
-    group = getattr(bucket_group, "intra_distributed_optimizer_instance_group", None)
-    return group if group is not None else bucket_group.data_parallel_group
-
-
-def _owner_map(params_lists: list[list[Any]] | None) -> dict[Any, int] | None:
-    if params_lists is None:
-        return None
-    return {param: rank for rank, params in enumerate(params_lists) for param in params}
-
-
-def attach_groups(optimizer: Any) -> int:
-    """Give every layer-wise bucket group that holds blockwise weights its gather state.
-
-    Ownership is the layer-wise optimizer's own (``dp_cp_params_list`` /
-    ``expt_dp_params_list``, set by 0.19.2's padded sharding or by the compact patch), so the
-    rank that steps a weight is the one that ships it. Returns the number of groups.
-    """
-    from .compact_layout import TOLERANCE_ATTR
-
-    dense = _owner_map(getattr(optimizer, "dp_cp_params_list", None))
-    expert = _owner_map(getattr(optimizer, "expt_dp_params_list", None))
-    count = 0
-    for chunk in optimizer.model_chunks:
-        tolerance = getattr(
-            chunk.ddp_config, TOLERANCE_ATTR, layout_math.DEFAULT_GATHER_PADDING_TOLERANCE
-        )
-        kinds = ((chunk.bucket_groups, dense), (chunk.expert_parallel_bucket_groups, expert))
-        for bucket_groups, owners in kinds:
-            for group in bucket_groups:
-                params = [p for b in group.buckets for p in b.params_list]
-                if not any(is_blockwise(p) for p in params):
-                    continue
-                if not all(_owned_by_layer_wise(b) for b in group.buckets):
-                    raise RuntimeError(
-                        "a bucket group mixes layer-wise blockwise FP8 buckets with DistOpt "
-                        "buckets; the blockwise_fp8_param_gather patch keeps them apart when it "
-                        "is applied before the model is wrapped"
-                    )
-                process_group = _gather_group(group)
-                size = process_group.size()
-                segments: list[list[torch.nn.Parameter]] = [[] for _ in range(size)]
-                for param in params:
-                    rank = 0 if owners is None else owners.get(param)
-                    if rank is None:
-                        raise RuntimeError(
-                            f"layer-wise param of shape {tuple(param.shape)} has no owner"
-                        )
-                    segments[rank].append(param)
-                sizes = [sum(param_wire_bytes(p) for p in seg) for seg in segments]
-                group.__dict__[STATE_ATTR] = BlockwiseGroup(
-                    segments, sizes, layout_math.even_gather_fits(sizes, tolerance), process_group
-                )
-                # A compact group's own (bf16) gather steps aside, whichever patch wraps which.
-                if getattr(group, "_nemo_lw_fp8_compact", None) is not None:
-                    group._nemo_lw_fp8_compact = None
-                count += 1
-    return count
-
-
-# --------------------------------------------------------------------------- owner side
-
-
-def _master(param: torch.nn.Parameter) -> torch.Tensor | None:
-    return getattr(param, "main_param", None)
-
-
-def quantize_owned(param: torch.nn.Parameter, master: torch.Tensor) -> None:
-    """The owner's one quantization: the bf16 cast of the fp32 master, as FP8-gather-off would
-    hold it, through the weight's own TE quantizer (in place: rowwise codes and scales)."""
-    from megatron.core.fp8_utils import copy_tensor_to_quantized_param
-
-    copy_tensor_to_quantized_param(param, master.detach().to(param.dtype).view(param.shape))
-
-
-def _scale_bytes(param: torch.nn.Parameter) -> torch.Tensor:
-    m_tiles, k_tiles = _tiles(param)
-    valid = param._rowwise_scale_inv[:m_tiles, :k_tiles].contiguous()
-    return valid.view(torch.uint8).reshape(-1)
-
-
-def pack_owned(state: BlockwiseGroup, rank: int, out: torch.Tensor) -> None:
-    """Quantize this rank's owned weights and write their wire bytes into ``out`` (uint8)."""
-    offset = 0
-    for param in state.segments[rank]:
-        master = _master(param)
-        if is_blockwise(param):
-            if master is not None:
-                quantize_owned(param, master)
-            codes = param._rowwise_data.reshape(-1).view(torch.uint8)
-            out[offset : offset + codes.numel()].copy_(codes)
-            offset += codes.numel()
-            scales = _scale_bytes(param)
-            out[offset : offset + scales.numel()].copy_(scales)
-            offset += scales.numel()
-        else:
-            source = master if master is not None else param
-            raw = source.detach().to(param.dtype).reshape(-1).contiguous().view(torch.uint8)
-            out[offset : offset + raw.numel()].copy_(raw)
-            offset += raw.numel()
-
-
-# --------------------------------------------------------------------------- receiver side
-
-
-def write_scales(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
-    """Receiver: the owner's tile scales into the weight's rowwise scale_inv (valid region)."""
-    m_tiles, k_tiles = _tiles(param)
-    values = payload.clone().view(torch.float32).view(m_tiles, k_tiles)
-    param._rowwise_scale_inv[:m_tiles, :k_tiles].copy_(values)
-
-
-def _unpack_param(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
-    if is_blockwise(param):
-        n = param.numel()
-        param._rowwise_data.view(-1).copy_(payload[:n])
-        write_scales(param, payload[n:])
-    else:
-        param.data.view(-1).copy_(payload.clone().view(param.dtype))
-
-
-def ranks_to_unpack(state: BlockwiseGroup, my_rank: int) -> list[int]:
-    """Every other rank's segment (the owner already quantized its own weights in place)."""
-    return [r for r in range(len(state.segments)) if r != my_rank]
-
-
-def unpack(state: BlockwiseGroup, gathered: torch.Tensor, my_rank: int) -> None:
-    for rank in ranks_to_unpack(state, my_rank):
-        offset = state.segment_start(rank)
-        for param in state.segments[rank]:
-            n = param_wire_bytes(param)
-            _unpack_param(param, gathered[offset : offset + n])
-            offset += n
-
-
-def derive_columnwise(params: list[torch.nn.Parameter]) -> None:
-    """Columnwise codes and scales from the rowwise ones (128x128 tiles: the exact transpose),
-    through megatron's post-all-gather hook, i.e. TE's ``_create_columnwise``."""
-    from megatron.core.fp8_utils import post_all_gather_processing
-
-    blockwise = [p for p in params if is_blockwise(p)]
-    if blockwise:
-        post_all_gather_processing(blockwise)
-
-
-# --------------------------------------------------------------------------- the collective
-
-
-def _dispatch(group: Any, async_op: bool) -> None:
-    state: BlockwiseGroup = group.__dict__[STATE_ATTR]
-    process_group = state.process_group
-    rank = process_group.rank()
-    device = group.buckets[0].grad_data.device
-    gathered = torch.empty(state.gather_bytes, dtype=torch.uint8, device=device)
-    send_bytes = max(state.segment_bytes) if state.even else state.segment_bytes[rank]
-    send = torch.zeros(send_bytes, dtype=torch.uint8, device=device)
-    with torch.no_grad():
-        pack_owned(state, rank, send)
-    if state.even:
-        work = torch.distributed.all_gather_into_tensor(
-            gathered, send, group=process_group, async_op=async_op
-        )
-    else:
-        outputs = [
-            gathered[state.segment_start(r) :][: state.segment_bytes[r]]
-            for r in range(process_group.size())
-        ]
-        work = torch.distributed.all_gather(outputs, send, group=process_group, async_op=async_op)
-    group.__dict__[PENDING_ATTR] = gathered
-    group.param_gather_handle = work if async_op else None
-    if not async_op:
-        _finish(group)
-
-
-def _finish(group: Any) -> None:
-    gathered = group.__dict__.get(PENDING_ATTR)
-    if gathered is None:
-        return
-    group.__dict__[PENDING_ATTR] = None
-    state: BlockwiseGroup = group.__dict__[STATE_ATTR]
-    with torch.no_grad():
-        unpack(state, gathered, state.process_group.rank())
-
-
-#: One collective of owner-packed FP8 codes + scales per bucket group, under megatron's
-#: start/finish contract (:mod:`.owner_gather`); ``_post_param_sync`` derives the columnwise
-#: copies once the weights are current.
-BLOCKWISE_SYNC = OwnerPackedSync(
-    dispatch=lambda group, async_op: _dispatch(group, async_op),
-    unpack=lambda group: _finish(group),
-    post=lambda group: group._post_param_sync(),
-)
-
-
-def blockwise_start_param_sync(group: Any, force_sync: bool = False) -> None:
-    """megatron's ``start_param_sync`` contract, with owner-packed FP8 codes + scales."""
-    BLOCKWISE_SYNC.start(group, force_sync)
-
-
-def blockwise_finish_param_sync(group: Any, skip_next_bucket_dispatch: bool = False) -> None:
-    BLOCKWISE_SYNC.finish(group, skip_next_bucket_dispatch)
-
-
-def _blockwise_state(group: Any) -> BlockwiseGroup | None:
-    return group.__dict__.get(STATE_ATTR)
-
-
-def _make_start(original):
-    def start_param_sync(self, force_sync: bool = False):
-        if _blockwise_state(self) is not None:
-            return blockwise_start_param_sync(self, force_sync)
-        return original(self, force_sync)
-
-    start_param_sync.__wrapped__ = original
-    return start_param_sync
-
-
-def _make_finish(original):
-    def finish_param_sync(self, skip_next_bucket_dispatch: bool = False):
-        if _blockwise_state(self) is not None:
-            return blockwise_finish_param_sync(self, skip_next_bucket_dispatch)
-        return original(self, skip_next_bucket_dispatch)
-
-    finish_param_sync.__wrapped__ = original
-    return finish_param_sync
-
-
-def _make_post_param_sync(original):
-    def _post_param_sync(self):
-        state = _blockwise_state(self)
-        if state is None:
-            return original(self)
-        derive_columnwise([p for segment in state.segments for p in segment])
-
-    _post_param_sync.__wrapped__ = original
-    return _post_param_sync
-
-
-# --------------------------------------------------------------------------- bucket groups
-
-
-def _layer_wise_buffer(buffer: Any) -> bool:
-    return bool(buffer.params) and all(
-        getattr(p, "is_managed_by_layer_wise_optimizer", False) for p in buffer.params
-    )
-
-
-def holds_layer_wise_blockwise(buffers: list[Any]) -> bool:
-    return any(
-        _layer_wise_buffer(b)
-        and getattr(b.ddp_config, "fp8_param_gather", False)
-        and any(is_blockwise(p) for p in b.params)
-        for b in buffers
-    )
-
-
-def separate_owner_kinds(buffers: list[Any]) -> list[list[Any]]:
-    """Buffers split so no bucket group mixes layer-wise (one owner per weight) and DistOpt
-    (byte-range shards) buckets; called by name so a mutation test can put one list back."""
-    layer_wise = [b for b in buffers if _layer_wise_buffer(b)]
-    rest = [b for b in buffers if not _layer_wise_buffer(b)]
-    return [subset for subset in (layer_wise, rest) if subset]
-
-
-def _make_partition_buckets(original):
-    def partition_buckets(buffers, force_single_bucket_group=False, **kwargs):
-        if not holds_layer_wise_blockwise(buffers):
-            return original(buffers, force_single_bucket_group, **kwargs)
-        groups = []
-        for subset in separate_owner_kinds(buffers):
-            groups += original(subset, force_single_bucket_group, **kwargs)
-        return groups
-
-    partition_buckets.__wrapped__ = original
-    return partition_buckets
-
-
-# --------------------------------------------------------------------------- the optimizer
-
-
-def layer_wise_blockwise_params(optimizer: Any) -> list[torch.nn.Parameter]:
-    params = []
-    for chunk in optimizer.model_chunks:
-        if not getattr(chunk.ddp_config, "fp8_param_gather", False):
-            continue
-        for param in chunk.module.parameters():
-            if getattr(param, "is_managed_by_layer_wise_optimizer", False) and is_blockwise(param):
-                params.append(param)
-    return params
-
-
-def _check(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
-    config = optimizer.config
-    if getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False):
-        raise guards.ConfigError(
-            "blockwise-gather-no-grad-buffer-reuse",
-            guards.blockwise_reuse_message(),
-        )
-    one_d = [tuple(p.shape) for p in params if not getattr(p, "_is_2D_scaled", False)]
-    if one_d:
-        raise guards.ConfigError(
-            "blockwise-gather-2d-weights",
-            f"layer-wise blockwise FP8 gather needs 128x128 weight tiles (TE's "
-            f"Float8BlockScaling default w_block_scaling_dim=2); weights {one_d[:3]} use 1x128 "
-            "blocks, whose columnwise scales cannot be derived from the rowwise ones. Fix: keep "
-            "w_block_scaling_dim=2, or drop --fp8-param-gather.",
-        )
-
-
-def _make_init(original_init):
-    def __init__(
-        self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None
-    ):
-        original_init(self, optimizers, config, pg_collection, init_state_fn_list, model_chunks)
-        params = layer_wise_blockwise_params(self)
-        if not params or not getattr(self, "use_buffer_param_sync", False):
-            return
-        _check(self, params)
-        from . import muon_fp8_param_gather as muon
-
-        muon.init_masters_from_high_precision(self)
-        muon.skip_requantize_on_inner_step(self)
-        attach_groups(self)
-
-    __init__.__wrapped__ = original_init
-    return __init__
-
-
-# --------------------------------------------------------------------------- wiring
 
 
 def _detect_native() -> tuple[bool, str]:
@@ -480,15 +50,61 @@ def _detect_native() -> tuple[bool, str]:
     )
 
 
+def _set_up(optimizer) -> None:
+    blockwise.set_up(optimizer)
+
+
+def _make_start(original):
+    def start_param_sync(self, force_sync: bool = False):
+        if blockwise.plan_of(self) is not None:
+            return blockwise.SYNC.start(self, force_sync)
+        return original(self, force_sync)
+
+    start_param_sync.__wrapped__ = original
+    return start_param_sync
+
+
+def _make_finish(original):
+    def finish_param_sync(self, skip_next_bucket_dispatch: bool = False):
+        if blockwise.plan_of(self) is not None:
+            return blockwise.SYNC.finish(self, skip_next_bucket_dispatch)
+        return original(self, skip_next_bucket_dispatch)
+
+    finish_param_sync.__wrapped__ = original
+    return finish_param_sync
+
+
+def _make_post_param_sync(original):
+    def _post_param_sync(self):
+        plan = blockwise.plan_of(self)
+        if plan is None:
+            return original(self)
+        blockwise.derive_columnwise([p for segment in plan.segments for p in segment])
+
+    _post_param_sync.__wrapped__ = original
+    return _post_param_sync
+
+
+def _make_partition_buckets(original):
+    def partition_buckets(buffers, force_single_bucket_group=False, **kwargs):
+        if not blockwise.holds_layer_wise_blockwise(buffers):
+            return original(buffers, force_single_bucket_group, **kwargs)
+        groups = []
+        for subset in blockwise.separate_owner_kinds(buffers):
+            groups += original(subset, force_single_bucket_group, **kwargs)
+        return groups
+
+    partition_buckets.__wrapped__ = original
+    return partition_buckets
+
+
 def _build_overrides() -> list[Override]:
     from megatron.core.distributed import distributed_data_parallel as ddp_module
     from megatron.core.distributed import param_and_grad_buffer as buffer_module
-    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 
-    lw = LayerWiseDistributedOptimizer
     group_cls = buffer_module._ParamAndGradBucketGroup
     return [
-        Override(lw, "__init__", _make_init(lw.__dict__["__init__"])),
+        Override(lifecycle.AFTER_INIT, FEATURE, _set_up),
         Override(
             group_cls, "start_param_sync", _make_start(group_cls.__dict__["start_param_sync"])
         ),
@@ -513,6 +129,6 @@ PATCH = register(
         summary="layer-wise blockwise FP8 param gather: owner-quantized FP8 codes + scales",
         detect_native=_detect_native,
         build_overrides=_build_overrides,
-        requires=("muon_fp8_param_gather", "compact_layout"),
+        requires=("muon_fp8_param_gather", "compact_layout", "layer_wise_init"),
     )
 )

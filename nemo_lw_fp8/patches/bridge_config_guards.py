@@ -54,5 +54,6 @@ PATCH = register(
         summary="plugin rules run in Megatron-Bridge's ConfigContainer.validate",
         detect_native=_detect_native,
         build_overrides=_build_overrides,
+        target="megatron-bridge",
     )
 )

@@ -4,8 +4,9 @@ Behaviour: Megatron-Bridge 0.6.2 wraps every model chunk with megatron-training'
 which computes the *distributed optimizer's* layout when ``use_distributed_optimizer`` is on and
 none otherwise - never the layer-wise one, so Bridge's ``dist_muon`` always ran on the legacy
 flatten + all_gather path (no padded or compact layout, no MXFP8/blockwise param gather). With
-this patch, a DDP config on which the plugin set a layer-wise layout (``"padded"`` or
-``"compact"``, see ``bridge.finalize``) is wrapped by megatron's own
+this patch, a DDP config to which the plugin attached a :class:`nemo_lw_fp8.LayerWiseConfig` with
+a layer-wise layout (``"padded"`` or ``"compact"``, see ``bridge.finalize``) is wrapped by
+megatron's own
 ``wrap_model_chunks_with_ddp(use_layer_wise_distributed_optimizer=True, ...)``, as
 megatron-training's ``get_model`` does for ``--use-layer-wise-distributed-optimizer``; every
 other config takes Bridge's path unchanged.
@@ -25,7 +26,8 @@ import inspect
 import sys
 from typing import Any
 
-from .framework import Override, Patch, register
+from .. import config as plugin_config
+from .framework import Override, Patch, register, unpatched_own_attr
 
 FEATURE = "bridge_layer_wise_wrap"
 _PROVIDER_MODULE = "megatron.bridge.models.model_provider"
@@ -35,8 +37,6 @@ def _detect_native() -> tuple[bool, str]:
     provider = sys.modules.get(_PROVIDER_MODULE)
     if provider is None:
         return True, "Megatron-Bridge not imported: nothing to patch"
-    from .framework import unpatched_own_attr
-
     source = inspect.getsource(unpatched_own_attr(provider, "_ddp_wrap"))
     if "layer_wise" in source or "LayerWise" in source:
         return True, "Bridge wraps layer-wise models with a layer-wise layout"
@@ -47,10 +47,8 @@ def _make_ddp_wrap(original):
     def _ddp_wrap(model: list, data_parallel_random_init: bool, ddp_config: Any,
                   overlap_param_gather_with_optimizer_step: bool, use_megatron_fsdp: bool = False,
                   use_torch_fsdp2: bool = False, *, pg_collection: Any) -> list:
-        from .compact_layout import LAYOUT_ATTR
-
-        layout = getattr(ddp_config, LAYOUT_ATTR, None)
-        if layout not in ("padded", "compact") or use_megatron_fsdp or use_torch_fsdp2:
+        chosen = plugin_config.read(ddp_config)
+        if chosen is None or not chosen.uses_param_layout or use_megatron_fsdp or use_torch_fsdp2:
             return original(model, data_parallel_random_init, ddp_config,
                             overlap_param_gather_with_optimizer_step, use_megatron_fsdp,
                             use_torch_fsdp2, pg_collection=pg_collection)
@@ -94,5 +92,7 @@ PATCH = register(
         detect_native=_detect_native,
         build_overrides=_build_overrides,
         requires=("compact_layout",),
+        upstream_title="overlapped param gather for the layer-wise optimizer (Bridge's wrap)",
+        target="megatron-bridge",
     )
 )

@@ -45,12 +45,22 @@ class Patch:
     """One behaviour the plugin brings to megatron-core, mirroring one upstream change."""
 
     name: str
+    #: The Megatron-LM pull request this patch mirrors (0: none, the plugin's own behaviour).
     upstream_pr: int
     summary: str
+    #: Whether the installed stack already behaves as this patch makes it: ``(native, reason)``.
     detect_native: Callable[[], tuple[bool, str]]
     build_overrides: Callable[[], list[Override]]
     tested_versions: tuple[str, ...] = ("0.19.2",)
     requires: tuple[str, ...] = ()
+    #: The upstream change's title, as ``doctor`` lists it ("" for the plugin's own patches).
+    upstream_title: str = ""
+    #: Where the upstream change has landed only for some optimizers (DistributedOptimizer),
+    #: whether the installed megatron-core has that part; the patch extends it (doctor:
+    #: ``native (extendable)`` / ``native (extended)``). None: the change lands whole.
+    detect_upstream_part: Callable[[], tuple[bool, str]] | None = None
+    #: What the patch changes: megatron-core ("megatron-core") or Megatron-Bridge call sites.
+    target: str = "megatron-core"
     _saved: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
     #: Position in the sequence of applications (revert goes newest first).
     _order: int = field(default=0, repr=False)
@@ -253,6 +263,14 @@ def unpatched_own_attr(owner: Any, attr: str) -> Any:
             if saved_owner is owner and saved_attr == attr:
                 return value
     return _own_attr(owner, attr)
+
+
+def defines(owner: Any, name: str) -> bool:
+    """Whether ``owner`` itself defines ``name``, ignoring anything a plugin patch installed.
+
+    Detectors use it so that a patch of ours is never mistaken for upstream having the change.
+    """
+    return unpatched_own_attr(owner, name) is not MISSING
 
 
 def original(owner: Any, attr: str) -> Any:

@@ -10,7 +10,7 @@ TE's grouped *biases*, ``(E, out)``) to Muon / the layer-wise optimizer and make
 as E independent matrices: each expert's slice of the momentum is orthogonalised and scaled on its
 own, bitwise what E separate weights get. A grouped weight is owned whole by one rank, or, on
 the compact layout with ``grouped_weight_ownership="expert"``/``"auto"``, in runs of experts by
-several ranks (:mod:`nemo_lw_fp8.expert_slices`; see ``docs/moe-grouped-weights.md``).
+several ranks (:mod:`nemo_lw_fp8.mechanics.expert_slices`; see ``docs/moe-grouped-weights.md``).
 
 Mirrors the layer-wise Muon side of Megatron-LM PR #5464 (whose numerical fixes megatron-core
 0.19.2 already has for Adam's DistributedOptimizer).
@@ -24,76 +24,51 @@ has wrapper shape ``(E, out, in)`` (3-D), which 0.19.2 counts as "not a matrix" 
 Detection: native when megatron's ``TensorParallelMuon.orthogonalize`` itself splits grouped
 tensors (its source mentions grouped members); 0.19.2 splits only fused QKV weights.
 
-A parameter is a grouped weight with E members when it is TE's ``GroupedTensor`` (E =
-``num_tensors``) or carries ``nemo_lw_fp8_grouped_members = E`` (CPU expert layers of our own).
+The mechanics (what a grouped weight is, Muon per expert): :mod:`nemo_lw_fp8.mechanics.grouped`.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
 import torch
 
-from .framework import Override, Patch, register
+from ..mechanics import grouped
+from .framework import Override, Patch, register, unpatched_own_attr
 
 FEATURE = "grouped_weight_layerwise"
-MEMBERS_ATTR = "nemo_lw_fp8_grouped_members"
 
 
-def grouped_members(param: torch.Tensor) -> int:
-    """How many expert matrices ``param`` stacks (1 for an ordinary matrix)."""
-    members = getattr(param, MEMBERS_ATTR, None)
-    if members:
-        return int(members)
-    try:
-        from megatron.core.fp8_utils import _unwrap_parameter_data, is_grouped_tensor
-    except ImportError:
-        return 1
-    if is_grouped_tensor(param):
-        return int(getattr(_unwrap_parameter_data(param), "num_tensors", 1) or 1)
-    return 1
+def _detect_upstream_part() -> tuple[bool, str]:
+    """#5464's numerics for Adam's DistributedOptimizer (what 0.19.2 already has)."""
+    from megatron.core import fp8_utils
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 
-
-def is_grouped_weight(param: torch.Tensor) -> bool:
-    """A single grouped expert weight: TE ``GroupedTensor`` of 2-D members (wrapper shape
-    ``(E, out, in)``), or a 2-D matrix tagged with :data:`MEMBERS_ATTR`."""
-    if getattr(param, MEMBERS_ATTR, None):
-        return True
-    try:
-        from megatron.core.fp8_utils import is_grouped_tensor
-    except ImportError:
-        return False
-    return bool(is_grouped_tensor(param)) and param.dim() == 3
-
-
-def _muon_matrix(param: torch.Tensor) -> bool:
-    """Muon's routing rule with grouped weights counted as (stacks of) matrices."""
-    if getattr(param, "is_embedding_or_output_parameter", False):
-        return False
-    if is_grouped_weight(param):
-        return True
-    return param.dim() == 2 and not _is_grouped_vector(param)
-
-
-def _is_grouped_vector(param: torch.Tensor) -> bool:
-    """TE's single grouped bias: wrapper shape ``(E, out)``, E vectors, not a matrix."""
-    try:
-        from megatron.core.fp8_utils import is_grouped_tensor
-    except ImportError:
-        return False
-    return bool(is_grouped_tensor(param)) and param.dim() == 2
-
-
-def _is_nonlinear_or_embedding(param: torch.Tensor) -> bool:
-    return not _muon_matrix(param)
+    missing = [
+        name
+        for name, ok in (
+            ("fp8_utils.is_grouped_mxfp8tensor", hasattr(fp8_utils, "is_grouped_mxfp8tensor")),
+            (
+                "fp8_utils.copy_tensor_to_quantized_param",
+                hasattr(fp8_utils, "copy_tensor_to_quantized_param"),
+            ),
+            (
+                "DistributedDataParallel.reset_param_sync_dispatch_state",
+                hasattr(DistributedDataParallel, "reset_param_sync_dispatch_state"),
+            ),
+        )
+        if not ok
+    ]
+    if missing:
+        return False, "missing " + ", ".join(missing)
+    return True, "grouped-weight FP8 numerics and dispatch reset present (Adam DistOpt path)"
 
 
 def _detect_native() -> tuple[bool, str]:
     from megatron.core.optimizer import layer_wise_optimizer as lw
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
-
-    from .framework import unpatched_own_attr
 
     orth = inspect.getsource(unpatched_own_attr(TensorParallelMuon, "orthogonalize"))
     routing = inspect.getsource(unpatched_own_attr(lw, "is_managed_by_layer_wise_optimizer"))
@@ -107,25 +82,7 @@ def _detect_native() -> tuple[bool, str]:
 
 def _make_orthogonalize(original):
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        if grad.dim() == 3:
-            # Only grouped weights reach Muon as 3-D tensors (see the routing overrides); the
-            # optimizer sees their fp32 master, a plain (E, out, in) tensor.
-            updates = [original(self, p, member, **kwargs) for member in grad.unbind(0)]
-            return torch.stack(updates)
-        members = grouped_members(p)
-        if members <= 1:
-            return original(self, p, grad, **kwargs)
-        rows, cols = grad.shape[0], grad.shape[-1]
-        if grad.dim() != 2 or rows % members:
-            raise RuntimeError(
-                f"grouped weight with {members} members has momentum of shape "
-                f"{tuple(grad.shape)}: its first dimension must split evenly into members"
-            )
-        per_expert = grad.view(members, rows // members, cols)
-        # One Newton-Schulz per expert, exactly as for separate weights (a batched 3-D run
-        # would reorder the arithmetic).
-        updates = [original(self, p, member, **kwargs) for member in per_expert]
-        return torch.stack(updates).view(grad.shape)
+        return grouped.orthogonalize_per_expert(original, self, p, grad, **kwargs)
 
     orthogonalize.__wrapped__ = original
     return orthogonalize
@@ -133,7 +90,11 @@ def _make_orthogonalize(original):
 
 def _is_managed_by_layer_wise_optimizer(param: torch.nn.Parameter) -> bool:
     """megatron's rule (2-D, not embedding/output) plus single grouped expert weights."""
-    return _muon_matrix(param)
+    return grouped.is_muon_matrix(param)
+
+
+def _is_nonlinear_or_embedding(param: torch.Tensor) -> bool:
+    return grouped.is_nonlinear_or_embedding(param)
 
 
 def _routing_overrides() -> list[Override]:
@@ -142,8 +103,6 @@ def _routing_overrides() -> list[Override]:
     megatron-core 0.19.2 tests ``len(param.shape) == 2``; TE's grouped weight is 3-D, so it went
     to Adam (and with layer-wise + DistOpt, to an assertion on expert-parallel Adam groups).
     """
-    import copy
-
     import megatron.core.optimizer as optimizer_pkg
     from megatron.core.optimizer import emerging_optimizers as eo
     from megatron.core.optimizer import layer_wise_optimizer as lw
@@ -188,11 +147,13 @@ PATCH = register(
     Patch(
         name=FEATURE,
         upstream_pr=5464,
+        upstream_title="single grouped MoE expert weight numerics",
         summary=(
             "single grouped expert weights go to Muon (layer-wise), one Newton-Schulz and one "
             "scale per expert"
         ),
         detect_native=_detect_native,
+        detect_upstream_part=_detect_upstream_part,
         build_overrides=_build_overrides,
     )
 )

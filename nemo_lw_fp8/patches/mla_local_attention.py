@@ -23,15 +23,13 @@ import inspect
 import math
 from typing import Any
 
-from .framework import Override, Patch, register
+from .framework import Override, Patch, register, unpatched_own_attr
 
 FEATURE = "mla_local_attention"
 
 
 def _detect_native() -> tuple[bool, str]:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    from .framework import unpatched_own_attr
 
     init = unpatched_own_attr(DotProductAttention, "__init__")
     if "k_channels" in inspect.signature(init).parameters:

@@ -4,7 +4,7 @@
     python recipes/slurm/generate.py --check  # exit 1 if any example differs (tests run this)
 
 Each full-size example takes its node count and GPUs per node from the recipe's own
-parallelism (:func:`nemo_lw_fp8.architectures.parallelism`, from Megatron-Bridge 0.6.2's perf
+parallelism (:func:`nemo_lw_fp8.models.parallelism`, from Megatron-Bridge 0.6.2's perf
 recipes: DeepSeek-V3 GB200 256 GPUs = 64 x 4, DeepSeek-V3 H100 1024 = 128 x 8, Qwen3-235B-A22B
 H100 256 = 32 x 8), so the scripts follow the recipes. Recipe names are those of
 :mod:`nemo_lw_fp8.recipes` (``<model>_mxfp8`` for Blackwell, ``<model>_hopper`` for Hopper).
@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nemo_lw_fp8.architectures import parallelism
 from nemo_lw_fp8.launch.slurm import write_sbatch
+from nemo_lw_fp8.models import parallelism
 
 HERE = Path(__file__).resolve().parent
 #: An enroot squashfs of the NeMo container with `pip install 'nemo-lw-fp8[bridge]'` added

@@ -50,16 +50,16 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
     if dist_mode == "layerwise_compact":
         if not scenario.plugin:
             raise ValueError("distribution='layerwise_compact' needs plugin=True")
-        from nemo_lw_fp8.layout import DEFAULT_GATHER_PADDING_TOLERANCE
-        from nemo_lw_fp8.patches.compact_layout import set_layer_wise_layout
+        from nemo_lw_fp8.config import DEFAULT_GATHER_PADDING_TOLERANCE, LayerWiseConfig
 
         tolerance = scenario.gather_padding_tolerance
-        set_layer_wise_layout(
-            ddp_config,
-            "compact",
-            DEFAULT_GATHER_PADDING_TOLERANCE if tolerance is None else tolerance,
+        LayerWiseConfig(
+            layout="compact",
+            gather_padding_tolerance=DEFAULT_GATHER_PADDING_TOLERANCE
+            if tolerance is None
+            else tolerance,
             grouped_weight_ownership=scenario.grouped_weight_ownership,
-        )
+        ).attach(ddp_config)
     model = wrap_model_chunks_with_ddp(
         [module],
         config,
@@ -298,7 +298,7 @@ def _named_master(
 ) -> dict[str, torch.Tensor]:
     """A master by its parameter's name; an expert slice's master as its experts' masters
     under the discrete names (``<grouped name><expert>``)."""
-    from nemo_lw_fp8.expert_slices import is_slice
+    from nemo_lw_fp8.mechanics.expert_slices import is_slice
 
     if not is_slice(model_param):
         return {names[id(model_param)]: main_param.detach().clone()}

@@ -1,5 +1,7 @@
 """Parameter shapes of large MoE models, built from explicit hyper-parameters (TP = PP = 1).
 
+:func:`to_model_spec` turns an architecture of :mod:`.architectures` into a :class:`ModelSpec`;
+:data:`SPECS` holds those and the hand-written ``tiny-moe`` (the planner's model names).
 Nothing here downloads anything: every shape follows from the numbers in a :class:`ModelSpec`,
 laid out the way megatron-core 0.19.2 builds the model with its Transformer Engine layer specs
 (names, shapes and registration order of ``model.named_parameters()``):
@@ -31,6 +33,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+
+from .architectures import ARCHITECTURES, MoEArchitecture
 
 
 @dataclass(frozen=True)
@@ -275,41 +279,53 @@ class ModelSpec:
         return specs
 
 
-DEEPSEEK_V3 = ModelSpec(
-    name="deepseek-v3",
-    num_layers=61,
-    hidden_size=7168,
-    vocab_size=129280,
-    num_attention_heads=128,
-    multi_latent_attention=True,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_head_dim=128,
-    qk_pos_emb_head_dim=64,
-    v_head_dim=128,
-    ffn_hidden_size=18432,
-    first_k_dense_replace=3,
-    num_moe_experts=256,
-    moe_ffn_hidden_size=2048,
-    moe_shared_expert_intermediate_size=2048,
-    moe_router_expert_bias=True,
-    published_params=671e9,
-)
+def to_model_spec(
+    arch: MoEArchitecture, *, include_mtp: bool = False, name: str | None = None
+) -> ModelSpec:
+    """The planner's :class:`ModelSpec` (parameter shapes in megatron's registration order).
 
-QWEN3_235B_A22B = ModelSpec(
-    name="qwen3-235b-a22b",
-    num_layers=94,
-    hidden_size=4096,
-    vocab_size=151936,
-    num_attention_heads=64,
-    num_query_groups=4,
-    kv_channels=128,
-    qk_layernorm=True,
-    num_moe_experts=128,
-    moe_ffn_hidden_size=1536,
-    published_params=235e9,
-)
+    ``include_mtp=False`` gives the published-size model (the :data:`SPECS` entries);
+    ``True`` the model as trained when the recipe enables MTP.
+    """
+    if not isinstance(arch.linear_attention_freq, int | None):
+        raise ValueError("ModelSpec needs an integer linear_attention_freq")
+    return ModelSpec(
+        name=name or arch.name,
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        vocab_size=arch.vocab_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+        qk_layernorm=arch.qk_layernorm,
+        attention_output_gate=arch.attention_output_gate,
+        multi_latent_attention=arch.multi_latent_attention,
+        q_lora_rank=arch.q_lora_rank,
+        kv_lora_rank=arch.kv_lora_rank or 512,
+        qk_head_dim=arch.qk_head_dim or 128,
+        qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim or 64,
+        v_head_dim=arch.v_head_dim or 128,
+        linear_attention_freq=arch.linear_attention_freq,
+        linear_num_key_heads=arch.linear_num_key_heads or 16,
+        linear_num_value_heads=arch.linear_num_value_heads or 32,
+        linear_key_head_dim=arch.linear_key_head_dim or 128,
+        linear_value_head_dim=arch.linear_value_head_dim or 128,
+        linear_conv_kernel_dim=arch.linear_conv_kernel_dim or 4,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        gated_linear_unit=arch.gated_linear_unit,
+        first_k_dense_replace=arch.first_k_dense,
+        num_moe_experts=arch.num_moe_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=arch.moe_shared_expert_gate,
+        moe_router_expert_bias=arch.moe_router_enable_expert_bias,
+        untie_embeddings_and_output_weights=arch.untie_embeddings_and_output_weights,
+        mtp_num_layers=(arch.mtp_num_layers or 0) if include_mtp else 0,
+        published_params=arch.published_total_params or None,
+    )
 
+
+# A hand-written model with no architecture entry: small enough for the planner's tests.
 TINY_MOE = ModelSpec(
     name="tiny-moe",
     num_layers=2,
@@ -326,7 +342,13 @@ TINY_MOE = ModelSpec(
     moe_shared_expert_intermediate_size=32,
 )
 
-SPECS: dict[str, ModelSpec] = {m.name: m for m in (DEEPSEEK_V3, QWEN3_235B_A22B, TINY_MOE)}
+
+#: The planner's models by name, filled here and nowhere else: every architecture at its
+#: published size (no MTP), derived from the one architecture table, plus the hand-written ones.
+SPECS: dict[str, ModelSpec] = {
+    **{name: to_model_spec(arch) for name, arch in ARCHITECTURES.items()},
+    TINY_MOE.name: TINY_MOE,
+}
 
 
 def param_shapes(name: str) -> list[ParamSpec]:
@@ -341,9 +363,3 @@ def param_shapes(name: str) -> list[ParamSpec]:
 def total_params(specs: list[ParamSpec]) -> int:
     """Element count of a parameter list (counted buffers such as ``expert_bias`` included)."""
     return sum(s.numel for s in specs)
-
-
-# nemo_lw_fp8.architectures adds DeepSeek-V2-Lite, Qwen3-30B-A3B, Qwen3-Next-80B-A3B and
-# Qwen3.5-35B-A3B to SPECS; importing it here makes them known wherever SPECS is used (it needs
-# only the names above, so either module may be imported first).
-from . import architectures as _architectures  # noqa: E402, F401

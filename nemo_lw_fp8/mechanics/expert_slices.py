@@ -3,13 +3,13 @@
 Why: the layer-wise optimizer owns whole parameters, and a single grouped expert weight (TE's
 ``GroupedTensor``, wrapper shape ``(E, out, in)``) is ONE parameter holding E matrices, so whole
 ownership puts E experts' Newton-Schulz work, fp32 masters and momentum on one rank. Muon treats
-the E matrices independently (``patches/grouped_weight_layerwise.py``), so nothing in the
+the E matrices independently (:mod:`nemo_lw_fp8.mechanics.grouped`), so nothing in the
 arithmetic ties them to one owner. An :class:`ExpertSlice` stands in for experts ``[lo, hi)`` of
 such a weight inside the optimizer: it is a plain parameter of shape ``(hi - lo, out, in)``
 whose data is a view of the experts' bf16 storage (a copy for MXFP8 storage, which cannot be
 viewed as bf16) and whose ``main_grad`` is always the matching slice of the grouped weight's
 current ``main_grad``. The optimizer builds one fp32 master and one momentum per slice; the
-compact layout's gather (``patches/compact_layout.py``) ships each slice's bf16 cast from its
+compact layout's gather (:mod:`nemo_lw_fp8.mechanics.compact`) ships each slice's bf16 cast from its
 owner and writes it back into the grouped weight, assembling MXFP8 weights whole before
 quantizing them, so every rank ends with the same bytes as under whole ownership.
 

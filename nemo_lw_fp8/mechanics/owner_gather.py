@@ -14,9 +14,11 @@ unpacks at once when synchronous), ``unpack(group)`` writes a finished gather in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 
 def _nothing(group: Any) -> None:
@@ -64,3 +66,49 @@ class OwnerPackedSync:
                 following.start_param_sync()
             self.unpack(group)
             self.post(group)
+
+
+def ranks_to_unpack(plan: Any, my_rank: int) -> list[int]:
+    """The ranks whose gathered segments this rank writes into its weights.
+
+    ``plan.unpack_own`` says whether the owner also takes its own weights from the gathered
+    bytes: the compact gather does (the inner step left MXFP8 weights alone, and every rank must
+    quantize the same bf16 bytes), the blockwise gather does not (the owner quantized in place).
+    """
+    return [rank for rank in range(len(plan.segments)) if plan.unpack_own or rank != my_rank]
+
+
+# --------------------------------------------------------------------------- segments on the wire
+
+
+def gathered_length(sizes: Sequence[int], even: bool) -> int:
+    """Length of the gathered buffer: every segment padded to the longest (even), or their sum."""
+    if even:
+        return max(sizes) * len(sizes) if sizes else 0
+    return sum(sizes)
+
+
+def segment_start(sizes: Sequence[int], even: bool, rank: int) -> int:
+    """Where ``rank``'s segment starts in the gathered buffer."""
+    return rank * max(sizes) if even else sum(sizes[:rank])
+
+
+def all_gather_segments(
+    gathered: torch.Tensor,
+    send: torch.Tensor,
+    sizes: Sequence[int],
+    even: bool,
+    process_group: Any,
+    async_op: bool,
+) -> Any:
+    """The group's one collective: an even ``all_gather_into_tensor`` (``send`` padded to the
+    longest segment) or an uneven ``all_gather`` of the real segments. Returns the work handle."""
+    if even:
+        return torch.distributed.all_gather_into_tensor(
+            gathered, send, group=process_group, async_op=async_op
+        )
+    outputs = [
+        gathered[segment_start(sizes, even, rank) :][: sizes[rank]]
+        for rank in range(process_group.size())
+    ]
+    return torch.distributed.all_gather(outputs, send, group=process_group, async_op=async_op)

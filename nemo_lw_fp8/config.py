@@ -1,0 +1,106 @@
+"""The plugin's own settings for a run, in one frozen object.
+
+Megatron's flags keep their meaning and stay where megatron reads them (``OptimizerConfig``,
+``DistributedDataParallelConfig``, ``TransformerConfig``). What megatron has no field for lives
+here: how layer-wise buffers are laid out, when the compact gather may pad, and how single
+grouped expert weights are owned. A :class:`LayerWiseConfig` checks itself through
+:mod:`nemo_lw_fp8.guards` when it is made (a bad value fails at once, naming the rule and the
+fix) and is attached to the DDP config that wraps the model; every mechanism reads it back from
+there with :func:`read` -- the one place where the plugin's settings meet megatron's configs.
+
+    from nemo_lw_fp8 import LayerWiseConfig
+    LayerWiseConfig(layout="compact").attach(ddp_config)   # before wrapping the model in DDP
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .layout import DEFAULT_GATHER_PADDING_TOLERANCE, GROUPED_WEIGHT_OWNERSHIP, LAYER_WISE_LAYOUTS
+
+#: Attribute of megatron's ``DistributedDataParallelConfig`` that holds the plugin's config.
+CONFIG_ATTR = "nemo_lw_fp8"
+
+__all__ = [
+    "CONFIG_ATTR",
+    "DEFAULT_GATHER_PADDING_TOLERANCE",
+    "GROUPED_WEIGHT_OWNERSHIP",
+    "LAYER_WISE_LAYOUTS",
+    "LayerWiseConfig",
+    "is_compact",
+    "read",
+]
+
+
+@dataclass(frozen=True)
+class LayerWiseConfig:
+    """How the plugin lays out and gathers the layer-wise (Muon) buffers of one model.
+
+    ``layout``: ``"compact"`` (no padding, cost-balanced owners, one gather per bucket group;
+    the plugin's default), ``"padded"`` (megatron-core 0.19.2's shard-aligned layout) or
+    ``"legacy"`` (no layout: flatten + all_gather of whole params). Wrap with megatron's own
+    ``use_layer_wise_param_layout=True`` for ``padded`` / ``compact`` and ``False`` for ``legacy``.
+
+    ``gather_padding_tolerance`` (compact): a bucket group gathers with one even
+    ``all_gather_into_tensor`` when padding every owner's segment to the longest costs at most
+    this fraction of the payload, else with one uneven ``all_gather`` (real bytes only);
+    ``math.inf`` always takes the even gather.
+
+    ``grouped_weight_ownership`` (compact): a single grouped expert weight is owned ``"whole"``
+    by one rank, in runs of experts by several ranks (``"expert"``), or in runs only where that
+    lowers the busiest rank's Newton-Schulz work by more than 2 % (``"auto"``). The arithmetic is
+    the same in all three.
+    """
+
+    layout: str = "compact"
+    gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
+    grouped_weight_ownership: str = "whole"
+
+    def __post_init__(self) -> None:
+        from . import guards
+
+        guards.check(guards.Settings(use_layer_wise_distributed_optimizer=True, **self.settings()))
+
+    def settings(self) -> dict[str, Any]:
+        """The fields :class:`nemo_lw_fp8.guards.Settings` reads, under its names."""
+        return {
+            "layer_wise_layout": self.layout,
+            "gather_padding_tolerance": self.gather_padding_tolerance,
+            "grouped_weight_ownership": self.grouped_weight_ownership,
+        }
+
+    @property
+    def uses_param_layout(self) -> bool:
+        """megatron's ``use_layer_wise_param_layout`` that goes with this layout."""
+        return self.layout != "legacy"
+
+    def attach(self, ddp_config: Any) -> Any:
+        """Put this config on a megatron ``DistributedDataParallelConfig`` (returned)."""
+        setattr(ddp_config, CONFIG_ATTR, self)
+        return ddp_config
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read(ddp_config: Any) -> LayerWiseConfig | None:
+    """The plugin config attached to ``ddp_config`` (``None``: megatron's own behaviour)."""
+    found = getattr(ddp_config, CONFIG_ATTR, None) if ddp_config is not None else None
+    return found if isinstance(found, LayerWiseConfig) else None
+
+
+def is_compact(ddp_config: Any) -> bool:
+    """Whether ``ddp_config`` asks for the compact layer-wise layout."""
+    found = read(ddp_config)
+    return found is not None and found.layout == "compact"
+
+
+def gather_padding_tolerance(ddp_config: Any) -> float:
+    found = read(ddp_config)
+    return DEFAULT_GATHER_PADDING_TOLERANCE if found is None else found.gather_padding_tolerance
+
+
+def grouped_weight_ownership(ddp_config: Any) -> str:
+    found = read(ddp_config)
+    return "whole" if found is None else found.grouped_weight_ownership

@@ -1,0 +1,352 @@
+"""Blockwise FP8 (Hopper) layer-wise param gather with FP8 bytes on the wire.
+
+With ``fp8_param_gather`` and TE's ``Float8BlockScaling`` recipe (persistent
+``Float8BlockwiseQTensor`` weights, 128x128 tiles), each layer-wise bucket group is gathered
+here instead of by megatron:
+
+* the owner of a weight (the rank that runs Muon on it) casts its fp32 master to bf16 and
+  quantizes it once, in place, into its own weight (TE's quantizer: rowwise codes and one fp32
+  scale per 128x128 tile) -- :func:`quantize_owned`;
+* it ships the rowwise FP8 codes plus the tiles' fp32 ``scale_inv`` (no padding) in one segment
+  per rank; one collective per bucket group: an even ``all_gather_into_tensor`` when padding the
+  segments to the longest costs at most ``gather_padding_tolerance`` of the payload, else one
+  uneven ``all_gather`` of the same segments;
+* receivers write the codes and scales into their weights (:func:`write_scales`) and derive the
+  columnwise form by the exact transpose rule (:func:`derive_columnwise`: megatron's
+  ``post_all_gather_processing`` -> TE's ``Float8BlockwiseQTensor._create_columnwise``).
+
+About half of bf16's bytes: ``M*K + 4*ceil(M/128)*ceil(K/128)`` instead of ``2*M*K``. Nothing
+is staged in the grad buffer. Bitwise equal to FP8 param gather off with the same blockwise FP8
+compute: the owner quantizes exactly the bf16 values FP8-gather-off would hold. With blockwise
+weights present, layer-wise and DistOpt buckets never share a bucket group
+(:func:`separate_owner_kinds`), so each group has one owner kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .. import config as plugin_config
+from .. import guards
+from .. import layout as layout_math
+from ..state import group_state, peek
+from . import bucket_owners, masters, owner_gather
+
+BLOCK = 128
+
+
+# --------------------------------------------------------------------------- what a param is
+
+
+def _blockwise_class() -> type | None:
+    try:
+        from transformer_engine.pytorch.tensor.float8_blockwise_tensor import (
+            Float8BlockwiseQTensor,
+        )
+    except ImportError:
+        return None
+    return Float8BlockwiseQTensor
+
+
+def is_blockwise(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a TE ``Float8BlockwiseQTensor`` (any block dimension)."""
+    cls = _blockwise_class()
+    if cls is None:
+        return False
+    data = param.data if isinstance(param, torch.nn.Parameter) else param
+    return isinstance(param, cls) or isinstance(data, cls)
+
+
+def _tiles(param: torch.Tensor) -> tuple[int, int]:
+    rows = param.numel() // param.shape[-1] if param.dim() else 1
+    cols = param.shape[-1] if param.dim() else 1
+    return -(-rows // BLOCK), -(-cols // BLOCK)
+
+
+def param_wire_bytes(param: torch.Tensor) -> int:
+    """Bytes one parameter occupies on the wire: FP8 codes plus one fp32 scale per 128x128 tile
+    for blockwise weights, its own dtype's bytes for anything else."""
+    if is_blockwise(param):
+        m_tiles, k_tiles = _tiles(param)
+        return param.numel() + 4 * m_tiles * k_tiles
+    return param.numel() * param.element_size()
+
+
+# --------------------------------------------------------------------------- the group state
+
+
+@dataclass
+class BlockwiseGroup:
+    """What one layer-wise bucket group gathers: per rank, the params it owns, in order."""
+
+    segments: list[list[torch.nn.Parameter]]
+    segment_bytes: list[int]
+    #: One even all_gather_into_tensor (segments padded to the longest) or one uneven all_gather.
+    even: bool
+    process_group: Any
+    #: The owner already quantized its own weights in place; it unpacks only the others'.
+    unpack_own: ClassVar[bool] = False
+
+    @property
+    def gather_bytes(self) -> int:
+        return owner_gather.gathered_length(self.segment_bytes, self.even)
+
+    def segment_start(self, rank: int) -> int:
+        return owner_gather.segment_start(self.segment_bytes, self.even, rank)
+
+
+def _gather_group(bucket_group: Any) -> Any:
+    group = getattr(bucket_group, "intra_distributed_optimizer_instance_group", None)
+    return group if group is not None else bucket_group.data_parallel_group
+
+
+def _owner_map(params_lists: list[list[Any]] | None) -> dict[Any, int] | None:
+    if params_lists is None:
+        return None
+    return {param: rank for rank, params in enumerate(params_lists) for param in params}
+
+
+def attach_groups(optimizer: Any) -> int:
+    """Give every layer-wise bucket group that holds blockwise weights its gather state.
+
+    Ownership is the layer-wise optimizer's own (``dp_cp_params_list`` /
+    ``expt_dp_params_list``, set by 0.19.2's padded sharding or by the compact patch), so the
+    rank that steps a weight is the one that ships it. Returns the number of groups.
+    """
+    dense = _owner_map(getattr(optimizer, "dp_cp_params_list", None))
+    expert = _owner_map(getattr(optimizer, "expt_dp_params_list", None))
+    count = 0
+    for chunk in optimizer.model_chunks:
+        tolerance = plugin_config.gather_padding_tolerance(chunk.ddp_config)
+        kinds = ((chunk.bucket_groups, dense), (chunk.expert_parallel_bucket_groups, expert))
+        for bucket_groups, owners in kinds:
+            for group in bucket_groups:
+                params = [p for b in group.buckets for p in b.params_list]
+                if not any(is_blockwise(p) for p in params):
+                    continue
+                if not all(bucket_owners.owned_by_layer_wise(b) for b in group.buckets):
+                    raise RuntimeError(
+                        "a bucket group mixes layer-wise blockwise FP8 buckets with DistOpt "
+                        "buckets; the blockwise_fp8_param_gather patch keeps them apart when it "
+                        "is applied before the model is wrapped"
+                    )
+                process_group = _gather_group(group)
+                size = process_group.size()
+                segments: list[list[torch.nn.Parameter]] = [[] for _ in range(size)]
+                for param in params:
+                    rank = 0 if owners is None else owners.get(param)
+                    if rank is None:
+                        raise RuntimeError(
+                            f"layer-wise param of shape {tuple(param.shape)} has no owner"
+                        )
+                    segments[rank].append(param)
+                sizes = [sum(param_wire_bytes(p) for p in seg) for seg in segments]
+                # Takes over from a compact group's own (bf16) gather (compact.plan_of).
+                group_state(group).blockwise = BlockwiseGroup(
+                    segments, sizes, layout_math.even_gather_fits(sizes, tolerance), process_group
+                )
+                count += 1
+    return count
+
+
+# --------------------------------------------------------------------------- owner side
+
+
+def _master(param: torch.nn.Parameter) -> torch.Tensor | None:
+    return getattr(param, "main_param", None)
+
+
+def quantize_owned(param: torch.nn.Parameter, master: torch.Tensor) -> None:
+    """The owner's one quantization: the bf16 cast of the fp32 master, as FP8-gather-off would
+    hold it, through the weight's own TE quantizer (in place: rowwise codes and scales)."""
+    from megatron.core.fp8_utils import copy_tensor_to_quantized_param
+
+    copy_tensor_to_quantized_param(param, master.detach().to(param.dtype).view(param.shape))
+
+
+def _scale_bytes(param: torch.nn.Parameter) -> torch.Tensor:
+    m_tiles, k_tiles = _tiles(param)
+    valid = param._rowwise_scale_inv[:m_tiles, :k_tiles].contiguous()
+    return valid.view(torch.uint8).reshape(-1)
+
+
+def pack_owned(state: BlockwiseGroup, rank: int, out: torch.Tensor) -> None:
+    """Quantize this rank's owned weights and write their wire bytes into ``out`` (uint8)."""
+    offset = 0
+    for param in state.segments[rank]:
+        master = _master(param)
+        if is_blockwise(param):
+            if master is not None:
+                quantize_owned(param, master)
+            codes = param._rowwise_data.reshape(-1).view(torch.uint8)
+            out[offset : offset + codes.numel()].copy_(codes)
+            offset += codes.numel()
+            scales = _scale_bytes(param)
+            out[offset : offset + scales.numel()].copy_(scales)
+            offset += scales.numel()
+        else:
+            source = master if master is not None else param
+            raw = source.detach().to(param.dtype).reshape(-1).contiguous().view(torch.uint8)
+            out[offset : offset + raw.numel()].copy_(raw)
+            offset += raw.numel()
+
+
+# --------------------------------------------------------------------------- receiver side
+
+
+def write_scales(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
+    """Receiver: the owner's tile scales into the weight's rowwise scale_inv (valid region)."""
+    m_tiles, k_tiles = _tiles(param)
+    values = payload.clone().view(torch.float32).view(m_tiles, k_tiles)
+    param._rowwise_scale_inv[:m_tiles, :k_tiles].copy_(values)
+
+
+def _unpack_param(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
+    if is_blockwise(param):
+        n = param.numel()
+        param._rowwise_data.view(-1).copy_(payload[:n])
+        write_scales(param, payload[n:])
+    else:
+        param.data.view(-1).copy_(payload.clone().view(param.dtype))
+
+
+def unpack(state: BlockwiseGroup, gathered: torch.Tensor, my_rank: int) -> None:
+    for rank in owner_gather.ranks_to_unpack(state, my_rank):
+        offset = state.segment_start(rank)
+        for param in state.segments[rank]:
+            n = param_wire_bytes(param)
+            _unpack_param(param, gathered[offset : offset + n])
+            offset += n
+
+
+def derive_columnwise(params: list[torch.nn.Parameter]) -> None:
+    """Columnwise codes and scales from the rowwise ones (128x128 tiles: the exact transpose),
+    through megatron's post-all-gather hook, i.e. TE's ``_create_columnwise``."""
+    from megatron.core.fp8_utils import post_all_gather_processing
+
+    blockwise = [p for p in params if is_blockwise(p)]
+    if blockwise:
+        post_all_gather_processing(blockwise)
+
+
+# --------------------------------------------------------------------------- the collective
+
+
+def _dispatch(group: Any, async_op: bool) -> None:
+    record = group_state(group)
+    state: BlockwiseGroup = record.blockwise
+    process_group = state.process_group
+    rank = process_group.rank()
+    device = group.buckets[0].grad_data.device
+    gathered = torch.empty(state.gather_bytes, dtype=torch.uint8, device=device)
+    send_bytes = max(state.segment_bytes) if state.even else state.segment_bytes[rank]
+    send = torch.zeros(send_bytes, dtype=torch.uint8, device=device)
+    with torch.no_grad():
+        pack_owned(state, rank, send)
+    work = owner_gather.all_gather_segments(
+        gathered, send, state.segment_bytes, state.even, process_group, async_op
+    )
+    record.pending = gathered
+    group.param_gather_handle = work if async_op else None
+    if not async_op:
+        _finish(group)
+
+
+def _finish(group: Any) -> None:
+    record = group_state(group)
+    gathered = record.pending
+    if gathered is None:
+        return
+    record.pending = None
+    state: BlockwiseGroup = record.blockwise
+    with torch.no_grad():
+        unpack(state, gathered, state.process_group.rank())
+
+
+#: One collective of owner-packed FP8 codes + scales per bucket group, under megatron's
+#: start/finish contract (:mod:`.owner_gather`); ``_post_param_sync`` derives the columnwise
+#: copies once the weights are current.
+SYNC = owner_gather.OwnerPackedSync(
+    dispatch=lambda group, async_op: _dispatch(group, async_op),
+    unpack=lambda group: _finish(group),
+    post=lambda group: group._post_param_sync(),
+)
+
+
+def plan_of(group: Any) -> BlockwiseGroup | None:
+    """The blockwise gather plan of ``group`` (``None``: someone else gathers it)."""
+    record = peek(group)
+    return None if record is None else record.blockwise
+
+
+# --------------------------------------------------------------------------- bucket groups
+
+
+def _layer_wise_buffer(buffer: Any) -> bool:
+    return bool(buffer.params) and all(
+        getattr(p, "is_managed_by_layer_wise_optimizer", False) for p in buffer.params
+    )
+
+
+def holds_layer_wise_blockwise(buffers: list[Any]) -> bool:
+    return any(
+        _layer_wise_buffer(b)
+        and getattr(b.ddp_config, "fp8_param_gather", False)
+        and any(is_blockwise(p) for p in b.params)
+        for b in buffers
+    )
+
+
+def separate_owner_kinds(buffers: list[Any]) -> list[list[Any]]:
+    """Buffers split so no bucket group mixes layer-wise (one owner per weight) and DistOpt
+    (byte-range shards) buckets; called by name so a mutation test can put one list back."""
+    layer_wise = [b for b in buffers if _layer_wise_buffer(b)]
+    rest = [b for b in buffers if not _layer_wise_buffer(b)]
+    return [subset for subset in (layer_wise, rest) if subset]
+
+
+# --------------------------------------------------------------------------- the optimizer
+
+
+def layer_wise_blockwise_params(optimizer: Any) -> list[torch.nn.Parameter]:
+    params = []
+    for chunk in optimizer.model_chunks:
+        if not getattr(chunk.ddp_config, "fp8_param_gather", False):
+            continue
+        for param in chunk.module.parameters():
+            if getattr(param, "is_managed_by_layer_wise_optimizer", False) and is_blockwise(param):
+                params.append(param)
+    return params
+
+
+def check(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
+    config = optimizer.config
+    if getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        raise guards.ConfigError(
+            "blockwise-gather-no-grad-buffer-reuse",
+            guards.blockwise_reuse_message(),
+        )
+    one_d = [tuple(p.shape) for p in params if not getattr(p, "_is_2D_scaled", False)]
+    if one_d:
+        raise guards.ConfigError(
+            "blockwise-gather-2d-weights",
+            f"layer-wise blockwise FP8 gather needs 128x128 weight tiles (TE's "
+            f"Float8BlockScaling default w_block_scaling_dim=2); weights {one_d[:3]} use 1x128 "
+            "blocks, whose columnwise scales cannot be derived from the rowwise ones. Fix: keep "
+            "w_block_scaling_dim=2, or drop --fp8-param-gather.",
+        )
+
+
+def set_up(optimizer: Any) -> None:
+    """After the layer-wise optimizer is built: check, masters from TE's init values, no
+    re-quantization in the inner step, gather plans for the bucket groups."""
+    params = layer_wise_blockwise_params(optimizer)
+    if not params or not getattr(optimizer, "use_buffer_param_sync", False):
+        return
+    check(optimizer, params)
+    masters.init_masters_from_high_precision(optimizer)
+    masters.skip_requantize_on_inner_step(optimizer)
+    attach_groups(optimizer)

@@ -1,0 +1,304 @@
+"""The compact layer-wise layout: no padding, balanced ownership, one gather per bucket group.
+
+* Muon-managed (layer-wise) buffers are laid out without any padding and act as plain-DDP
+  buffers: an *effective* per-buffer config with ``use_distributed_optimizer=False`` (gradients
+  are all-reduced, parameters keep their own storage). Sibling non-Muon buffers (embeddings,
+  biases, norms) keep the standard DistributedOptimizer layout; bucket groups never mix the two.
+* Whole-parameter ownership minimises the largest per-rank Newton-Schulz cost
+  (:func:`nemo_lw_fp8.layout.choose_pieces`), deterministic on every rank and after a resume.
+  Single grouped expert weights can instead be owned in runs of experts by several ranks
+  (:mod:`.expert_slices`); the gather then assembles an MXFP8 grouped weight whole before
+  quantizing it.
+* One gather collective per layer-wise bucket group and step: each owner packs the bf16 cast of
+  its fp32 masters into one segment; the group uses one even ``all_gather_into_tensor``
+  (segments padded to the longest, in a transient buffer only) when that padding is within the
+  config's ``gather_padding_tolerance``, else one uneven ``all_gather`` of the same segments.
+  Every rank copies the gathered values into its weights (quantizing into MXFP8 weights from the
+  same bf16 bytes), which also serves MXFP8 param gather without staging in the grad buffer.
+
+Settings come from :class:`nemo_lw_fp8.config.LayerWiseConfig` on the DDP config.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .. import config as plugin_config
+from .. import layout as layout_math
+from ..state import group_state, optimizer_state, peek
+from . import expert_slices, grouped, owner_gather
+
+# --------------------------------------------------------------------------- buffers
+
+
+def effective_config(ddp_config: Any) -> Any:
+    """The per-buffer config of compact layer-wise buffers: plain DDP semantics."""
+    effective = copy.copy(ddp_config)
+    effective.use_distributed_optimizer = False
+    return effective
+
+
+def all_layer_wise(params_with_names: Any) -> bool:
+    """Whether a buffer's params are all managed by the layer-wise optimizer."""
+    return bool(params_with_names) and all(
+        getattr(param, "is_managed_by_layer_wise_optimizer", False)
+        for param, _ in params_with_names
+    )
+
+
+def unpadded_layer_wise_layouts(full: Any, params: Any, bucket_size: Any, ddp_config: Any) -> Any:
+    """Replace the layer-wise buffers' layouts in megatron's full layout by unpadded ones."""
+    from megatron.core.distributed.param_and_grad_buffer import (
+        _compute_default_per_buffer_param_layout,
+        group_params_for_buffers,
+    )
+
+    groups = group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32)
+    for key, (group_params, param_indices) in groups.items():
+        if not key.is_managed_by_layer_wise_optimizer:
+            continue
+        compact = _compute_default_per_buffer_param_layout(group_params, bucket_size)
+        compact.param_indices = param_indices
+        full.layouts[key] = compact
+    return full
+
+
+def split_by_effective_kind(buffers: list[Any]) -> list[list[Any]]:
+    """Buffers grouped by their effective ``use_distributed_optimizer`` (compact layer-wise
+    buffers never share a bucket group with DistOpt ones)."""
+    kinds: dict[bool, list[Any]] = {}
+    for buffer in buffers:
+        kinds.setdefault(bool(buffer.ddp_config.use_distributed_optimizer), []).append(buffer)
+    return list(kinds.values())
+
+
+# --------------------------------------------------------------------------- ownership
+
+
+@dataclass
+class CompactGroup:
+    """What one compact bucket group gathers: per rank, the pieces it owns, in order."""
+
+    segments: list[list[torch.nn.Parameter]]
+    segment_numel: list[int]
+    #: One even all_gather_into_tensor (segments padded to the longest) or one uneven all_gather.
+    even: bool
+    #: The owner takes its own weights from the gathered bytes too (for MXFP8 the inner step
+    #: left them alone; every rank quantizes the same bf16 bytes).
+    unpack_own: ClassVar[bool] = True
+
+    @property
+    def gather_numel(self) -> int:
+        """Elements of the gathered buffer."""
+        return owner_gather.gathered_length(self.segment_numel, self.even)
+
+    def segment_start(self, rank: int) -> int:
+        return owner_gather.segment_start(self.segment_numel, self.even, rank)
+
+
+def compact_groups(chunk: Any) -> list[Any]:
+    """The bucket groups of ``chunk`` that hold compact layer-wise buckets."""
+    return [
+        group
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups
+        if group.buckets
+        and not group.ddp_config.use_distributed_optimizer
+        and all(
+            getattr(b.params_list[0], "is_managed_by_layer_wise_optimizer", False)
+            for b in group.buckets
+        )
+    ]
+
+
+def newton_schulz_cost(param: torch.nn.Parameter) -> int:
+    """Newton-Schulz cost; a single grouped expert weight counts as its E matrices."""
+    if param.dim() < 2:
+        return 0
+    members = grouped.grouped_members(param)
+    if members > 1 and param.dim() == 2:
+        return layout_math.newton_schulz_cost((members, param.shape[0] // members, param.shape[1]))
+    return layout_math.newton_schulz_cost(param.shape)
+
+
+def expert_units(param: torch.nn.Parameter) -> int:
+    """Experts a param can be split into for ownership: E for a 3-D grouped weight, else 1."""
+    return int(param.shape[0]) if param.dim() == 3 and grouped.is_grouped_weight(param) else 1
+
+
+def compact_pieces(
+    params: list[torch.nn.Parameter], world_size: int, ownership: str, local_rank: int = 0
+) -> list[tuple[torch.nn.Parameter, int]]:
+    """Per param, what its owners update, as ``(piece, owner rank)``.
+
+    A piece is the parameter itself (whole ownership) or an
+    :class:`~nemo_lw_fp8.mechanics.expert_slices.ExpertSlice` for a run of experts.
+    Deterministic, so every rank builds the same pieces (also for others' params: the gather
+    needs to know where each rank's bytes go).
+    """
+    costs = [newton_schulz_cost(p) for p in params]
+    sizes = [p.numel() for p in params]
+    units = [1 if ownership == "whole" else expert_units(p) for p in params]
+    pieces = []
+    for piece in layout_math.choose_pieces(costs, units, world_size, sizes, ownership):
+        param = params[piece.index]
+        whole = piece.lo == 0 and piece.hi == units[piece.index]
+        mine = piece.owner == local_rank
+        if whole:
+            entry = param
+        else:
+            entry = expert_slices.ExpertSlice(param, piece.lo, piece.hi, materialize=mine)
+        pieces.append((entry, piece.owner))
+    return pieces
+
+
+def shard(optimizer: Any, optimizers: list[Any], ownership: str) -> None:
+    """Ownership for compact buffers; narrows the optimizers' param groups to this rank's
+    pieces (whole params, or expert slices of grouped weights)."""
+    from megatron.core.utils import get_pg_rank, get_pg_size
+
+    dp_size, expt_size = get_pg_size(optimizer.dp_cp), get_pg_size(optimizer.expt_dp)
+    dp_rank, expt_rank = get_pg_rank(optimizer.dp_cp), get_pg_rank(optimizer.expt_dp)
+    param_groups = [group for opt in optimizers for group in opt.param_groups]
+    dense, expert = [], []
+    for group in param_groups:
+        (expert if group.get("is_expert_parallel", False) else dense).extend(group["params"])
+    record = optimizer_state(optimizer)
+    per_rank: dict[int, list[list[torch.nn.Parameter]]] = {}
+    for kind, (params, size, rank) in enumerate(
+        ((dense, dp_size, dp_rank), (expert, expt_size, expt_rank))
+    ):
+        per_rank[kind] = [[] for _ in range(size)]
+        for piece, owner in compact_pieces(params, size, ownership, rank):
+            record.pieces.setdefault(expert_slices.parent_of(piece), []).append(piece)
+            record.owner_of[piece] = owner
+            per_rank[kind][owner].append(piece)
+    optimizer.dp_cp_params_list = per_rank[0]
+    optimizer.expt_dp_params_list = per_rank[1] if expert else None
+    for group in param_groups:
+        local = expt_rank if group.get("is_expert_parallel", False) else dp_rank
+        group["params"] = [
+            piece
+            for param in group["params"]
+            for piece in record.pieces[param]
+            if record.owner_of[piece] == local
+        ]
+
+
+def attach_groups(optimizer: Any, model_chunks: list[Any]) -> None:
+    """Give each compact bucket group of ``model_chunks`` its gather plan."""
+    record = optimizer_state(optimizer)
+    for chunk in model_chunks:
+        tolerance = plugin_config.gather_padding_tolerance(chunk.ddp_config)
+        for group in compact_groups(chunk):
+            size = group.data_parallel_group.size()
+            segments: list[list[torch.nn.Parameter]] = [[] for _ in range(size)]
+            for bucket in group.buckets:
+                for param in bucket.params_list:
+                    for piece in record.pieces[param]:
+                        segments[record.owner_of[piece]].append(piece)
+            numel = [sum(p.numel() for p in seg) for seg in segments]
+            group_state(group).compact = CompactGroup(
+                segments, numel, layout_math.even_gather_fits(numel, tolerance)
+            )
+
+
+def owns_expert_runs(optimizer: Any) -> bool:
+    """Whether this optimizer owns runs of experts (expert slices) of grouped weights."""
+    record = peek(optimizer)
+    pieces = record.pieces if record is not None else {}
+    return any(expert_slices.is_slice(p) for group in pieces.values() for p in group)
+
+
+# --------------------------------------------------------------------------- the gather
+
+
+def _source(param: torch.nn.Parameter) -> torch.Tensor:
+    """What the owner ships: its fp32 master if it has one, else the param itself."""
+    master = getattr(param, "main_param", None)
+    return master if master is not None else param
+
+
+def unpack(group: Any, plan: CompactGroup, gathered: torch.Tensor) -> None:
+    """Write the gathered segments into the weights. Expert slices of a quantized (MXFP8)
+    grouped weight are assembled into one bf16 tensor first and quantized once, from the same
+    bytes a whole owner would have sent."""
+    from megatron.core.distributed.param_and_grad_buffer import (
+        _param_uses_quantized_storage,
+        copy_tensor_to_quantized_param,
+    )
+
+    assembled: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+    for rank in owner_gather.ranks_to_unpack(plan, group.data_parallel_group.rank()):
+        offset = plan.segment_start(rank)
+        for piece in plan.segments[rank]:
+            values = gathered[offset : offset + piece.numel()]
+            offset += piece.numel()
+            if expert_slices.is_slice(piece) and piece.quantized_parent:
+                parent = piece.parent
+                _, whole = assembled.setdefault(
+                    id(parent), (parent, values.new_empty(parent.numel()))
+                )
+                start, end = piece.flat_range
+                whole[start:end].copy_(values)
+            elif _param_uses_quantized_storage(piece):
+                copy_tensor_to_quantized_param(piece, values.view(piece.shape))
+            else:
+                piece.data.copy_(values.view(piece.shape))
+    for parent, whole in assembled.values():
+        copy_tensor_to_quantized_param(parent, whole.view(parent.shape))
+
+
+def dispatch(group: Any, async_op: bool) -> None:
+    """Pack this rank's owned masters (bf16) and issue the group's single gather collective."""
+    record = group_state(group)
+    plan: CompactGroup = record.compact
+    process_group = group.data_parallel_group
+    rank = process_group.rank()
+    dtype = group.buckets[0].params_list[0].dtype
+    device = group.buckets[0].grad_data.device
+    gathered = torch.empty(plan.gather_numel, dtype=dtype, device=device)
+    send = torch.zeros(
+        max(plan.segment_numel) if plan.even else plan.segment_numel[rank],
+        dtype=dtype,
+        device=device,
+    )
+    offset = 0
+    with torch.no_grad():
+        for param in plan.segments[rank]:
+            send[offset : offset + param.numel()].copy_(_source(param).detach().reshape(-1))
+            offset += param.numel()
+    work = owner_gather.all_gather_segments(
+        gathered, send, plan.segment_numel, plan.even, process_group, async_op
+    )
+    record.pending = gathered
+    group.param_gather_handle = work if async_op else None
+    if not async_op:
+        unpack_pending(group)
+
+
+def unpack_pending(group: Any) -> None:
+    record = group_state(group)
+    gathered = record.pending
+    if gathered is not None:
+        record.pending = None
+        with torch.no_grad():
+            unpack(group, record.compact, gathered)
+
+
+def plan_of(group: Any) -> CompactGroup | None:
+    """The compact gather plan of ``group`` (``None``: megatron gathers it)."""
+    record = peek(group)
+    return None if record is None or record.blockwise is not None else record.compact
+
+
+#: One all_gather(_into_tensor) of owner-packed bf16 values per bucket group, under megatron's
+#: start/finish contract (:mod:`.owner_gather`).
+SYNC = owner_gather.OwnerPackedSync(
+    dispatch=lambda group, async_op: dispatch(group, async_op),
+    unpack=lambda group: unpack_pending(group),
+    empty=lambda group: group_state(group).compact.gather_numel == 0,
+)

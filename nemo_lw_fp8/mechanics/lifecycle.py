@@ -1,0 +1,47 @@
+"""The steps features add around ``LayerWiseDistributedOptimizer.__init__``.
+
+Several features need to act when the layer-wise optimizer is built: the guards check the final
+configuration, MXFP8 gather builds masters from TE's init values and registers re-staging, the
+blockwise gather plans its collectives. Rather than each wrapping ``__init__`` in turn, one
+wrapper (``patches/layer_wise_init.py``) runs the steps that the applied features put into
+:data:`AFTER_INIT` (each feature's patch adds its step as an ``Override`` on that table, so
+reverting the feature takes its step away). Steps run in the order of :data:`ORDER`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..state import optimizer_state
+
+
+class StepTable:
+    """Named steps ``fn(optimizer)``; a feature's step is an attribute set while it is applied."""
+
+    def steps(self, order: tuple[str, ...]) -> list[Callable[[Any], None]]:
+        return [getattr(self, name) for name in order if name in self.__dict__]
+
+
+#: Steps run after megatron's ``__init__`` returns, by feature.
+AFTER_INIT = StepTable()
+
+#: Their order: the rules first, then each gather's set-up.
+ORDER: tuple[str, ...] = ("muon_fp8_param_gather", "blockwise_fp8_param_gather")
+
+
+def build(original_init: Callable, optimizer: Any, *args: Any, model_chunks: Any = None) -> None:
+    """megatron's ``__init__``, then every feature's step.
+
+    The chunks are recorded first: megatron stores them only after ``shard_params``, which the
+    compact layout needs them for. Masters are built without autograd: ``.float()`` of an MXFP8
+    param under grad mode yields a view made inside a custom Function, which breaks in-place
+    optimizer steps.
+    """
+    optimizer_state(optimizer).model_chunks = model_chunks
+    with torch.no_grad():
+        original_init(optimizer, *args, model_chunks)
+    for step in AFTER_INIT.steps(ORDER):
+        step(optimizer)

@@ -1,0 +1,137 @@
+"""fp32 masters of FP8 (MXFP8, blockwise) weights under the layer-wise optimizer.
+
+Two fixes, both from Megatron-LM PR #4987 (area 1), needed for FP8 param gather to train
+bitwise like FP8 param gather off:
+
+* a master starts from the high-precision init value TE keeps for a quantized weight, not from
+  the dequantized FP8 bytes (:func:`init_masters_from_high_precision`); TE's attribute is lost
+  in the module-wide casts every run does after building, so the values are also kept in a
+  table keyed by the parameter (:func:`remember_init_values`);
+* the inner step does not re-quantize FP8 weights (the gather that follows writes them from the
+  staged or shipped bf16 bytes anyway): :func:`skip_requantize_on_inner_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from . import expert_slices
+
+
+def float16_children(optimizer: Any) -> list[Any]:
+    """The chained optimizers that keep fp32 masters of bf16/FP8 params."""
+    return [
+        child
+        for child in optimizer.chained_optimizers
+        if hasattr(child, "float16_groups") and not getattr(child, "is_stub_optimizer", False)
+    ]
+
+
+def model_main_pairs(child: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(model param, fp32 master) of one Float16 optimizer, in its order."""
+    for model_group, main_group in zip(
+        child.float16_groups, child.fp32_from_float16_groups, strict=True
+    ):
+        yield from zip(model_group, main_group, strict=True)
+
+
+# --------------------------------------------------------------------------- init values
+
+#: TE's preserved init values kept outside the tensor: ``id(param) -> value``. No reference to the
+#: parameter is held (torch's ``swap_tensors``, which ``Module._apply`` uses for tensor
+#: subclasses, refuses tensors with weak references), so a lookup also checks the shape; entries
+#: are dropped once the masters are built.
+_INIT_VALUES: dict[int, torch.Tensor] = {}
+
+
+def remember_init_values(original: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable:
+    """Wrap TE's ``_attach_high_precision_init_val`` so each value also goes into the table.
+
+    TE keeps the value as a Python attribute of the parameter; the module-wide casts after
+    building (megatron's ``Float16Module`` ``module.bfloat16()``, Bridge's ``.cuda()``) go
+    through ``Module._apply``, which swaps a quantized parameter's contents with the cast result
+    (``torch.utils.swap_tensors``, ``__dict__`` included), and the attribute is gone: masters
+    would silently start from the dequantized FP8 weights. The parameter object survives.
+    """
+
+    def attach(parameter: torch.Tensor, value: torch.Tensor) -> None:
+        original(parameter, value)
+        _INIT_VALUES[id(parameter)] = value
+
+    attach.__wrapped__ = original  # type: ignore[attr-defined]
+    return attach
+
+
+def preserved_init_value(param: torch.Tensor) -> torch.Tensor | None:
+    """TE's high-precision init value of ``param``, from the tensor or the plugin's table."""
+    getter = getattr(param, "get_high_precision_init_val", None)
+    value = getter() if getter is not None else None
+    if value is None:
+        stored = _INIT_VALUES.get(id(param))
+        if stored is not None and stored.shape == param.shape:
+            value = stored
+    return value
+
+
+def forget_init_value(param: torch.Tensor) -> None:
+    _INIT_VALUES.pop(id(param), None)
+
+
+def init_masters_from_high_precision(optimizer: Any) -> None:
+    """Masters of quantized params take TE's preserved init values (an expert slice takes its
+    experts' part of its grouped weight's value)."""
+    used = []
+    for child in float16_children(optimizer):
+        for model_param, main_param in model_main_pairs(child):
+            if not expert_slices.uses_quantized_storage(model_param):
+                continue
+            parent = expert_slices.parent_of(model_param)
+            value = preserved_init_value(parent)
+            if value is None:
+                continue
+            if expert_slices.is_slice(model_param):
+                value = expert_slices.slice_init_value(model_param, value)
+            main_param.data.copy_(value.to(main_param.device).view(main_param.shape))
+            used.append(parent)
+    for param in used:
+        forget_init_value(param)
+
+
+# --------------------------------------------------------------------------- the inner step
+
+
+def copy_non_quantized_main_params(child: Any) -> None:
+    """The inner step's master -> model copy, for params that are not quantized."""
+    for model_param, main_param in model_main_pairs(child):
+        if not expert_slices.uses_quantized_storage(model_param):
+            model_param.data.copy_(main_param.data)
+
+
+def copy_model_params_to_main_params(child: Any, state_dict: Any = None) -> None:
+    """megatron's model -> master copy (``reload_model_params``), reading expert slices of
+    MXFP8 grouped weights from their grouped weight (their own bf16 copy is released)."""
+    if state_dict is not None:
+        raise AssertionError("Initialize main params from state dict is not supported")
+    for model_param, main_param in model_main_pairs(child):
+        if expert_slices.is_slice(model_param):
+            values = expert_slices.model_values(model_param)
+        else:
+            values = model_param.data
+        main_param.data.copy_(values)
+
+
+def skip_requantize_on_inner_step(optimizer: Any) -> None:
+    """The inner step leaves quantized params alone (the post-gather quantize sets them)."""
+    for child in float16_children(optimizer):
+        child._copy_main_params_to_model_params = lambda child=child: (
+            copy_non_quantized_main_params(child)
+        )
+        child._copy_model_params_to_main_params = lambda state_dict=None, child=child: (
+            copy_model_params_to_main_params(child, state_dict)
+        )
+        for model_param, _ in model_main_pairs(child):
+            if expert_slices.is_slice(model_param):
+                expert_slices.release_copy(model_param)

@@ -1,0 +1,68 @@
+"""The planner on one pipeline rank of a recipe: which parameters each rank holds, and its plan.
+
+:func:`stage_param_specs` cuts a model's parameters (:mod:`.shapes`) along the pipeline stages of
+its :class:`~.parallel.ParallelismDefaults`; :func:`plan_rank` runs :func:`.planner.plan` on
+the rank holding the most, which is what bounds memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .architectures import MoEArchitecture, get_architecture
+from .parallel import ParallelismDefaults, parallelism
+from .planner import plan
+from .shapes import ParamSpec, to_model_spec
+
+
+def _rank_holds(spec: ParamSpec, items: list[str]) -> bool:
+    """Whether a parameter lives on a pipeline rank holding ``items`` (decoder layers as "t<i>",
+    MTP layers as "m<i>", "E", "L")."""
+    parts = spec.name.split(".")
+    if parts[0] == "embedding":
+        return "E" in items
+    if parts[0] == "output_layer" or spec.name == "decoder.final_layernorm.weight":
+        return "L" in items  # megatron builds the final norm with the last decoder stage
+    if parts[0] == "mtp":
+        return f"m{parts[2]}" in items
+    return f"t{parts[2]}" in items
+
+
+def stage_param_specs(
+    arch: MoEArchitecture, par: ParallelismDefaults, pp_rank: int, *, include_mtp: bool = True
+) -> list[ParamSpec]:
+    """The parameters pipeline rank ``pp_rank`` holds (TP = 1, all experts; the planner cuts
+    one EP rank's share)."""
+    if par.tp != 1 or par.cp != 1:
+        raise ValueError("the planner models TP = CP = 1")
+    items: list[str] = []
+    counters = {"t": 0, "m": 0}
+    for stage_index, stage in enumerate(par.stages(arch)):
+        for item in stage:
+            if item in counters:
+                if stage_index % par.pp == pp_rank:
+                    items.append(f"{item}{counters[item]}")
+                counters[item] += 1
+            elif stage_index % par.pp == pp_rank:
+                items.append(item)
+    specs = to_model_spec(arch, include_mtp=include_mtp).params()
+    return [s for s in specs if _rank_holds(s, items)]
+
+
+def plan_rank(
+    arch: MoEArchitecture | str, gpu: str, *, pp_rank: int | None = None, **plan_kwargs: Any
+) -> dict[str, Any]:
+    """:func:`.planner.plan` for one pipeline rank of ``arch`` under its
+    :data:`~.parallel.PARALLELISM` defaults on ``gpu``: the rank holding the most parameters
+    unless ``pp_rank`` is given. DP and EP are the defaults' dense data-parallel and
+    expert-parallel sizes."""
+    arch = arch if isinstance(arch, MoEArchitecture) else get_architecture(arch)
+    par = parallelism(arch, gpu)
+    ranks = range(par.pp) if pp_rank is None else [pp_rank]
+    by_rank = {r: stage_param_specs(arch, par, r) for r in ranks}
+    rank = max(by_rank, key=lambda r: sum(s.numel for s in by_rank[r]))
+    result = plan(by_rank[rank], par.data_parallel_size, par.ep, **plan_kwargs)
+    result["model"] = arch.name
+    result["gpu"] = gpu
+    result["pp_rank"] = rank
+    return result
