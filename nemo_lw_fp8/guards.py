@@ -73,6 +73,9 @@ class Settings:
     #: A checkpoint is saved during training (Bridge ``checkpoint.save`` / ``--save``); None:
     #: not known at this call site.
     checkpoint_save: bool | None = None
+    #: Where each value was read (``(field, "DistributedDataParallelConfig.fp8_param_gather")``
+    #: pairs); a rule's message names the sources of the fields it read. Empty: not recorded.
+    sources: tuple[tuple[str, str], ...] = ()
 
     @property
     def layer_wise(self) -> bool:
@@ -86,7 +89,7 @@ class Settings:
             if source is None:
                 continue
             for field in fields(cls):
-                if hasattr(source, field.name):
+                if field.name != "sources" and hasattr(source, field.name):
                     values[field.name] = getattr(source, field.name)
         values.update(extra)
         return cls(**values)
@@ -94,7 +97,11 @@ class Settings:
     @classmethod
     def from_args(cls, args: Any) -> Settings:
         """Read megatron-training ``args`` (argparse namespace)."""
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values = {
+            f.name: getattr(args, f.name)
+            for f in fields(cls)
+            if f.name != "sources" and hasattr(args, f.name)
+        }
         if hasattr(args, "use_layer_wise_param_layout") and "layer_wise_layout" not in values:
             values["layer_wise_layout"] = "padded" if args.use_layer_wise_param_layout else "legacy"
         if hasattr(args, "save"):
@@ -543,13 +550,36 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
 RULES = RULES + INTEGRATION_RULES
 
 
+class _RecordingView:
+    """The settings as a rule sees them, recording which fields the rule reads."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self.read: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        self.read.append(name)
+        return getattr(self._settings, name)
+
+
+def _with_sources(message: str, settings: Settings, read: list[str]) -> str:
+    """``message`` plus where the fields the rule read came from (when that was recorded)."""
+    sources = dict(settings.sources)
+    named = []
+    for name in dict.fromkeys(read):
+        if name in sources:
+            named.append(f"{name}={getattr(settings, name)!r} from {sources[name]}")
+    return f"{message} (read: {'; '.join(named)})" if named else message
+
+
 def violations(settings: Settings) -> list[tuple[str, str]]:
     """Every rule the settings break, as ``(rule, message)``."""
     found = []
     for rule in RULES:
-        message = rule.violated(settings)
+        view = _RecordingView(settings)
+        message = rule.violated(view)  # type: ignore[arg-type]
         if message:
-            found.append((rule.name, message))
+            found.append((rule.name, _with_sources(message, settings, view.read)))
     return found
 
 

@@ -87,12 +87,9 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
 
         import nemo_lw_fp8
 
-        from .. import guards
-
+        # The rules ran on the whole container in finalize(); they run again, on what megatron
+        # built, when the layer-wise optimizer is made (patches/muon_fp8_param_gather.py).
         nemo_lw_fp8.apply()
-        chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
-        ddp_config = getattr(chunks[0], "ddp_config", None)
-        guards.check(guards.Settings.from_megatron(self, ddp_config, **self._layout_settings()))
         return get_megatron_muon_optimizer(
             config=self,
             model_chunks=model_chunks,
@@ -185,7 +182,7 @@ def settings_from_config(cfg: Any) -> Any:
     """The guards' flat view of a Bridge ``ConfigContainer`` (model, ddp, optimizer, precision)."""
     from .. import guards
 
-    names = {f.name for f in dataclasses.fields(guards.Settings)}
+    names = {f.name for f in dataclasses.fields(guards.Settings)} - {"sources"}
     values: dict[str, Any] = {}
     mixed = cfg.mixed_precision if not isinstance(cfg.mixed_precision, str) else None
     # Bridge copies the mixed-precision preset onto model, DDP and optimizer configs before it

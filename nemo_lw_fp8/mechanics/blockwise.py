@@ -323,12 +323,8 @@ def layer_wise_blockwise_params(optimizer: Any) -> list[torch.nn.Parameter]:
 
 
 def check(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
-    config = optimizer.config
-    if getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False):
-        raise guards.ConfigError(
-            "blockwise-gather-no-grad-buffer-reuse",
-            guards.blockwise_reuse_message(),
-        )
+    """What only the built weights can tell (the configuration rules ran before this step,
+    ``blockwise-gather-no-grad-buffer-reuse`` among them): their tile shape."""
     one_d = [tuple(p.shape) for p in params if not getattr(p, "_is_2D_scaled", False)]
     if one_d:
         raise guards.ConfigError(

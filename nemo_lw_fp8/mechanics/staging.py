@@ -23,16 +23,13 @@ from typing import Any
 import torch
 
 from ..state import add_weak, chunk_state, optimizer_state, peek
-from . import expert_slices, masters
+from . import expert_slices, masters, run_settings
 
 
 def fp8_gather_active(optimizer: Any) -> bool:
-    """Whether this layer-wise optimizer gathers MXFP8 params through the staging buffer."""
-    if not getattr(optimizer.config, "reuse_grad_buf_for_mxfp8_param_ag", False):
-        return False
-    if not getattr(optimizer, "use_buffer_param_sync", False):
-        return False
-    return any(getattr(c.ddp_config, "fp8_param_gather", False) for c in optimizer.model_chunks)
+    """Whether this layer-wise optimizer gathers MXFP8 params through the staging buffer
+    (decided where DDP's buffers decide it: :func:`.run_settings.stages_in_grad_buffer`)."""
+    return run_settings.stages_in_grad_buffer(optimizer)
 
 
 # --------------------------------------------------------------------------- the unstaged mark

@@ -32,9 +32,8 @@ from typing import Any
 
 import torch
 
-from .. import config as plugin_config
 from .. import guards
-from ..mechanics import bucket_owners, lifecycle, masters, staging
+from ..mechanics import bucket_owners, lifecycle, masters, run_settings, staging
 from .framework import Override, Patch, defines, register, unpatched_own_attr
 
 FEATURE = "muon_fp8_param_gather"
@@ -57,19 +56,9 @@ def _detect_native() -> tuple[bool, str]:
 
 
 def check_rules(optimizer: Any) -> None:
-    """The plugin's rules on the optimizer as built (its config and its DDP config)."""
-    ddp_config = optimizer.model_chunks[0].ddp_config if optimizer.model_chunks else None
-    has_layout = bool(optimizer.use_buffer_param_sync)
-    chosen = plugin_config.read(ddp_config)
-    layout = chosen.layout if chosen is not None else ("padded" if has_layout else "legacy")
-    settings = guards.Settings.from_megatron(
-        optimizer.config,
-        ddp_config,
-        use_layer_wise_distributed_optimizer=True,
-        use_layer_wise_param_layout=has_layout,
-        layer_wise_layout=layout,
-    )
-    guards.check(settings)
+    """The plugin's rules on the optimizer as built, each setting read where megatron reads it
+    (:func:`nemo_lw_fp8.mechanics.run_settings.read`)."""
+    guards.check(run_settings.read(optimizer))
 
 
 def set_up(optimizer: Any) -> None:

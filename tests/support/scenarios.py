@@ -86,6 +86,10 @@ class Scenario:
     grad_accum_fusion: bool = False
     #: Compact layout: how single grouped expert weights are owned ("whole", "expert", "auto").
     grouped_weight_ownership: str = "whole"
+    #: ``OptimizerConfig`` carries the FP8 settings too (``fp8_recipe``,
+    #: ``reuse_grad_buf_for_mxfp8_param_ag``), as megatron-training and Bridge set them. False:
+    #: only the DDP config and the parameters do, as megatron-core's own helpers build a run.
+    fp8_on_optimizer_config: bool = True
 
     def with_(self, **changes: Any) -> Scenario:
         return replace(self, **changes)

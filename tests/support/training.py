@@ -83,6 +83,9 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
         fp8_recipe=scenario.fp8_recipe if scenario.fp8 else None,
         reuse_grad_buf_for_mxfp8_param_ag=_reuse_grad_buf(scenario),
     )
+    if not scenario.fp8_on_optimizer_config:
+        opt_config.fp8_recipe = None
+        opt_config.reuse_grad_buf_for_mxfp8_param_ag = False
     optimizer = get_megatron_optimizer(opt_config, model)
     return model, optimizer
 
