@@ -73,6 +73,9 @@ class Settings:
     #: A checkpoint is saved during training (Bridge ``checkpoint.save`` / ``--save``); None:
     #: not known at this call site.
     checkpoint_save: bool | None = None
+    #: ``OptimizerConfig.fp8_recipe`` when the recipe itself was read elsewhere (the parameters'
+    #: types, ``TransformerConfig``); None: not set or not known at this call site.
+    optimizer_fp8_recipe: str | None = None
     #: Where each value was read (``(field, "DistributedDataParallelConfig.fp8_param_gather")``
     #: pairs); a rule's message names the sources of the fields it read. Empty: not recorded.
     sources: tuple[tuple[str, str], ...] = ()
@@ -141,6 +144,19 @@ def _fp8_gather_recipe(s: Settings) -> str | None:
             f"layer-wise Muon with --fp8-param-gather supports --fp8-recipe mxfp8 (Blackwell) or "
             f"--fp8-recipe blockwise (Hopper) only, got {s.fp8_recipe!r}. Fix: use one of them, "
             "or drop --fp8-param-gather (FP8 compute with bf16 parameters works with any recipe)."
+        )
+    return None
+
+
+def _fp8_recipe_agreement(s: Settings) -> str | None:
+    recipes = (s.optimizer_fp8_recipe, s.fp8_recipe)
+    if s.layer_wise and all(recipes) and recipes[0] != recipes[1]:
+        return (
+            f"the optimizer config says fp8_recipe={s.optimizer_fp8_recipe!r}, but the model's FP8 "
+            f"parameters are built for {s.fp8_recipe!r}: megatron's optimizer and the plugin's "
+            f"param gather would each follow a different recipe. Fix: --fp8-recipe "
+            f"{s.fp8_recipe} (OptimizerConfig.fp8_recipe={s.fp8_recipe!r}), or leave the "
+            "optimizer's fp8_recipe unset."
         )
     return None
 
@@ -214,6 +230,11 @@ RULES: tuple[Rule, ...] = (
         "fp8-gather-recipe",
         "layer-wise FP8 gather supports MXFP8 and blockwise",
         _fp8_gather_recipe,
+    ),
+    Rule(
+        "fp8-recipe-agreement",
+        "the optimizer's fp8_recipe matches the parameters' recipe",
+        _fp8_recipe_agreement,
     ),
     Rule(
         "blockwise-gather-no-grad-buffer-reuse",

@@ -42,6 +42,8 @@ CASES: list[tuple[str, dict, str]] = [
     ("delayed-scaling gather", GOOD | dict(fp8_recipe="delayed",
                                            reuse_grad_buf_for_mxfp8_param_ag=False),
      "fp8-gather-recipe"),
+    ("optimizer recipe disagrees with the parameters", GOOD | dict(
+        optimizer_fp8_recipe="tensorwise"), "fp8-recipe-agreement"),
     ("blockwise gather with reuse", HOPPER | dict(reuse_grad_buf_for_mxfp8_param_ag=True),
      "blockwise-gather-no-grad-buffer-reuse"),
     ("fp8 gather on the legacy path", GOOD | dict(layer_wise_layout="legacy",

@@ -29,6 +29,7 @@ BAD = {
         "--reuse-grad-buf-for-mxfp8-param-ag",
     ),
     "fp8-gather-recipe": (dict(fp8_recipe="tensorwise"), "--fp8-recipe blockwise"),
+    "fp8-recipe-agreement": (dict(optimizer_fp8_recipe="tensorwise"), "--fp8-recipe mxfp8"),
     "blockwise-gather-no-grad-buffer-reuse": (
         dict(fp8_recipe="blockwise"),
         "--reuse-grad-buf-for-mxfp8-param-ag",

@@ -225,12 +225,15 @@ def build_with(scenario: Scenario) -> str:
     return "built"
 
 
-def test_unsupported_recipe_is_rejected_when_the_optimizer_is_built():
+def test_a_recipe_other_than_the_parameters_is_rejected_when_the_optimizer_is_built():
+    """MXFP8 parameters with ``OptimizerConfig.fp8_recipe='tensorwise'``: the recipe is read from
+    the parameters (issue 20), and the optimizer config that disagrees is refused, naming both."""
     scenario = BASE.with_(fp8_param_gather=True, fp8_recipe="tensorwise")
     with pytest.raises(AssertionError) as info:
         run_on_ranks(build_with, scenario, boot=FP8)
-    assert "fp8-gather-recipe" in str(info.value)
+    assert "fp8-recipe-agreement" in str(info.value)
     assert "--fp8-recipe mxfp8" in str(info.value)
+    assert "from OptimizerConfig.fp8_recipe" in str(info.value)
 
 
 # --------------------------------------------------------------------------- checkpoint resume

@@ -96,6 +96,7 @@ def read(optimizer: Any) -> guards.Settings:
                  "use_distributed_optimizer"):
         take(name, opt_config, name, "OptimizerConfig")
     take("fp8_recipe", opt_config, "fp8_recipe", "OptimizerConfig")
+    take("optimizer_fp8_recipe", opt_config, "fp8_recipe", "OptimizerConfig")
     for name in ("fp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "overlap_param_gather",
                  "use_megatron_fsdp", "num_distributed_optimizer_instances"):
         take(name, ddp_config, name, "DistributedDataParallelConfig")
