@@ -139,23 +139,26 @@ def adapt_config(cfg: Any) -> Any:
     gloo instead of NCCL; megatron's local layers (TE's need CUDA) with the emulated FP8 linears
     and single grouped experts of :mod:`nemo_lw_fp8.cpu.layers` when the config asks for
     FP8 / single grouped weights (decided when the model is built, after every override); the
-    CUDA-only fusions off. Tensor and pipeline parallel stay 1 (the CPU layers do not split).
+    CUDA-only fusions off. Pipeline (and virtual pipeline) and expert parallel run as configured;
+    tensor parallel stays 1 (the CPU FP8 layers do no tensor-parallel communication).
     """
     from nemo_lw_fp8.cpu.layers import cpu_decoder_block_spec
 
     model = cfg.model
-    if model.tensor_model_parallel_size != 1 or model.pipeline_model_parallel_size != 1:
+    if model.tensor_model_parallel_size != 1:
         raise ValueError(
-            "--cpu runs tensor_model_parallel_size=1 and pipeline_model_parallel_size=1 only; "
-            f"got TP={model.tensor_model_parallel_size}, PP={model.pipeline_model_parallel_size}"
+            "--cpu runs tensor_model_parallel_size=1 only (the CPU FP8 layers do no tensor-"
+            f"parallel communication); got model.tensor_model_parallel_size="
+            f"{model.tensor_model_parallel_size}. Fix: model.tensor_model_parallel_size=1."
         )
 
-    def cpu_spec(config: Any) -> Any:
+    def cpu_spec(config: Any, vp_stage: int | None = None) -> Any:
         return cpu_decoder_block_spec(
             config,
             fp8=config.fp8 is not None,
             fp8_recipe=getattr(config, "fp8_recipe", "mxfp8"),
             single_grouped_experts=bool(getattr(config, "moe_single_grouped_weight", False)),
+            vp_stage=vp_stage,
         )
 
     model.transformer_layer_spec = cpu_spec

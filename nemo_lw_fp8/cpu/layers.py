@@ -141,12 +141,17 @@ def _swap_tree(node: Any, table: dict[type, Any], whole: dict[type, Any]) -> Any
 
 
 def cpu_decoder_block_spec(
-    config: Any, *, fp8: bool, fp8_recipe: str = "mxfp8", single_grouped_experts: bool = False
+    config: Any,
+    *,
+    fp8: bool,
+    fp8_recipe: str = "mxfp8",
+    single_grouped_experts: bool = False,
+    vp_stage: int | None = None,
 ) -> Any:
     """megatron's local decoder block spec for ``config`` (dense / MoE layers per
     ``moe_layer_freq``, MLA or standard attention, torch norms), with MXFP8 linears when ``fp8``
     and :class:`~nemo_lw_fp8.cpu.grouped_experts.GroupedExperts` routed experts when
-    ``single_grouped_experts``."""
+    ``single_grouped_experts``; ``vp_stage``: the virtual pipeline stage being built."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -161,7 +166,9 @@ def cpu_decoder_block_spec(
     # for discrete experts (SequentialMLP), swapped below; the model keeps its own config.
     spec_config = copy.copy(config)
     spec_config.moe_grouped_gemm = False
-    spec = get_gpt_decoder_block_spec(spec_config, use_transformer_engine=False)
+    spec = get_gpt_decoder_block_spec(
+        spec_config, use_transformer_engine=False, vp_stage=vp_stage
+    )
     table: dict[type, Any] = {}
     whole: dict[type, Any] = {}
     if fp8:

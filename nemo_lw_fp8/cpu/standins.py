@@ -38,6 +38,13 @@ Stand-ins (each can be installed and removed on its own):
     ``distrib_optimizer``'s own flags are set to match (its ``state_dict`` / ``load_state_dict``
     read Adam's ``step`` where torch keeps it). Call sites:
     ``_get_megatron_optimizer_based_on_param_groups``, ``DistributedOptimizer.state_dict``.
+``moe_split_sizes``
+    The all-to-all token dispatcher moves its split sizes to the host before the expert-parallel
+    all-to-all (``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)``); on a GPU that turns
+    a CUDA tensor into a numpy array, which ``all_to_all_single`` takes as a list of sizes. On CPU
+    the tensor is already on the host and stays a tensor, which gloo's binding refuses. The
+    stand-in hands numpy arrays as the GPU path does. Call site:
+    ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` (expert parallel > 1).
 """
 
 from __future__ import annotations
@@ -307,6 +314,24 @@ def _install_torch_optimizers() -> Callable[[], None]:
     return undo
 
 
+# --------------------------------------------------------------------------- moe_split_sizes
+
+
+def _host_values(
+    tensor: Any, as_numpy: bool = False, record_stream: bool = False
+) -> Any:
+    """``maybe_move_tensor_to_cpu`` as a GPU run sees it: host values, numpy when asked."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().cpu().numpy()
+    return tensor
+
+
+def _install_moe_split_sizes() -> Callable[[], None]:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    return _swap_attrs(token_dispatcher, {"maybe_move_tensor_to_cpu": _host_values})
+
+
 STANDINS: dict[str, StandIn] = {
     standin.name: standin
     for standin in (
@@ -315,6 +340,7 @@ STANDINS: dict[str, StandIn] = {
         StandIn("uneven_all_gather", "layer-wise uneven gathers", _install_uneven_all_gather),
         StandIn("cpu_rng", "RNG tracker fork in GPTModel", _install_cpu_rng),
         StandIn("torch_optimizers", "Adam without TE's CUDA kernels", _install_torch_optimizers),
+        StandIn("moe_split_sizes", "all-to-all split sizes on the host", _install_moe_split_sizes),
     )
 }
 

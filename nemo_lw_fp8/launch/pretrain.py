@@ -96,6 +96,17 @@ def _count_expert_slices(optimizer: Any) -> int:
     return count
 
 
+def _reports_losses() -> bool:
+    """The first rank of the last pipeline stage (megatron's loss is reduced there)."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.is_pipeline_last_stage(ignore_virtual=True)
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
+
+
 class _LossRecorder:
     """A Bridge callback keeping each iteration's reduced losses (and eval losses)."""
 
@@ -105,6 +116,9 @@ class _LossRecorder:
         #: Optimizer pieces that are expert runs of grouped weights, on this rank (see
         #: ``grouped_weight_ownership``); counted once, at the first step.
         self.expert_slices: int | None = None
+        #: Whether this rank reports the run: the first rank of the last pipeline stage, where
+        #: megatron reduces the losses (rank 0 unless pipeline parallel).
+        self.reports: bool | None = None
 
     @staticmethod
     def _floats(losses: dict[str, Any] | None) -> dict[str, float]:
@@ -123,6 +137,7 @@ class _LossRecorder:
                 recorder.train.append(recorder._floats(context.loss_dict))
                 if recorder.expert_slices is None:
                     recorder.expert_slices = _count_expert_slices(context.optimizer)
+                    recorder.reports = _reports_losses()
 
             def on_eval_end(self, context: Any) -> None:
                 recorder.eval.append(recorder._floats(context.total_loss_dict))
@@ -148,7 +163,10 @@ def run(
 
     recorder = _LossRecorder()
     pretrain(cfg, forward_step, callbacks=[recorder.as_callback()])
-    if losses_json and int(os.environ.get("RANK", "0")) == 0:
+    reports = recorder.reports
+    if reports is None:
+        reports = int(os.environ.get("RANK", "0")) == 0
+    if losses_json and reports:
         with open(losses_json, "w") as handle:
             json.dump(
                 {
