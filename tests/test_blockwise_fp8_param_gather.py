@@ -167,13 +167,27 @@ def train_mutated(scenario: Scenario, step: str) -> dict:
         return train(scenario)
 
 
-@pytest.mark.parametrize("step", sorted(MUTATIONS))
+#: Steps whose absence a check catches before any number is computed (not a divergence).
+REFUSED_WITHOUT = {
+    "separate_groups": "a bucket group mixes layer-wise blockwise FP8 buckets with DistOpt",
+}
+
+
+@pytest.mark.parametrize("step", sorted(set(MUTATIONS) - set(REFUSED_WITHOUT)))
 def test_each_step_is_needed(step):
     scenario = BASE.with_(overlap=True)
     off = run(scenario)
     on = run_on_ranks(train_mutated, scenario.with_(fp8_param_gather=True), step, boot=FP8)
     # Unmutated, this exact comparison holds (test_blockwise_param_gather_on_equals_off).
     assert_diverges(off, on)
+
+
+@pytest.mark.parametrize("step", sorted(REFUSED_WITHOUT))
+def test_missing_step_is_refused(step):
+    """Without the bucket-group separation, a group mixes owner kinds and the set-up refuses it
+    (the gather cannot run on such a group); the refusal, not a crash elsewhere, is the result."""
+    with pytest.raises(RankFailure, match=REFUSED_WITHOUT[step]):
+        run_on_ranks(train_mutated, BASE.with_(overlap=True, fp8_param_gather=True), step, boot=FP8)
 
 
 # --------------------------------------------------------------------------- wire bytes
