@@ -211,6 +211,39 @@ def test_eval_with_pre_hooks_needs_staging_before_the_gather(distribution):
     assert_diverges(off, on, match="eval losses differ")
 
 
+def train_with_stale_columnwise(scenario: Scenario) -> dict:
+    """Mutation: every re-quantization of an MXFP8 weight (the gathers' copy into the
+    persistent weights) updates the rowwise copy only; the columnwise copy keeps its bytes."""
+    from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+
+    refresh = MXFP8Quantizer.update_quantized
+
+    def rowwise_only(self, src, dst, *, noop_flag=None):
+        names = ("_columnwise_data", "_columnwise_scale_inv")
+        kept = {name: getattr(dst, name) for name in names}
+        kept = {name: value.clone() for name, value in kept.items() if value is not None}
+        out = refresh(self, src, dst, noop_flag=noop_flag)
+        for name, old in kept.items():
+            getattr(dst, name).copy_(old)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MXFP8Quantizer, "update_quantized", rowwise_only)
+        return train(scenario)
+
+
+def test_dgrad_needs_the_columnwise_refresh_after_the_gather():
+    """The CPU MXFP8 linear's dgrad reads the weight's columnwise copy, as TE's does: a gather
+    that leaves it stale gives other gradients, and FP8 gather ON differs from OFF."""
+    off = run(BASE)
+    on = run_on_ranks(train_with_stale_columnwise, BASE.with_(fp8_param_gather=True), boot=FP8)
+    what = assert_diverges(off, on)
+    # Training itself diverged (not only the stored copies): the gradients came from the stale
+    # columnwise copy. The first step's forward and backward read the initial, current copies.
+    assert "losses" in what, what
+    assert off[0]["losses"][:2] == on[0]["losses"][:2], what
+
+
 # --------------------------------------------------------------------------- guards
 
 
