@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from nemo_lw_fp8.emulation import te_backend
-from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.harness import BootOptions, RankFailure, run_on_ranks
+from tests.support.parity import assert_diverges
 from tests.support.parity import assert_fp8_gather_parity as assert_bitwise
 from tests.support.scenarios import Scenario
 from tests.support.training import train
@@ -78,9 +79,8 @@ def test_several_bucket_groups_on_equals_off(distribution):
 def test_stock_megatron_is_not_bitwise():
     """Control: without the plugin, blockwise FP8 param gather with layer-wise Muon is wrong."""
     off = run(BASE)
-    with pytest.raises(AssertionError):
-        on = run(BASE.with_(fp8_param_gather=True, plugin=False))
-        assert_bitwise(off, on)
+    on = run(BASE.with_(fp8_param_gather=True, plugin=False))
+    assert_diverges(off, on)
 
 
 @pytest.mark.parametrize("distribution", LAYOUTS, ids=["padded", "compact"])
@@ -167,14 +167,27 @@ def train_mutated(scenario: Scenario, step: str) -> dict:
         return train(scenario)
 
 
-@pytest.mark.parametrize("step", sorted(MUTATIONS))
+#: Steps whose absence a check catches before any number is computed (not a divergence).
+REFUSED_WITHOUT = {
+    "separate_groups": "a bucket group mixes layer-wise blockwise FP8 buckets with DistOpt",
+}
+
+
+@pytest.mark.parametrize("step", sorted(set(MUTATIONS) - set(REFUSED_WITHOUT)))
 def test_each_step_is_needed(step):
     scenario = BASE.with_(overlap=True)
     off = run(scenario)
+    on = run_on_ranks(train_mutated, scenario.with_(fp8_param_gather=True), step, boot=FP8)
     # Unmutated, this exact comparison holds (test_blockwise_param_gather_on_equals_off).
-    with pytest.raises(AssertionError):
-        on = run_on_ranks(train_mutated, scenario.with_(fp8_param_gather=True), step, boot=FP8)
-        assert_bitwise(off, on)
+    assert_diverges(off, on)
+
+
+@pytest.mark.parametrize("step", sorted(REFUSED_WITHOUT))
+def test_missing_step_is_refused(step):
+    """Without the bucket-group separation, a group mixes owner kinds and the set-up refuses it
+    (the gather cannot run on such a group); the refusal, not a crash elsewhere, is the result."""
+    with pytest.raises(RankFailure, match=REFUSED_WITHOUT[step]):
+        run_on_ranks(train_mutated, BASE.with_(overlap=True, fp8_param_gather=True), step, boot=FP8)
 
 
 # --------------------------------------------------------------------------- wire bytes
@@ -305,7 +318,7 @@ def build_with(scenario: Scenario, reuse: bool) -> str:
 def test_grad_buffer_reuse_is_rejected_when_the_optimizer_is_built():
     scenario = BASE.with_(fp8_param_gather=True)
     assert run_on_ranks(build_with, scenario, False, boot=FP8) == ["built", "built"]
-    with pytest.raises(AssertionError) as info:
+    with pytest.raises(RankFailure) as info:
         run_on_ranks(build_with, scenario, True, boot=FP8)
     assert "blockwise-gather-no-grad-buffer-reuse" in str(info.value)
     assert "--reuse-grad-buf-for-mxfp8-param-ag" in str(info.value)

@@ -26,6 +26,8 @@ def _raise_on_rank_one():
 
     if dist.get_rank() == 1:
         raise ValueError("rank one refuses")
+    # The other ranks wait for rank 1 in a collective that never completes.
+    dist.barrier()
     return "fine"
 
 
@@ -78,13 +80,23 @@ def test_results_come_back_per_rank_and_pool_is_reused():
     assert first == second, "rank processes were restarted between calls"
 
 
-def test_rank_exception_fails_with_its_traceback():
+def test_rank_exception_ends_every_rank_within_a_bound():
+    """Rank 1 raises while rank 0 waits for it in a barrier: the call fails in seconds (not at
+    the 120 s deadline) with rank 1's traceback and rank 0's stack, and no rank is left."""
+    pool = get_pool(2, DISPOSABLE)
+    started = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        run_on_ranks(_raise_on_rank_one, world_size=2, boot=DISPOSABLE, timeout=60)
+        pool.run(_raise_on_rank_one, timeout=120)
+    elapsed = time.monotonic() - started
+    assert elapsed < 20, f"took {elapsed:.1f}s to end the ranks"
+    assert not isinstance(info.value, AssertionError), "a crash must never satisfy a control"
     message = str(info.value)
-    assert "ranks [1] failed" in message
+    assert "ranks [1] failed (ranks [0] did not finish and were ended)" in message
     assert "ValueError: rank one refuses" in message
-    assert "_raise_on_rank_one" in message
+    assert "_raise_on_rank_one" in info.value.per_rank[1]
+    assert "_raise_on_rank_one" in info.value.stuck[0], "rank 0's stack does not show the wait"
+    assert not pool.alive
+    assert all(not proc.is_alive() for proc in pool._procs)
     # The broken pool was discarded; the next call gets a working one.
     assert run_on_ranks(_rank_and_pid, world_size=2, boot=DISPOSABLE)[1][0] == 1
 

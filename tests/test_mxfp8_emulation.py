@@ -539,6 +539,9 @@ def test_mxfp8_linear_bf16_weights():
     layer = MXFP8Linear(64, 96, fp8_params=False)
     with torch.no_grad():
         layer.bias.normal_()
+        # Magnitudes that vary across rows and columns, so the two block directions differ.
+        spread = torch.logspace(-3, 3, 96, base=2).unsqueeze(1) * torch.logspace(2, -2, 64, base=2)
+        layer.weight.copy_(torch.randn(96, 64) * spread)
     x = torch.randn(4, 8, 64, dtype=torch.bfloat16, requires_grad=True)
     y = layer(x)
     xq = quantize_dequantize(x.detach()).float()
@@ -546,10 +549,20 @@ def test_mxfp8_linear_bf16_weights():
     assert torch.equal(y, (xq @ wq.t() + layer.bias.float()).bfloat16())
     g = torch.randn_like(y)
     y.backward(g)
-    assert torch.equal(x.grad, (g.float() @ wq).bfloat16())
-    want_w = (g.float().reshape(-1, 96).t() @ xq.reshape(-1, 64)).bfloat16()
+    # TE's MXFP8 backward: every GEMM operand blocked along that GEMM's reduction dimension.
+    g2 = g.reshape(-1, 96)
+
+    def qdq(t, use):
+        data = mx.quantize(t, E4M3, rowwise=use == "rowwise", columnwise=use == "columnwise")
+        return mx.dequantize(data, t.dtype, use=use).float()
+
+    w_col = qdq(layer.weight.detach(), "columnwise")
+    assert not torch.equal(w_col, wq), "columnwise and rowwise copies coincide: no test"
+    want_x = (qdq(g2, "rowwise") @ w_col).bfloat16().view(x.shape)
+    assert torch.equal(x.grad, want_x)
+    want_w = (qdq(g2, "columnwise").t() @ qdq(x.detach().reshape(-1, 64), "columnwise")).bfloat16()
     assert torch.equal(layer.weight.grad, want_w)
-    assert torch.equal(layer.bias.grad, g.float().reshape(-1, 96).sum(0).bfloat16())
+    assert torch.equal(layer.bias.grad, g2.float().sum(0).bfloat16())
     with pytest.raises(ValueError, match="multiples of 32"):
         layer(torch.randn(4, 64, dtype=torch.bfloat16))  # 4 tokens: TE refuses too
     with pytest.raises(ValueError, match="multiples of 32"):

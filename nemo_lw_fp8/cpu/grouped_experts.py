@@ -30,8 +30,13 @@ Arithmetic
     along the reduction dimension, e4m3), as :mod:`nemo_lw_fp8.emulation.fp8_linear` does for
     TE's ``Linear``; persistent MXFP8 weights are dequantized instead. Token rows per expert are
     zero-padded to a multiple of 32 for the quantizer (rowwise blocks make rows independent) and
-    the padding is dropped. Backward is on the dequantized operands (straight-through), the
-    weight gradient cast to the parameter dtype; with ``fuse_wgrad_accumulation`` (what
+    the padding is dropped. With MXFP8 compute the backward is TE's MXFP8 backward, per expert
+    (:func:`~nemo_lw_fp8.emulation.fp8_linear.mxfp8_backward`, which mirrors TE 2.20.2's
+    ``_linear_backward_impl``): ``dx_e = Q_row(dy_e) @ W_e`` from the weight's **columnwise**
+    copy (a persistent MXFP8 member's stored columnwise data, read at backward time) and
+    ``dW_e = Q_col(dy_e)^T @ Q_col(x_e)``, on the zero-padded rows (zero rows add nothing), ``dy``
+    in the recipe's backward format; in bf16 compute it is the plain fp32 backward. The
+    weight gradient is cast to the parameter dtype; with ``fuse_wgrad_accumulation`` (what
     megatron's ``gradient_accumulation_fusion`` turns on in TE's grouped linears) the fp32 weight
     gradient is added straight into ``main_grad`` (``grad_added_to_main_grad``), as TE does. It is
     an argument here, not read from the config: on CPU megatron's local attention linears cannot
@@ -45,7 +50,13 @@ from typing import Any
 
 import torch
 
-from nemo_lw_fp8.emulation.fp8_linear import quantize_dequantize
+from nemo_lw_fp8.emulation import mxfp8 as mx
+from nemo_lw_fp8.emulation.fp8_linear import (
+    grad_fp8_dtype,
+    mxfp8_backward,
+    quantize_dequantize,
+    weight_columnwise,
+)
 
 #: TE's switch for single grouped weights (read by ``resolve_grouped_linear_single_param_flags``).
 SINGLE_PARAM_ENV = "NVTE_GROUPED_LINEAR_SINGLE_PARAM"
@@ -58,6 +69,12 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     if padded == rows:
         return x
     return torch.cat([x, x.new_zeros(padded - rows, x.shape[1])], dim=0)
+
+
+def _columnwise(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The columnwise MXFP8 round trip (blocks of 32 along dim 0) TE's backward GEMMs read."""
+    data = mx.quantize(x, fp8_dtype, rowwise=False, columnwise=True)
+    return mx.dequantize(data, x.dtype, use="columnwise")
 
 
 def _is_quantized(tensor: Any) -> bool:
@@ -79,34 +96,49 @@ class _GroupedGemm(torch.autograd.Function):
         outputs, saved = [], []
         for part, weight in zip(torch.split(x, splits), members, strict=True):
             if layer.fp8:
-                x_dq = quantize_dequantize(_pad_rows(part))[: part.shape[0]]
-                w_dq = (
-                    weight.dequantize(dtype=layer.params_dtype)
-                    if _is_quantized(weight)
-                    else quantize_dequantize(weight)
-                )
+                padded = _pad_rows(part)
+                x_dq = quantize_dequantize(padded)[: part.shape[0]]
+                if _is_quantized(weight):
+                    w_dq = weight.dequantize(dtype=layer.params_dtype)
+                    w_col = None  # read from the member's columnwise copy at backward time
+                else:
+                    w_dq = quantize_dequantize(weight)
+                    w_col = _columnwise(weight.detach(), torch.float8_e4m3fn)
+                x_saved = _columnwise(padded, torch.float8_e4m3fn)
             else:
                 x_dq = part
                 w_dq = (
                     weight.dequantize(dtype=layer.params_dtype) if _is_quantized(weight) else weight
                 )
+                x_saved, w_col = x_dq, w_dq
             outputs.append(torch.matmul(x_dq.float(), w_dq.float().t()).to(x.dtype))
-            saved.append((x_dq, w_dq))
+            saved.append((part.shape[0], x_saved, w_col))
         ctx.saved = saved
         ctx.layer = layer
         ctx.x_dtype = x.dtype
+        ctx.grad_dtype = grad_fp8_dtype()
         ctx.num_weights = len(weights)
         return torch.cat(outputs, dim=0) if outputs else x.new_zeros(0, layer.out_features)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         layer: GroupedExpertLinear = ctx.layer
-        splits = [x_dq.shape[0] for x_dq, _ in ctx.saved]
+        splits = [rows for rows, _, _ in ctx.saved]
+        members = layer.member_weights() if layer.fp8 else None
         grad_x, wgrads = [], []
-        for dy, (x_dq, w_dq) in zip(torch.split(grad_out, splits), ctx.saved, strict=True):
-            dy = dy.float()
-            grad_x.append(torch.matmul(dy, w_dq.float()).to(ctx.x_dtype))
-            wgrads.append(torch.matmul(dy.t(), x_dq.float()))
+        for expert, (dy, (rows, x_saved, w_col)) in enumerate(
+            zip(torch.split(grad_out, splits), ctx.saved, strict=True)
+        ):
+            if not layer.fp8:
+                dy = dy.float()
+                grad_x.append(torch.matmul(dy, w_col.float()).to(ctx.x_dtype))
+                wgrads.append(torch.matmul(dy.t(), x_saved.float()))
+                continue
+            if w_col is None:
+                w_col = weight_columnwise(members[expert])
+            dx, dw = mxfp8_backward(_pad_rows(dy.contiguous()), x_saved, w_col, ctx.grad_dtype)
+            grad_x.append(dx[:rows].to(ctx.x_dtype))
+            wgrads.append(dw)
         del ctx.saved
         weight_grads = layer.weight_grads(wgrads)
         return (torch.cat(grad_x, dim=0), None, None, *weight_grads)

@@ -13,18 +13,34 @@ Weights come in two modes, giving identical outputs for equal weight values:
 
 * high precision (a bf16 ``nn.Parameter``): quantised and dequantised on the fly each forward;
 * FP8 parameters (created under TE's ``quantized_model_init``, or ``fp8_params=True``): the
-  parameter *is* TE's persistent ``MXFP8Tensor`` (rowwise and columnwise data) and its rowwise
-  data is used directly. With ``preserve_high_precision_init_val=True`` the pre-quantisation
-  values are attached exactly as TE's modules do (``get_high_precision_init_val()``).
+  parameter *is* TE's persistent ``MXFP8Tensor``: its rowwise copy feeds the forward GEMM and
+  its columnwise copy the dgrad GEMM, both used as stored. With
+  ``preserve_high_precision_init_val=True`` the pre-quantisation values are attached exactly as
+  TE's modules do (``get_high_precision_init_val()``).
   This mode needs :func:`nemo_lw_fp8.emulation.activate` (or a real TE).
 
-Backward (kept simple, and equal to TE's ``backward_override="dequantized"`` mode): gradients
-are computed in fp32 from the *dequantised* forward operands, ``dgrad = dy @ W_dq`` and
-``wgrad = dy^T @ x_dq``, i.e. a straight-through estimator with respect to the quantised
-weight. ``dy`` is not quantised and the columnwise copies are not used (TE's default backward
-quantises ``dy`` and uses the columnwise data). The weight gradient is returned as a plain
-tensor of the parameter's nominal dtype and shape, so autograd accumulates it into ``.grad``
-and megatron's DDP hooks can add it to ``main_grad`` as for any parameter.
+Backward (TE 2.20.2's default MXFP8 backward, ``backward_override=None``:
+``_linear_backward_impl`` in ``transformer_engine/pytorch/module/linear.py``, with
+``grad_output_preprocess`` in ``module/base.py``): every GEMM operand is MXFP8 with its blocks
+along that GEMM's reduction dimension, which is why TE keeps a rowwise and a columnwise copy of
+each tensor:
+
+* ``dy`` (2-D, ``(tokens, out)``) is quantised by the grad-output quantizer, rowwise and
+  columnwise, in the recipe's backward format (e5m2 under ``Format.HYBRID``, else e4m3); the
+  bias gradient is the fp32 sum of the unquantised ``dy`` (``tex.bgrad_quantize``);
+* dgrad, ``general_gemm(weight, dy, layout="NN")``: ``dx = Q_row(dy) @ Q_col(W)``, the weight's
+  **columnwise** copy (blocks along ``out_features``; ``weight_fp8.update_usage(columnwise_usage=
+  True)``). A persistent ``MXFP8Tensor`` weight is read as it is at backward time, so its
+  columnwise copy must be current: a gather that refreshed only the rowwise copy gives other
+  gradients. A high-precision weight is quantised both ways in the forward (TE's weight
+  workspace);
+* wgrad, ``general_gemm(x, dy, layout="NT")``: ``dW = Q_col(dy)^T @ Q_col(x)``, the columnwise
+  copies of the input (quantised in the forward, blocks along the tokens) and of ``dy``.
+
+Each GEMM runs in fp32 on the dequantised operands and is cast once: ``dx`` to the input's
+dtype; ``dW`` to the parameter's nominal dtype, returned as a plain tensor so autograd
+accumulates it into ``.grad`` and megatron's DDP hooks add it to ``main_grad`` as for any
+parameter. The token count (leading dims) must be a multiple of 32, as TE requires.
 """
 
 from __future__ import annotations
@@ -39,7 +55,14 @@ import torch
 from . import mxfp8 as mx
 from .mxfp8_format import BLOCK_SIZE
 
-__all__ = ["MXFP8Linear", "fp8_params_requested", "quantize_dequantize"]
+__all__ = [
+    "MXFP8Linear",
+    "fp8_params_requested",
+    "grad_fp8_dtype",
+    "mxfp8_backward",
+    "quantize_dequantize",
+    "weight_columnwise",
+]
 
 
 def quantize_dequantize(
@@ -93,8 +116,69 @@ def _attach_init_value(param: torch.Tensor, value: torch.Tensor) -> None:
     param.clear_high_precision_init_val = MethodType(_clear, param)
 
 
+def _quantize_dequantize(
+    x: torch.Tensor, fp8_dtype: torch.dtype, use: str, two_d: bool = False
+) -> torch.Tensor:
+    """One direction of an MXFP8 round trip (``use``: ``"rowwise"`` or ``"columnwise"``)."""
+    data = mx.quantize(
+        x, fp8_dtype, rowwise=use == "rowwise", columnwise=use == "columnwise", two_d=two_d
+    )
+    return mx.dequantize(data, x.dtype, use=use)
+
+
+def grad_fp8_dtype() -> torch.dtype:
+    """The format of TE's grad-output quantizer for the active MXFP8 recipe: e5m2 under
+    ``Format.HYBRID``, e4m3 otherwise (``MXFP8BlockScaling``'s default format is E4M3)."""
+    state = _te_state()
+    if state is None or not state.is_fp8_enabled():
+        return torch.float8_e4m3fn
+    fmt = getattr(state.get_fp8_recipe(), "fp8_format", None)
+    return torch.float8_e5m2 if getattr(fmt, "name", "") == "HYBRID" else torch.float8_e4m3fn
+
+
+def weight_columnwise(weight: torch.Tensor) -> torch.Tensor:
+    """A persistent MXFP8 weight as TE's dgrad GEMM reads it: its columnwise copy, dequantised.
+
+    Like TE's ``update_usage(columnwise_usage=True)``, refuses a weight without one."""
+    from .te_extension_common import torch_dtype
+
+    codes, scales = weight._columnwise_data, weight._columnwise_scale_inv
+    if codes is None or scales is None:
+        raise RuntimeError(
+            "Requested column-wise usage, but the MXFP8 weight has no column-scaled data "
+            "(TE's dgrad GEMM reads it; build the weight with a columnwise quantizer)"
+        )
+    return mx.dequantize_codes(
+        codes,
+        scales,
+        torch_dtype(weight._fp8_dtype),
+        columnwise=True,
+        dtype=weight.dtype,
+        swizzled=bool(weight._with_gemm_swizzled_scales),
+    )
+
+
+def mxfp8_backward(
+    dy: torch.Tensor,
+    x_col: torch.Tensor | None,
+    w_col: torch.Tensor | None,
+    grad_dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """TE's MXFP8 dgrad and wgrad GEMMs for 2-D ``dy`` ``(tokens, out)`` (see module doc):
+    ``dx = Q_row(dy) @ W_col`` when ``w_col`` is given, ``dW = Q_col(dy)^T @ x_col`` (fp32) when
+    ``x_col`` is given; ``x_col`` and ``w_col`` are the dequantised columnwise copies."""
+    grad_x = grad_w = None
+    if w_col is not None:
+        dy_row = _quantize_dequantize(dy, grad_dtype, "rowwise")
+        grad_x = torch.matmul(dy_row.float(), w_col.float())
+    if x_col is not None:
+        dy_col = _quantize_dequantize(dy, grad_dtype, "columnwise")
+        grad_w = torch.matmul(dy_col.float().t(), x_col.float())
+    return grad_x, grad_w
+
+
 class _MXFP8LinearFunction(torch.autograd.Function):
-    """y = Q(x) Q(W)^T + b in fp32; backward on the dequantised operands (see module doc)."""
+    """y = Q(x) Q(W)^T + b in fp32; TE's MXFP8 backward (see module doc)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -105,28 +189,45 @@ class _MXFP8LinearFunction(torch.autograd.Function):
         two_d: bool,
     ) -> torch.Tensor:
         x_dq = quantize_dequantize(x)
-        if _is_quantized(weight):
+        quantized = _is_quantized(weight)
+        if quantized:
             w_dq = weight.dequantize(dtype=weight.dtype)
         else:
             w_dq = quantize_dequantize(weight, two_d=two_d)
         out = torch.matmul(x_dq.float(), w_dq.float().t())
         if bias is not None:
             out = out + bias.float()
-        ctx.save_for_backward(x_dq, w_dq)
+        x_col = w_col = None
+        if ctx.needs_input_grad[1]:
+            x_col = _quantize_dequantize(
+                x.reshape(-1, x.shape[-1]), torch.float8_e4m3fn, "columnwise"
+            )
+        if ctx.needs_input_grad[0] and not quantized:
+            w_col = _quantize_dequantize(weight.detach(), torch.float8_e4m3fn, "columnwise", two_d)
+        ctx.save_for_backward(x_col, w_col)
+        # A persistent weight is read at backward time, as TE's dgrad reads the saved weight.
+        ctx.weight = weight if quantized else None
+        ctx.grad_dtype = grad_fp8_dtype()
         ctx.has_bias = bias is not None
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        x_dq, w_dq = ctx.saved_tensors
-        grad = grad_out.float()
-        grad_x = torch.matmul(grad, w_dq.float()).to(x_dq.dtype)
-        grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_w = torch.matmul(grad_2d.t(), x_dq.reshape(-1, x_dq.shape[-1]).float())
-        grad_b = grad_2d.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
-        return grad_x, grad_w.to(ctx.weight_dtype), grad_b, None
+        x_col, w_col = ctx.saved_tensors
+        if ctx.weight is not None and ctx.needs_input_grad[0]:
+            w_col = weight_columnwise(ctx.weight)
+        ctx.weight = None
+        dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        grad_x, grad_w = mxfp8_backward(dy, x_col, w_col, ctx.grad_dtype)
+        if grad_x is not None:
+            grad_x = grad_x.to(ctx.x_dtype).view(ctx.x_shape)
+        if grad_w is not None:
+            grad_w = grad_w.to(ctx.weight_dtype)
+        grad_b = dy.float().sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
 
 
 class MXFP8Linear(torch.nn.Module):

@@ -10,9 +10,13 @@ Design (see ``docs/testing.md``):
   traceback) comes back to the caller.
 * Nothing hangs: every task has a deadline. When it passes, each worker is asked to dump the stacks
   of all its threads (``faulthandler`` on ``SIGUSR1``), the pool is killed, and
-  :class:`RankTimeout` reports what each rank was doing. A rank that raises fails the call with
-  its traceback; the pool is then discarded (the other ranks may be stuck in a collective) and the
-  next call starts a fresh one.
+  :class:`RankTimeout` reports what each rank was doing.
+* A rank that raises ends the call within a few seconds, whatever the deadline: the other ranks
+  get :data:`FAILURE_GRACE_S` to report (they may fail too), those still running (typically
+  waiting in a collective for the failed rank) dump their stacks and are killed, and
+  :class:`RankFailure` carries the tracebacks and the stacks. The pool is discarded and the next
+  call starts a fresh one. ``RankFailure`` is not an ``AssertionError``: a test that expects a
+  comparison to fail cannot be satisfied by a crash.
 * After every task the worker reverts any plugin patches the task applied and restores megatron's
   parallel state, so tasks do not leak into each other.
 """
@@ -38,8 +42,11 @@ from typing import Any
 
 DEFAULT_TIMEOUT_S = 180.0
 STARTUP_TIMEOUT_S = 400.0
-#: After one rank fails, how long the others get to finish before the pool is killed.
-FAILURE_GRACE_S = 5.0
+#: After one rank fails, how long the others get to report before the pool is killed (a rank
+#: stuck in a collective with the failed rank would otherwise wait until the task's deadline).
+FAILURE_GRACE_S = 2.0
+#: How long the parent waits for a signalled rank to write its stack dump.
+STACK_DUMP_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -60,12 +67,22 @@ class BootOptions:
     standins: tuple[str, ...] | None = None
 
 
-class RankFailure(AssertionError):
-    """One or more ranks raised; the message holds every failing rank's traceback."""
+class RankFailure(Exception):
+    """One or more ranks raised; the message holds every failing rank's traceback and the stacks
+    of the ranks that were still running when the pool was ended.
 
-    def __init__(self, message: str, per_rank: dict[int, str]):
+    Deliberately not an ``AssertionError``: ``pytest.raises(AssertionError)`` around a run must
+    never be satisfied by a rank crashing.
+    """
+
+    def __init__(
+        self, message: str, per_rank: dict[int, str], stuck: dict[int, str] | None = None
+    ):
         super().__init__(message)
+        #: rank -> traceback (for :class:`RankTimeout`: rank -> stack of a rank still running)
         self.per_rank = per_rank
+        #: rank -> stack dump of each rank that had not finished when another one failed
+        self.stuck = stuck or {}
 
 
 class RankTimeout(RankFailure):
@@ -315,27 +332,58 @@ class RankPool:
                 stacks,
             )
         if errors:
-            stuck = sorted(pending)
+            stuck = self._dump_stacks(sorted(pending)) if pending else {}
+            self._kill(sorted(pending))
             self.shutdown()
             detail = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
-            note = f" (ranks {stuck} did not finish and were ended)" if stuck else ""
-            raise RankFailure(f"{what}: ranks {sorted(errors)} failed{note}.\n{detail}", errors)
+            waiting = "\n".join(
+                f"--- rank {r} (still running, ended) was doing:\n{s}" for r, s in stuck.items()
+            )
+            note = f" (ranks {sorted(stuck)} did not finish and were ended)" if stuck else ""
+            raise RankFailure(
+                f"{what}: ranks {sorted(errors)} failed{note}.\n{detail}\n{waiting}".rstrip(),
+                errors,
+                stuck,
+            )
         return [results[r] for r in range(self.world_size)]
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Ask each rank to dump every thread's stack (``faulthandler``: works while a rank is
+        blocked in C code such as a gloo collective) and read the dumps."""
+        signalled = []
         for rank in ranks:
             proc = self._procs[rank]
             if proc.is_alive() and proc.pid is not None:
                 os.kill(proc.pid, signal.SIGUSR1)
-        time.sleep(1.0)
-        stacks = {}
+                signalled.append(rank)
+        deadline = time.monotonic() + STACK_DUMP_WAIT_S
+        stacks: dict[int, str] = {}
+        while True:
+            for rank in ranks:
+                try:
+                    with open(self._dump_path(rank)) as handle:
+                        stacks[rank] = handle.read()
+                except OSError as exc:
+                    stacks[rank] = f"(could not read stack dump: {exc})"
+            waiting = [r for r in signalled if not stacks[r]]
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        # A dump is complete when its size stops changing; give a writer a moment to finish.
+        time.sleep(0.1)
+        for rank in signalled:
+            with contextlib.suppress(OSError), open(self._dump_path(rank)) as handle:
+                stacks[rank] = handle.read()
+        return {rank: stack or "(no stack dumped)" for rank, stack in stacks.items()}
+
+    def _kill(self, ranks: list[int]) -> None:
+        """End ranks that cannot finish (blocked in a collective with a failed rank)."""
         for rank in ranks:
-            try:
-                with open(self._dump_path(rank)) as handle:
-                    stacks[rank] = handle.read() or "(no stack dumped)"
-            except OSError as exc:
-                stacks[rank] = f"(could not read stack dump: {exc})"
-        return stacks
+            proc = self._procs[rank]
+            if proc.is_alive():
+                proc.kill()
+        for rank in ranks:
+            self._procs[rank].join(timeout=5.0)
 
     def shutdown(self) -> None:
         """Stop every rank process (politely, then by force)."""

@@ -2,10 +2,14 @@
 
 :func:`assert_fp8_gather_parity`: FP8 param gather on against off. :func:`assert_same_training`:
 two expert-weight presentations (discrete, single grouped, split ownership), compared under
-the discrete names.
+the discrete names. :func:`assert_diverges`: the one way a control (a run expected to differ)
+is checked: both runs completed and the comparison fails.
 """
 
 from __future__ import annotations
+
+import re
+from collections.abc import Callable
 
 import torch
 
@@ -80,3 +84,47 @@ def assert_same_training(
             assert ma.keys() == mb.keys(), "fp32 masters differ in what they cover"
             for name, master in ma.items():
                 assert torch.equal(master, mb[name]), f"fp32 master of {name}"
+
+
+def _completed(results: object) -> bool:
+    return (
+        isinstance(results, list)
+        and bool(results)
+        and all(isinstance(r, dict) and "losses" in r for r in results)
+    )
+
+
+def assert_diverges(
+    reference: list[dict],
+    results: list[dict],
+    compare: Callable[[list[dict], list[dict]], None] = assert_fp8_gather_parity,
+    *,
+    match: str | None = None,
+) -> str:
+    """A control: ``reference`` and ``results`` are two runs that completed on every rank, and the
+    bitwise ``compare`` of them fails (with a message matching ``match`` when given). Returns
+    what differed.
+
+    Call it with the runs' results, never around the runs: a rank that raises fails the test
+    with :class:`~tests.support.harness.RankFailure` (not an ``AssertionError``), so a crash
+    can never pass for a divergence. Errors other than a failed assertion inside ``compare``
+    (missing keys, mismatched rank counts) propagate too.
+    """
+    for label, run in (("reference", reference), ("results", results)):
+        if not _completed(run):
+            raise TypeError(
+                f"assert_diverges: {label} is not the per-rank results of a completed run "
+                f"(got {type(run).__name__})"
+            )
+    try:
+        compare(reference, results)
+    except AssertionError as difference:
+        what = str(difference) or repr(difference)
+        if match is not None and not re.search(match, what):
+            raise AssertionError(
+                f"the runs differ, but not as the control expects ({match!r}): {what}"
+            ) from difference
+        return what
+    raise AssertionError(
+        f"control did not diverge: {getattr(compare, '__name__', compare)} held bit for bit"
+    )

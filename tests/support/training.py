@@ -237,12 +237,17 @@ def _uses_quantized_storage(param: torch.Tensor) -> bool:
 
 def effective_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What each MXFP8 linear layer's GEMM actually uses: the weight after MXFP8 rounding."""
+    from nemo_lw_fp8.emulation import mxfp8 as mx
     from nemo_lw_fp8.emulation.blockwise_linear import (
         BlockwiseFP8Linear,
         _columnwise_weight,
         quantize_dequantize_weight,
     )
-    from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear, quantize_dequantize
+    from nemo_lw_fp8.emulation.fp8_linear import (
+        MXFP8Linear,
+        quantize_dequantize,
+        weight_columnwise,
+    )
 
     out = {}
     for name, sub in module.named_modules():
@@ -261,8 +266,14 @@ def effective_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             weight = sub.weight
             if _uses_quantized_storage(weight):
                 out[name] = weight.dequantize().detach().float()
+                # The dgrad GEMM reads the columnwise copy: it must be current too.
+                out[name + ":columnwise"] = weight_columnwise(weight).detach().float()
             else:
-                out[name] = quantize_dequantize(weight.detach()).float()
+                out[name] = quantize_dequantize(weight.detach(), two_d=sub.two_d_weights).float()
+                columnwise = mx.quantize(
+                    weight.detach(), rowwise=False, columnwise=True, two_d=sub.two_d_weights
+                )
+                out[name + ":columnwise"] = mx.dequantize(columnwise, use="columnwise").float()
     return out
 
 
