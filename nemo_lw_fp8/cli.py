@@ -1,22 +1,58 @@
-"""The ``nemo-lw-fp8`` command."""
+"""The ``nemo-lw-fp8`` command.
+
+A mistake on the command line (unknown recipe, bad key, value of the wrong type or out of range,
+a broken rule, Megatron-Bridge missing) ends with one or two lines on stderr naming the problem
+and the fix, and exit status 2; ``--debug`` (anywhere on the line, or ``NEMO_LW_FP8_DEBUG=1``)
+shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+DEBUG_ENV = "NEMO_LW_FP8_DEBUG"
+#: How to get Megatron-Bridge (the Makefile does all of it).
+BRIDGE_INSTALL_HINT = (
+    "run `make env` (or pip install 'nemo-lw-fp8[bridge]' and megatron-bridge==0.6.2 --no-deps)"
+)
 
-def main(argv: list[str] | None = None) -> int:
+
+class UsageError(ValueError):
+    """A bad command line: ``problem`` (what is wrong) and ``fix`` (what to do)."""
+
+    def __init__(self, problem: str, fix: str = "") -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.fix = fix
+
+
+def _report(command: str, problem: str, fix: str) -> int:
+    sys.stderr.write(f"nemo-lw-fp8 {command}: error: {problem}\n")
+    if fix:
+        sys.stderr.write(f"  fix: {fix} (--debug shows the traceback)\n")
+    return 2
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="nemo-lw-fp8", description="Layer-wise Muon with FP8 param gather for megatron-core."
+        prog="nemo-lw-fp8",
+        description="Layer-wise Muon with FP8 param gather for megatron-core.",
+        epilog="--debug (anywhere) shows tracebacks instead of one-line errors.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
     doctor = sub.add_parser("doctor", help="versions, accelerator, FP8 backend, upstream status")
     doctor.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    doctor.add_argument(
+        "--verbose", action="store_true", help="also print the third-party warnings it hides"
+    )
 
     # `plan` has its own parser (nemo_lw_fp8.models.plan_cli.main); listed here for --help.
-    sub.add_parser("plan", help="per-rank memory and communication: padded vs compact vs Adam")
+    sub.add_parser(
+        "plan", help="per-rank memory and communication of a recipe or model, against the GPU"
+    )
 
     demo = sub.add_parser(
         "demo",
@@ -33,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
 
     add_slurm_subcommand(sub)
     sub.add_parser("recipes", help="list the recipes")
+    return parser
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+
+def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["plan"]:
         from .models import plan_cli
 
@@ -45,11 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         own = argparse.ArgumentParser(prog="nemo-lw-fp8 pretrain")
         pretrain_mod.add_arguments(own)
         return pretrain_mod.main(own.parse_intermixed_args(argv[1:]))
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from . import doctor as doctor_mod
 
-        return doctor_mod.main(as_json=args.json)
+        return doctor_mod.main(as_json=args.json, verbose=args.verbose)
     if args.command == "demo":
         from . import demo as demo_mod
 
@@ -66,5 +105,34 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV) == "1"
+    argv = [word for word in argv if word != "--debug"]
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # subcommands and torchrun's ranks read it
+    command = argv[0] if argv else ""
+    from .guards import ConfigError
+
+    try:
+        return _dispatch(argv)
+    except UsageError as error:
+        if debug:
+            raise
+        return _report(command, error.problem, error.fix)
+    except ConfigError as error:
+        if debug:
+            raise
+        # A rule's message names the flag and its fix already.
+        return _report(command, str(error), "")
+    except ImportError as error:
+        if debug or "megatron.bridge" not in str(error) and "Megatron-Bridge" not in str(error):
+            raise
+        return _report(command, f"Megatron-Bridge is not importable ({error})", BRIDGE_INSTALL_HINT)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Through the package module, so ``UsageError`` is the class the subcommands raise.
+    from nemo_lw_fp8 import cli as _cli
+
+    raise SystemExit(_cli.main())

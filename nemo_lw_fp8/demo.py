@@ -46,7 +46,17 @@ def _train(out: Path, tag: str, steps: int, world_size: int, extra: tuple[str, .
     ]  # fmt: skip
     start = time.time()
     with open(log, "w") as handle:
-        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT)
+        # Every line goes to the log; rank 0's progress lines (iteration, loss, ETA) also here.
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            handle.write(line)
+            if line.startswith("progress: "):
+                print(f"    [{tag}] {line[len('progress: ') :].rstrip()}", flush=True)
+        proc.wait()
+    done = proc
     if done.returncode != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"training ({tag}) failed, see {log}:\n{tail}")

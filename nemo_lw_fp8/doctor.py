@@ -8,6 +8,14 @@ For each tracked upstream change the status is one of:
 ``native (extended)``  megatron-core has it for some optimizers and the plugin's extension to the
                  others is applied (``native (extendable)``: available, not applied);
 ``unavailable``  megatron-core lacks it and this plugin version cannot bring it (reason given).
+
+The report reads package versions from their metadata and the upstream status from the patch
+detectors, which import megatron-core (about 2 s after torch). A fresh ``doctor`` process keeps
+megatron's optional heavy imports out (:data:`NOT_NEEDED`: Weights & Biases, ModelOpt and
+flash-linear-attention, which megatron imports inside ``try`` for logging, quantisation and
+Gated DeltaNet; together they were 3/4 of the 18 s the report used to take), and holds back
+the third-party warnings of those imports (:mod:`nemo_lw_fp8.quiet`): one summary line,
+``--verbose`` prints them.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from __future__ import annotations
 import json
 import platform
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 
@@ -26,6 +36,30 @@ PACKAGES = (
     ("nemo-run", "nemo-run"),
     ("emerging-optimizers", "emerging-optimizers"),
 )
+
+
+#: Optional packages megatron-core / megatron.training import inside ``try`` blocks, that no
+#: detector reads: hidden from a fresh doctor process (never from one that already imported
+#: megatron-core, whose modules may use them).
+NOT_NEEDED = ("wandb", "modelopt", "fla")
+
+
+@contextmanager
+def without_unneeded_imports() -> Iterator[None]:
+    """Make :data:`NOT_NEEDED` unimportable for the block, in a process that has not imported
+    megatron-core yet (``sys.modules[name] = None`` is Python's "not installed")."""
+    if "megatron.core" in sys.modules:
+        yield
+        return
+    hidden = [name for name in NOT_NEEDED if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
 
 
 @dataclass
@@ -136,7 +170,19 @@ def render(report: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
-def main(as_json: bool = False) -> int:
-    report = collect()
-    sys.stdout.write((json.dumps(report, indent=2) if as_json else render(report)) + "\n")
+def main(as_json: bool = False, verbose: bool = False) -> int:
+    """Print the report; third-party warnings as one line (``verbose``: every one)."""
+    from .quiet import held_back
+
+    with without_unneeded_imports(), held_back() as held:
+        report = collect()
+    if as_json:
+        report["hidden_warnings"] = held.messages
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+        return 0
+    lines = [render(report)]
+    if held.messages:
+        lines.append("")
+        lines += held.messages if verbose else [held.summary()]
+    sys.stdout.write("\n".join(lines) + "\n")
     return 0

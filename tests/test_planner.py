@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -347,8 +348,54 @@ def test_plan_arguments_and_main(capsys):
     assert plan_cli.main(["tiny-moe", "--dp", "2", "--no-fp8-param-gather"]) == 0
     out = capsys.readouterr().out
     assert "stock_padded" in out and "Newton-Schulz max/mean" in out
-    with pytest.raises(SystemExit):
+    from nemo_lw_fp8.cli import UsageError
+
+    with pytest.raises(UsageError, match="ep dividing dp"):
         plan_cli.main(["tiny-moe", "--dp", "3", "--ep", "2"])
     assert math.isclose(
         planner.plan("tiny-moe", 4, 2)["params"]["total"], total_params(param_shapes("tiny-moe"))
     )
+
+
+# ----------------------------------------------------------------------------- plan --recipe
+
+
+def test_recipe_plan_pipeline_and_grouped_weights():
+    """A tiny recipe at PP 2 plans both pipeline ranks, reports the busiest, groups the experts
+    into single (E, m, n) weights and gives a verdict against the GPU."""
+    from nemo_lw_fp8.models import recipe_plan
+
+    setup = recipe_plan.recipe_setup(
+        "tiny_qwen3_30b_a3b",
+        ["model.pipeline_model_parallel_size=2", "model.expert_model_parallel_size=1"],
+    )
+    setup.par = dataclasses.replace(setup.par, gpus_per_node=4)
+    result = recipe_plan.plan_recipe(setup)
+    assert result["parallelism"]["pp"] == 2 and result["parallelism"]["dp"] == 2
+    peaks = result["pp_rank_peaks"]
+    assert len(peaks) == 2 and result["pp_rank"] == peaks.index(max(peaks))
+    assert result["verdict"]["fits"] and result["verdict"]["gpu_bytes"] == 80e9
+    grouped = [b for b in result["layouts"]["compact"]["buffers"] if "expert" in b["name"]]
+    assert grouped  # the experts live on some rank; grouped weights keep their element count
+    specs = recipe_plan.stage_param_specs(setup.arch, setup.par, 0) + (
+        recipe_plan.stage_param_specs(setup.arch, setup.par, 1)
+    )
+    single = recipe_plan.group_experts(specs)
+    assert sum(s.numel for s in single) == sum(s.numel for s in specs)
+    assert any(len(s.shape) == 3 and s.num_experts == 8 for s in single)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.tensor_model_parallel_size=2"], "whole matrices"),
+        (["optimizer.lr=1"], "plan does not read 'optimizer.lr'"),
+        (["model.expert_model_parallel_size=3"], "does not split"),
+    ],
+)
+def test_recipe_plan_bad_input(capsys, overrides, message):
+    from nemo_lw_fp8 import cli
+
+    assert cli.main(["plan", "--recipe", "tiny_deepseek_v3", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.splitlines()) <= 2

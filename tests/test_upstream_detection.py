@@ -94,3 +94,23 @@ def test_doctor_cli_json_and_table(capsys):
     for pr in NATIVE_IN_0_19_2:
         assert f"#{pr}" in table
     assert "fp8 backend" in table
+
+
+def test_doctor_prints_only_its_own_output():
+    """A fresh ``nemo-lw-fp8 doctor``: nothing on stderr, no third-party warning text in the
+    report, the hidden warnings summarised in one line (in full with --verbose)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "nemo_lw_fp8.cli", "doctor"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    lines = done.stdout.splitlines()
+    summary = [line for line in lines if "third-party warnings hidden" in line]
+    assert len(summary) == 1, done.stdout
+    report = "\n".join(line for line in lines if line not in summary)
+    for noise in ("Warning", "warnings.warn", "Apex", "Triton", "0.0.0", "torch.jit", "W11"):
+        assert noise not in report, noise
+    verbose = subprocess.run([*command, "--verbose"], capture_output=True, text=True, timeout=300)
+    assert verbose.returncode == 0 and verbose.stderr == ""
+    assert "Apex is not installed" in verbose.stdout

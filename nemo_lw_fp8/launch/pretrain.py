@@ -12,6 +12,11 @@ plugin's patches are applied before megatron builds anything, and every rule of
 ``ConfigContainer.validate``), so a bad combination fails before a model exists.
 ``--cpu`` is the development / demo path: it boots the MXFP8 emulation, installs the CPU
 stand-ins of :mod:`nemo_lw_fp8.cpu.bridge` and swaps in the CPU layers.
+
+Before anything is built, the recipe name, the YAML file and every override are checked
+(:mod:`.overrides`: keys exist, values have the field's type, counts and rates are in range), so
+a mistake is one line naming the key and the fix (:class:`nemo_lw_fp8.cli.UsageError`). Rank 0
+prints one progress line with an ETA per iteration (every few on long runs).
 """
 
 from __future__ import annotations
@@ -19,10 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..cli import BRIDGE_INSTALL_HINT, UsageError
+from . import overrides as checks
+
 _TARGET_PREFIX = "nemo_lw_fp8"
+#: How many progress lines a run prints at most (one per iteration below that).
+PROGRESS_LINES = 50
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +48,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--losses-json", help="write per-iteration losses (rank 0) to this file")
     parser.add_argument("overrides", nargs="*", help="Hydra-style key=value overrides")
+
+
+def check_command_line(
+    recipe: str, config_file: str | None = None, overrides: Sequence[str] = ()
+) -> None:
+    """What can be checked before importing Bridge: the recipe name, the file, key=value form,
+    and that Megatron-Bridge is installed."""
+    import importlib.util
+
+    from nemo_lw_fp8 import recipes
+
+    if recipes._key(recipe) not in recipes.RECIPES:
+        import difflib
+
+        close = difflib.get_close_matches(recipes._key(recipe), recipes.RECIPES, n=3)
+        raise UsageError(
+            f"unknown recipe {recipe!r}" + (f"; did you mean {', '.join(close)}?" if close else ""),
+            "`nemo-lw-fp8 recipes` lists the recipes",
+        )
+    if config_file and not os.path.isfile(config_file):
+        raise UsageError(
+            f"--config-file {config_file!r} does not exist", "give the path of a YAML file"
+        )
+    for item in overrides:
+        checks.split(item)
+    if importlib.util.find_spec("megatron.bridge") is None:
+        raise UsageError("Megatron-Bridge is not installed", BRIDGE_INSTALL_HINT)
 
 
 def _boot_cpu() -> None:
@@ -57,9 +96,7 @@ def resolve_config(
     :func:`nemo_lw_fp8.emulation.te_backend.activate`: the real TE where it works, the CPU
     emulation otherwise, so a configuration can be checked on any machine.
     """
-    for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise ValueError(f"override {item!r} is not key=value (e.g. train.train_iters=10)")
+    check_command_line(recipe, config_file, overrides)
     if cpu or dry_run:
         _boot_cpu()
     import nemo_lw_fp8
@@ -72,9 +109,18 @@ def resolve_config(
     register_allowed_target_prefix(_TARGET_PREFIX)
     cfg = recipes.get_recipe(recipe)()
     if config_file or overrides:
-        cfg = process_config_with_overrides(
-            cfg, config_filepath=config_file, cli_overrides=list(overrides)
-        )
+        checks.check_overrides(cfg, config_file, overrides)
+        try:
+            cfg = process_config_with_overrides(
+                cfg, config_filepath=config_file, cli_overrides=list(overrides)
+            )
+        except Exception as error:  # noqa: BLE001 - Hydra / OmegaConf errors, one line each
+            text = str(error).strip().splitlines()
+            raise UsageError(
+                f"overrides not applied: {text[0] if text else type(error).__name__}",
+                "check the keys and values against `--dry-run` of the recipe",
+            ) from error
+    checks.check_ranges(cfg)
     if cpu:
         from nemo_lw_fp8.cpu import bridge as cpu_bridge
 
@@ -107,10 +153,51 @@ def _reports_losses() -> bool:
     )
 
 
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """Rank 0's progress line: iteration, loss, seconds per iteration and the ETA, measured
+    from the first finished iteration (the first one pays for set-up and warm-up)."""
+
+    def __init__(self, total: int, every: int | None = None, stream: Any = None) -> None:
+        self.total = total
+        self.every = every or max(1, total // PROGRESS_LINES)
+        self.stream = stream or sys.stdout
+        self.start = time.monotonic()
+        self.first: tuple[int, float] | None = None
+
+    def line(self, iteration: int, loss: float | None, now: float | None = None) -> str | None:
+        """The line for ``iteration`` (1-based), or ``None`` when this one is not reported."""
+        now = time.monotonic() if now is None else now
+        if self.first is None:
+            self.first = (iteration, now)
+        if iteration % self.every and iteration != self.total:
+            return None
+        done_since, since = self.first
+        text = f"progress: iteration {iteration}/{self.total}"
+        if loss is not None:
+            text += f", lm loss {loss:.6f}"
+        text += f", elapsed {_clock(now - self.start)}"
+        if iteration > done_since:
+            per = (now - since) / (iteration - done_since)
+            text += f", {per:.2f} s/it, ETA {_clock(per * (self.total - iteration))}"
+        return text
+
+    def report(self, iteration: int, loss: float | None) -> None:
+        text = self.line(iteration, loss)
+        if text is not None:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+
 class _LossRecorder:
     """A Bridge callback keeping each iteration's reduced losses (and eval losses)."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress: Progress | None = None) -> None:
+        self.progress = progress
         self.train: list[dict[str, float]] = []
         self.eval: list[dict[str, float]] = []
         #: Optimizer pieces that are expert runs of grouped weights, on this rank (see
@@ -134,7 +221,10 @@ class _LossRecorder:
 
         class Recorder(Callback):
             def on_train_step_end(self, context: Any) -> None:
-                recorder.train.append(recorder._floats(context.loss_dict))
+                losses = recorder._floats(context.loss_dict)
+                recorder.train.append(losses)
+                if recorder.progress is not None:
+                    recorder.progress.report(len(recorder.train), losses.get("lm loss"))
                 if recorder.expert_slices is None:
                     recorder.expert_slices = _count_expert_slices(context.optimizer)
                     recorder.reports = _reports_losses()
@@ -153,7 +243,11 @@ def run(
     losses_json: str | None = None,
 ) -> _LossRecorder:
     """Resolve the config and train with Megatron-Bridge's ``pretrain``."""
-    cfg = resolve_config(recipe, config_file, overrides, cpu)
+    return train(resolve_config(recipe, config_file, overrides, cpu), cpu, losses_json)
+
+
+def train(cfg: Any, cpu: bool = False, losses_json: str | None = None) -> _LossRecorder:
+    """Train a resolved config with Megatron-Bridge's ``pretrain`` (progress on rank 0)."""
     if cpu:
         from nemo_lw_fp8.cpu import bridge as cpu_bridge
 
@@ -161,7 +255,8 @@ def run(
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
-    recorder = _LossRecorder()
+    progress = Progress(cfg.train.train_iters) if int(os.environ.get("RANK", "0")) == 0 else None
+    recorder = _LossRecorder(progress)
     pretrain(cfg, forward_step, callbacks=[recorder.as_callback()])
     reports = recorder.reports
     if reports is None:
@@ -183,11 +278,26 @@ def run(
 
 
 def main(args: argparse.Namespace) -> int:
+    """``nemo-lw-fp8 pretrain``: check everything, then print the config (``--dry-run``) or
+    train. Third-party import warnings of the check are held back to one line (all of them,
+    and tracebacks, with ``--debug``)."""
+    from ..cli import DEBUG_ENV
+    from ..quiet import held_back
+
+    check_command_line(args.recipe, args.config_file, args.overrides)
+    if os.environ.get(DEBUG_ENV) == "1":
+        cfg = resolve_config(args.recipe, args.config_file, args.overrides, args.cpu, args.dry_run)
+    else:
+        with held_back() as held:
+            cfg = resolve_config(
+                args.recipe, args.config_file, args.overrides, args.cpu, args.dry_run
+            )
+        if held.messages:
+            sys.stderr.write(held.summary().replace("--verbose", "--debug") + "\n")
     if args.dry_run:
-        cfg = resolve_config(args.recipe, args.config_file, args.overrides, args.cpu, dry_run=True)
         print(summary(cfg))
         return 0
-    run(args.recipe, args.config_file, args.overrides, args.cpu, args.losses_json)
+    train(cfg, args.cpu, args.losses_json)
     return 0
 
 

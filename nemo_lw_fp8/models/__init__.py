@@ -6,8 +6,8 @@ Each module imports only the ones listed before it (no cycle, nothing registered
 * :mod:`.counting`: analytic parameter counts; :mod:`.shapes`: per-parameter shapes and the
   planner's model names (:data:`SPECS`); :mod:`.parallel`: defaults per GPU family;
 * :mod:`.planner`: per-rank bytes, Newton-Schulz balance and collectives of each layout;
-  :mod:`.pipeline`: that plan for one pipeline rank of a recipe; :mod:`.plan_cli`: the
-  ``nemo-lw-fp8 plan`` command.
+  :mod:`.pipeline`: that plan for one pipeline rank of a recipe; :mod:`.recipe_plan`: every
+  pipeline rank of a recipe against its GPU; :mod:`.plan_cli`: the ``nemo-lw-fp8 plan`` command.
 
 Importing this package does not import megatron-core (the planner does when it runs).
 """

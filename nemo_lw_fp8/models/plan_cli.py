@@ -1,6 +1,10 @@
-"""``nemo-lw-fp8 plan MODEL --dp N --ep E``: :func:`.planner.plan` printed as a table or JSON.
+"""``nemo-lw-fp8 plan``: :func:`.planner.plan` printed as a table or JSON.
 
-Kept apart from :mod:`.planner` so the maths reads without the presentation around it.
+Three forms: ``plan --recipe NAME [key=value ...]`` (the recipe's own parallelism, every
+pipeline rank, the busiest reported, against its GPU: :mod:`.recipe_plan`); ``plan MODEL --dp N
+[--tp --pp --vpp --ep --etp --cp --gpu]`` (the same at explicit sizes); ``plan MODEL --dp N --ep
+E`` alone keeps the layout comparison of the whole model on one pipeline stage. Kept apart from
+:mod:`.planner` so the maths reads without the presentation around it.
 """
 
 from __future__ import annotations
@@ -86,16 +90,61 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_verdict(result: dict[str, Any]) -> str:
+    """The header and verdict lines of a recipe / model-form plan."""
+    par = result["parallelism"]
+    gb = 1e9
+    verdict = result["verdict"]
+    peaks = result["pp_rank_peaks"]
+    ownership = result["grouped_weight_ownership"]
+    grouped = (
+        f"single grouped expert weights, ownership {ownership}"
+        + ("" if ownership == "whole" else " (planned as whole: expert runs are not modelled)")
+        if result["single_grouped_weight"]
+        else "discrete expert weights"
+    )
+    lines = [
+        f"{result['recipe'] or result['model']} on {result['gpu'].upper()}: world {par['world']} "
+        f"= TP {par['tp']} x PP {par['pp']} (VPP {par['vpp'] or 1}) x CP {par['cp']} x "
+        f"DP {par['dp']}; EP {par['ep']} ETP {par['etp']}, expert DP {par['expert_dp']}; "
+        f"{grouped}",
+        f"busiest pipeline rank {result['pp_rank']} of {par['pp']} (peak GB per PP rank: "
+        + " ".join(f"{p / gb:.1f}" for p in peaks)
+        + ")",
+    ]
+    state = verdict["peak_bytes"] / gb
+    memory = verdict["gpu_bytes"] / gb
+    if verdict["fits"]:
+        lines.append(
+            f"verdict: FITS - compact peak {state:.1f} GB of {memory:.0f} GB; "
+            f"{verdict['headroom_bytes'] / gb:.1f} GB left for activations, workspaces, NCCL"
+        )
+    else:
+        lines.append(
+            f"verdict: DOES NOT FIT - compact peak {state:.1f} GB > {memory:.0f} GB before "
+            "activations; more PP or EP, or a larger GPU"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``nemo-lw-fp8 plan MODEL --dp N [--ep N] ...``: print the plan (table or JSON)."""
+    """``nemo-lw-fp8 plan``: print the plan (table or JSON); bad input is a UsageError."""
+    from ..cli import UsageError
+    from . import recipe_plan
+
     parser = argparse.ArgumentParser(
         prog="nemo-lw-fp8 plan",
         description="Per-rank memory, Newton-Schulz balance and collectives of layer-wise Muon "
         "layouts (stock padded vs compact vs Adam), computed without a GPU.",
     )
-    parser.add_argument("model", choices=sorted(SPECS))
-    parser.add_argument("--dp", type=int, required=True, help="data-parallel size (= world size)")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("model", nargs="?", help=f"one of {', '.join(sorted(SPECS))}")
+    parser.add_argument("overrides", nargs="*", help="with --recipe: key=value (pretrain names)")
+    parser.add_argument("--recipe", help="plan a recipe as shipped (nemo-lw-fp8 recipes)")
+    parser.add_argument("--dp", type=int, help="data-parallel size")
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size")
+    for flag in ("tp", "pp", "vpp", "etp", "cp"):
+        parser.add_argument(f"--{flag}", type=int, default=None, help=f"{flag.upper()} size")
+    parser.add_argument("--gpu", choices=sorted(recipe_plan.GPU_MEMORY), default=None)
     parser.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket")
     parser.add_argument(
         "--no-overlap-grad-reduce", action="store_true", help="one bucket per buffer"
@@ -106,21 +155,61 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grad-dtype", choices=sorted(GRAD_BYTES), default="fp32")
     parser.add_argument("--gather-padding-tolerance", type=float, default=0.1)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)
-    try:
-        result = plan(
-            args.model,
-            args.dp,
-            args.ep,
-            bucket_size=args.bucket_size,
-            fp8_param_gather=not args.no_fp8_param_gather,
-            grad_dtype=args.grad_dtype,
-            overlap_grad_reduce=not args.no_overlap_grad_reduce,
-            gather_padding_tolerance=args.gather_padding_tolerance,
+    args = parser.parse_intermixed_args(argv)
+    for name in ("dp", "ep", "tp", "pp", "vpp", "etp", "cp", "bucket_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {value}: must be >= 1", "give a count")
+    if args.recipe:
+        words = ([args.model] if args.model else []) + args.overrides
+        result = recipe_plan.plan_recipe(recipe_plan.recipe_setup(args.recipe, words))
+    else:
+        if args.model is None or args.overrides:
+            raise UsageError(
+                "plan needs --recipe NAME, or a MODEL and --dp",
+                "e.g. plan --recipe deepseek_v3_mxfp8",
+            )
+        if args.dp is None:
+            raise UsageError("the model form needs --dp", f"e.g. plan {args.model} --dp 64")
+        model_form = any(
+            getattr(args, f) is not None for f in ("tp", "pp", "vpp", "etp", "cp", "gpu")
         )
-    except ValueError as exc:
-        parser.error(str(exc))
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
+        if model_form:
+            names = recipe_plan.spec_names()
+            if args.model.removeprefix("tiny-") not in names:
+                raise UsageError(f"unknown model {args.model!r}", f"one of {', '.join(names)}")
+            result = recipe_plan.plan_model(
+                args.model, tp=args.tp or 1, pp=args.pp or 1, vpp=args.vpp, ep=args.ep or 1,
+                etp=args.etp or 1, cp=args.cp or 1, dp=args.dp, gpu=args.gpu or "h100",
+                single_grouped_weight=False, bucket_size=args.bucket_size,
+                fp8_param_gather=not args.no_fp8_param_gather,
+                gather_padding_tolerance=args.gather_padding_tolerance,
+                grad_reduce_in_fp32=args.grad_dtype == "fp32",
+            )  # fmt: skip
+        else:
+            if args.model not in SPECS:
+                raise UsageError(
+                    f"unknown model {args.model!r}", f"one of {', '.join(sorted(SPECS))}"
+                )
+            try:
+                result = plan(
+                    args.model,
+                    args.dp,
+                    args.ep or 1,
+                    bucket_size=args.bucket_size,
+                    fp8_param_gather=not args.no_fp8_param_gather,
+                    grad_dtype=args.grad_dtype,
+                    overlap_grad_reduce=not args.no_overlap_grad_reduce,
+                    gather_padding_tolerance=args.gather_padding_tolerance,
+                )
+            except ValueError as exc:
+                raise UsageError(str(exc), "see nemo-lw-fp8 plan --help") from None
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif "verdict" in result:
+        print(format_verdict(result) + "\n" + format_table(result))
+    else:
+        print(format_table(result))
     return 0
 
 

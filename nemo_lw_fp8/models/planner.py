@@ -96,9 +96,7 @@ def muon_gather_wire(specs: Sequence[ParamSpec]) -> dict[str, Any]:
     muon = [s for s in specs if s.muon and s.trainable]
     numel = sum(s.numel for s in muon)
     bf16 = numel * PARAM_BYTES
-    fp8 = sum(
-        blockwise_wire_bytes(s.shape) if s.quantized else s.numel * PARAM_BYTES for s in muon
-    )
+    fp8 = sum(blockwise_wire_bytes(s.shape) if s.quantized else s.numel * PARAM_BYTES for s in muon)
     return {
         "muon_params": numel,
         "bf16_bytes": bf16,

@@ -1,0 +1,262 @@
+"""``nemo-lw-fp8 plan --recipe NAME``: the plan of a recipe as shipped, against the GPU's memory.
+
+A recipe name (:mod:`nemo_lw_fp8.recipes`) gives the architecture, the FP8 variant and the
+parallelism (:data:`.parallel.PARALLELISM` for the variant's GPU family); ``key=value`` overrides
+use pretrain's names for the fields the planner reads (:data:`OVERRIDES`). Every pipeline rank's
+parameters are planned (:func:`.pipeline.stage_param_specs`) and the busiest one reported, its
+peak (persistent state of the compact layout plus the transient gather buffer beyond the idle
+gradient buffer) set against the GPU's memory (:data:`GPU_MEMORY`). Activations, TE workspaces
+and NCCL buffers are not counted, so "fits" leaves the headroom printed for them.
+
+Nothing here imports Megatron-Bridge; the planner imports megatron-core's layout code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from ..cli import UsageError
+from .architectures import MoEArchitecture, get_architecture, tiny
+from .parallel import ParallelismDefaults, parallelism
+from .pipeline import stage_param_specs
+from .planner import plan
+from .shapes import ParamSpec, to_model_spec
+
+#: Usable memory of one GPU, decimal bytes (the vendor's figure).
+GPU_MEMORY = {"h100": 80e9, "h200": 141e9, "b200": 180e9, "gb200": 186e9}
+#: The GPU each recipe variant is planned against (the family its parallelism comes from).
+VARIANT_GPU = {"mxfp8": "gb200", "hopper": "h100", "tiny": "h100"}
+
+#: Overrides the planner reads: pretrain's key -> (ParallelismDefaults field or plan setting).
+OVERRIDES = {
+    "model.tensor_model_parallel_size": "tp",
+    "model.pipeline_model_parallel_size": "pp",
+    "model.virtual_pipeline_model_parallel_size": "vpp",
+    "model.expert_model_parallel_size": "ep",
+    "model.expert_tensor_parallel_size": "etp",
+    "model.context_parallel_size": "cp",
+    "model.pipeline_model_parallel_layout": "pipeline_layout",
+    "train.global_batch_size": "global_batch_size",
+    "train.micro_batch_size": "micro_batch_size",
+    "model.moe_single_grouped_weight": "single_grouped_weight",
+    "optimizer.grouped_weight_ownership": "ownership",
+    "optimizer.gather_padding_tolerance": "gather_padding_tolerance",
+    "mixed_precision.fp8_param_gather": "fp8_param_gather",
+    "ddp.bucket_size": "bucket_size",
+    "ddp.grad_reduce_in_fp32": "grad_reduce_in_fp32",
+}
+
+
+@dataclasses.dataclass
+class RecipeSetup:
+    """What the planner needs from a recipe (after overrides)."""
+
+    recipe: str
+    arch: MoEArchitecture
+    par: ParallelismDefaults
+    gpu: str
+    single_grouped_weight: bool
+    ownership: str = "whole"
+    fp8_param_gather: bool = True
+    gather_padding_tolerance: float = 0.1
+    bucket_size: int | None = None
+    grad_reduce_in_fp32: bool = True
+
+
+def _parse(key: str, text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("null", "none"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip().strip("'\"")
+
+
+def recipe_setup(name: str, overrides: list[str] = ()) -> RecipeSetup:  # type: ignore[assignment]
+    """The recipe's model, parallelism and settings, with ``key=value`` overrides."""
+    from .. import recipes
+
+    key = recipes._key(name)
+    if key not in recipes.RECIPES:
+        raise UsageError(f"unknown recipe {name!r}", "`nemo-lw-fp8 recipes` lists the recipes")
+    tiny_arch = recipes.tiny_architecture_of(key)
+    if tiny_arch is not None:
+        arch, variant, par = tiny_arch, "tiny", recipes.tiny_parallelism()
+    else:
+        model = next(m for m in recipes.MODELS if key.startswith(recipes._key(m) + "_"))
+        variant = key[len(recipes._key(model)) + 1 :]
+        arch = get_architecture(model)
+        par = parallelism(arch, recipes.VARIANT_GPU[variant])
+    setup = RecipeSetup(
+        key, arch, par, VARIANT_GPU[variant], single_grouped_weight=variant != "hopper"
+    )
+    changes: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise UsageError(
+                f"override {item!r} is not key=value", "e.g. model.pipeline_model_parallel_size=8"
+            )
+        k, text = item.split("=", 1)
+        if k not in OVERRIDES:
+            raise UsageError(
+                f"plan does not read {k!r}",
+                "it reads: " + ", ".join(sorted(OVERRIDES)),
+            )
+        value = _parse(k, text)
+        field = OVERRIDES[k]
+        if field in {f.name for f in dataclasses.fields(ParallelismDefaults)}:
+            changes[field] = value
+        elif field == "grad_reduce_in_fp32" or field == "single_grouped_weight":
+            setattr(setup, field, bool(value))
+        else:
+            setattr(setup, field, value)
+    if changes:
+        setup.par = dataclasses.replace(setup.par, **changes)
+    return setup
+
+
+def group_experts(specs: list[ParamSpec]) -> list[ParamSpec]:
+    """Per-expert weights as megatron's single grouped weights: one ``(E, m, n)`` parameter per
+    MoE layer and linear (TE's ``GroupedLinear`` with one parameter), at the first expert's
+    place."""
+    out: list[ParamSpec] = []
+    seen: dict[str, int] = {}
+    for spec in specs:
+        match = re.fullmatch(r"(.*\.experts\.linear_fc[12]\.weight)(\d+)", spec.name)
+        if match is None or spec.expert_index is None:
+            out.append(spec)
+            continue
+        base = match.group(1)
+        if base in seen:
+            continue
+        seen[base] = len(out)
+        out.append(
+            dataclasses.replace(
+                spec,
+                name=base,
+                shape=(spec.num_experts, *spec.shape),
+                expert_index=None,
+            )
+        )
+    return out
+
+
+def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
+    """The plan of every pipeline rank's parameters; the busiest rank's in full."""
+    par, arch = setup.par, setup.arch
+    if par.tp != 1 or par.etp != 1:
+        raise UsageError(
+            f"TP = {par.tp}, ETP = {par.etp}: the planner models whole matrices per rank",
+            "layer-wise Muon recipes use TP = ETP = 1 (docs/planner.md); plan with those",
+        )
+    world = par.world_size
+    if world % (par.pp * par.cp) or world % (par.ep * par.pp):
+        raise UsageError(
+            f"world size {world} does not split into PP {par.pp} x CP {par.cp} x EP {par.ep}",
+            "choose sizes that divide the number of GPUs",
+        )
+    dp = world // (par.pp * par.cp)  # the gradient group also spans CP
+    dp_cp = dp * par.cp
+    if dp_cp % par.ep:
+        raise UsageError(f"EP {par.ep} does not divide DP x CP = {dp_cp}", "change EP")
+    try:
+        stages = par.stages(arch)
+    except ValueError as error:
+        raise UsageError(
+            str(error), "set model.pipeline_model_parallel_layout or another PP"
+        ) from None
+    if len(stages) != par.pp * (par.vpp or 1):
+        raise UsageError(
+            f"the layout has {len(stages)} stages, PP x VPP = {par.pp * (par.vpp or 1)}",
+            "make the layout's stage count match",
+        )
+    plans: dict[tuple, dict[str, Any]] = {}
+    by_rank = []
+    for rank in range(par.pp):
+        specs = stage_param_specs(arch, par, rank)
+        if setup.single_grouped_weight:
+            specs = group_experts(specs)
+        signature = tuple((s.shape, s.muon, s.expert_parallel, s.quantized) for s in specs)
+        if signature not in plans:
+            plans[signature] = plan(
+                specs,
+                dp_cp,
+                par.ep,
+                bucket_size=setup.bucket_size,
+                fp8_param_gather=setup.fp8_param_gather,
+                grad_dtype="fp32" if setup.grad_reduce_in_fp32 else "bf16",
+                gather_padding_tolerance=setup.gather_padding_tolerance,
+            )
+        by_rank.append(plans[signature])
+
+    def peak(result: dict[str, Any]) -> int:
+        compact = result["layouts"]["compact"]
+        return compact["bytes_per_rank"]["total"] + compact["transient_gather"]["extra_bytes"]
+
+    busiest = max(range(par.pp), key=lambda r: (peak(by_rank[r]), -r))
+    result = dict(by_rank[busiest])
+    memory = GPU_MEMORY[setup.gpu]
+    top = peak(result)
+    result.update(
+        {
+            "model": arch.name,
+            "recipe": setup.recipe,
+            "gpu": setup.gpu,
+            "parallelism": {
+                "world": world,
+                "tp": par.tp,
+                "pp": par.pp,
+                "vpp": par.vpp,
+                "ep": par.ep,
+                "etp": par.etp,
+                "cp": par.cp,
+                "dp": dp,
+                "expert_dp": dp_cp // par.ep,
+            },  # fmt: skip
+            "pp_rank": busiest,
+            "pp_rank_peaks": [peak(r) for r in by_rank],
+            "single_grouped_weight": setup.single_grouped_weight,
+            "grouped_weight_ownership": setup.ownership,
+            "verdict": {
+                "peak_bytes": top,
+                "gpu_bytes": memory,
+                "fits": top <= memory,
+                "headroom_bytes": memory - top,
+            },
+        }
+    )
+    return result
+
+
+def plan_model(
+    model: str, *, tp: int, pp: int, vpp: int | None, ep: int, etp: int, cp: int, dp: int,
+    gpu: str, single_grouped_weight: bool, **settings: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """The model form: an architecture at explicit sizes (world = TP x PP x CP x DP)."""
+    arch = tiny(get_architecture(model[5:])) if model.startswith("tiny-") else None
+    arch = arch or get_architecture(model)
+    par = ParallelismDefaults(
+        recipe="command line", nodes=1, gpus_per_node=tp * pp * cp * dp, tp=tp, pp=pp,
+        vpp=vpp, ep=ep, etp=etp, cp=cp, global_batch_size=dp,
+    )  # fmt: skip
+    setup = RecipeSetup(model, arch, par, gpu, single_grouped_weight, **settings)
+    result = plan_recipe(setup)
+    result["recipe"] = None
+    return result
+
+
+def spec_names() -> list[str]:
+    """Model names the model form accepts (the six architectures)."""
+    from .architectures import ARCHITECTURES
+
+    return sorted(ARCHITECTURES)
+
+
+__all__ = ["GPU_MEMORY", "OVERRIDES", "group_experts", "plan_model", "plan_recipe", "to_model_spec"]
