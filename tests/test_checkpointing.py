@@ -217,3 +217,63 @@ def test_cpu_adam_keeps_fused_adams_state_layout():
     assert result["group_steps"] == [3, 3]
     assert result["keys"] == ["exp_avg", "exp_avg_sq"]
     assert result["restored"]
+
+
+# --------------------------------------------------------------------------- Bridge's save
+
+
+def bridge_metadata_save(scenario: Scenario, directory: str) -> dict:
+    """Megatron-Bridge's own metadata builder for a layer-wise run, with the plugin's
+    ``bridge_checkpoint_sharding`` patch and (control) without it, feeding a real save."""
+    import os
+    import types
+
+    import megatron.bridge.training.checkpointing as bridge_checkpointing
+    from megatron.bridge.training.config import CheckpointConfig
+    from megatron.core import parallel_state
+
+    import nemo_lw_fp8
+    from nemo_lw_fp8.mechanics import checkpointing
+    from tests.support import dist_checkpoints as ckpt
+    from tests.support.training import train_step
+
+    nemo_lw_fp8.apply()  # Bridge is imported now: its patches apply
+    dp_rank = parallel_state.get_data_parallel_rank()
+    model, optimizer = _build(scenario, scenario.seed)
+    train_step(scenario, model, optimizer, 0, dp_rank)
+    cfg = types.SimpleNamespace(
+        optimizer=types.SimpleNamespace(
+            use_distributed_optimizer=False, use_layer_wise_distributed_optimizer=True
+        )
+    )
+    ckpt_cfg = CheckpointConfig()
+
+    def save(tag: str) -> str:
+        os.makedirs(f"{directory}/{tag}", exist_ok=True)
+        with checkpointing.saving_config(cfg):  # what the patched save_checkpoint does
+            metadata = bridge_checkpointing._build_sharded_state_dict_metadata(False, ckpt_cfg)
+        sharding = metadata.get("distrib_optim_sharding_type")
+        try:
+            with ckpt.in_process_write_results():
+                model_sd = ckpt.model_sharded_state_dict(model, metadata)
+                state = {"optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)}
+                from megatron.core import dist_checkpointing
+
+                dist_checkpointing.save(state, f"{directory}/{tag}", async_strategy="mcore")
+        except Exception as error:  # noqa: BLE001 - the control reports what megatron raised
+            return f"{sharding}: {type(error).__name__}: {error}"
+        return f"{sharding}: saved"
+
+    patched = save("patched")
+    nemo_lw_fp8.revert(["bridge_checkpoint_sharding"])
+    stock = save("stock")
+    return {"patched": patched, "stock": stock}
+
+
+def test_bridge_names_the_sharding_type_of_layer_wise_saves(tmp_path):
+    for result in run_on_ranks(bridge_metadata_save, BASE, str(tmp_path), boot=FP8, timeout=400):
+        assert result["patched"] == "dp_reshardable: saved"
+        # Control: Bridge's stock metadata has no sharding type; megatron refuses the fallback.
+        assert result["stock"] == (
+            "None: CheckpointingException: ShardedTensor.flattened_range is not supported."
+        ), result["stock"]
