@@ -31,13 +31,17 @@ Stand-ins (each can be installed and removed on its own):
     swap states of the CPU generator instead, and ``torch.cuda`` seeding calls become CPU-safe.
     Call site: ``GPTModel`` forward (dropout and init under ``get_cuda_rng_tracker().fork()``),
     ``model_parallel_cuda_manual_seed``.
-``torch_optimizers``
-    With Transformer Engine importable (the MXFP8 emulation backend), megatron picks TE's
-    ``FusedAdam``, whose CUDA kernels do not exist on CPU; megatron's own switch
-    ``megatron.core.optimizer.USING_PYTORCH_OPTIMIZER`` selects ``torch.optim.AdamW``, and
-    ``distrib_optimizer``'s own flags are set to match (its ``state_dict`` / ``load_state_dict``
-    read Adam's ``step`` where torch keeps it). Call sites:
-    ``_get_megatron_optimizer_based_on_param_groups``, ``DistributedOptimizer.state_dict``.
+``cpu_fused_adam``
+    With Transformer Engine importable (the MXFP8 emulation pools) megatron picks TE's
+    ``FusedAdam``, whose step is a CUDA kernel; without TE it falls back to torch's ``AdamW``,
+    whose state layout (a per-parameter ``step``) is not the one megatron's checkpoint code is
+    written for. Either way megatron gets :class:`nemo_lw_fp8.cpu.fused_adam.CPUFusedAdam`
+    (FusedAdam's state layout and update rule on CPU), and ``distrib_optimizer``'s own flags say
+    a TE optimizer is in use, as on a GPU. Call sites:
+    ``_get_megatron_optimizer_based_on_param_groups`` (``Adam``, ``USING_PYTORCH_OPTIMIZER``),
+    ``DistributedOptimizer.__init__`` / ``state_dict`` / ``load_state_dict`` (``Adam``,
+    ``HAVE_APEX_OR_TE``, ``USING_TE_OPTIMIZER``: where ``step`` lives) and its
+    ``dp_reshardable`` / ``fully_reshardable`` checkpoint formats.
 ``moe_split_sizes``
     The all-to-all token dispatcher moves its split sizes to the host before the expert-parallel
     all-to-all (``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)``); on a GPU that turns
@@ -287,23 +291,27 @@ def _install_cpu_rng() -> Callable[[], None]:
     return undo
 
 
-# --------------------------------------------------------------------------- torch_optimizers
+# --------------------------------------------------------------------------- cpu_fused_adam
 
 
-def _install_torch_optimizers() -> Callable[[], None]:
+def _install_cpu_fused_adam() -> Callable[[], None]:
     import megatron.core.optimizer as megatron_optimizer
     from megatron.core.optimizer import distrib_optimizer
 
-    undo_factory = _swap_attrs(megatron_optimizer, {"USING_PYTORCH_OPTIMIZER": True})
+    from nemo_lw_fp8.cpu.fused_adam import CPUFusedAdam
+
+    undo_factory = _swap_attrs(
+        megatron_optimizer, {"USING_PYTORCH_OPTIMIZER": False, "Adam": CPUFusedAdam}
+    )
     # DistributedOptimizer keeps its own record of which Adam it got (it reads 'step' from the
     # param groups for TE's FusedAdam, from the per-param state for torch's): make it agree.
     undo_distopt = _swap_attrs(
         distrib_optimizer,
         {
-            "HAVE_APEX_OR_TE": False,
-            "USING_TE_OPTIMIZER": False,
+            "HAVE_APEX_OR_TE": True,
+            "USING_TE_OPTIMIZER": True,
             "USING_APEX_OPTIMIZER": False,
-            "Adam": torch.optim.Adam,
+            "Adam": CPUFusedAdam,
         },
     )
 
@@ -339,7 +347,7 @@ STANDINS: dict[str, StandIn] = {
         StandIn("cuda_device", "device='cuda' and param.type() checks", _install_cuda_device),
         StandIn("uneven_all_gather", "layer-wise uneven gathers", _install_uneven_all_gather),
         StandIn("cpu_rng", "RNG tracker fork in GPTModel", _install_cpu_rng),
-        StandIn("torch_optimizers", "Adam without TE's CUDA kernels", _install_torch_optimizers),
+        StandIn("cpu_fused_adam", "FusedAdam's state layout on CPU", _install_cpu_fused_adam),
         StandIn("moe_split_sizes", "all-to-all split sizes on the host", _install_moe_split_sizes),
     )
 }

@@ -6,6 +6,10 @@ so TE's own Python classes run on CPU. It implements the kernels those classes c
 with :mod:`nemo_lw_fp8.emulation.mxfp8` (bit-exact with TE's kernels) and a few multi-tensor
 helpers megatron-core uses (grad-norm and clipping), and nothing else:
 
+* ``create_empty_quantized_tensor`` (``Quantizer.make_empty``: megatron's checkpoint loader
+  and ``torch.empty_like`` / ``new_empty`` of a quantized tensor) for MXFP8 and blockwise FP8,
+  with the buffers TE's C++ ``create_tensor`` allocates (zeroed, where TE leaves them
+  uninitialised);
 * ``quantize`` (MXFP8: compact or GEMM-swizzled scales as the quantizer asks; blockwise FP8
   ``Float8BlockQuantizer``: 1x128 / 128x128 blocks via :mod:`nemo_lw_fp8.emulation.blockwise`),
   ``dequantize`` (MXFP8 only: TE dequantises blockwise tensors in its own Python code, and its
@@ -150,6 +154,27 @@ def quantize(
     )
 
 
+def create_empty_quantized_tensor(
+    quantizer: Any,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    pin_memory: bool = False,
+) -> Any:
+    """``tex.create_empty_quantized_tensor``: the quantizer's tensor class with fresh buffers for
+    its usages and no cast. ``pin_memory`` has no meaning without a GPU: ordinary host memory."""
+    size = tuple(int(dim) for dim in shape)
+    where = torch.device(device)
+    if isinstance(quantizer, _blockwise.blockwise_classes()[0]):
+        return _blockwise.empty_blockwise(quantizer, size, dtype, where)
+    if isinstance(quantizer, _mxfp8.mxfp8_classes()[0]):
+        return _mxfp8.empty_mxfp8(quantizer, size, dtype, where)
+    raise NotImplementedError(
+        f"tex.create_empty_quantized_tensor with {type(quantizer).__name__} is not implemented "
+        f"by {_BACKEND}; only MXFP8Quantizer and Float8BlockQuantizer are"
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Multi-tensor helpers
 # --------------------------------------------------------------------------------------------
@@ -218,6 +243,7 @@ __all__ = [
     "FP8BwdTensors",
     "FP8FwdTensors",
     "FP8TensorMeta",
+    "create_empty_quantized_tensor",
     "NVTEQBHistogramMode",
     "NVTERoutingMapFormat",
     "NVTEScalingMode",

@@ -71,6 +71,20 @@ def _blockwise_empty(
     return data
 
 
+def empty_blockwise(
+    quantizer: Any, shape: tuple[int, ...], fake_dtype: torch.dtype, device: torch.device
+) -> Any:
+    """``Float8BlockQuantizer::create_tensor`` without a cast: the buffers of the quantizer's
+    usages (rowwise data, transposed columnwise data, fp32 scales) in TE's blockwise class."""
+    if not (quantizer.rowwise_usage or quantizer.columnwise_usage):
+        raise ValueError("Either rowwise or columnwise output data need to be allocated.")
+    block_dim = _block_dim(quantizer)
+    data = _blockwise_empty(quantizer, shape, block_dim, device)
+    return wrap_quantized(
+        blockwise_classes(), quantizer, data, fake_dtype, device, is_2D_scaled=block_dim == 2
+    )
+
+
 def _blockwise_quantize_data(
     src: torch.Tensor, quantizer: Any, fp8: torch.dtype, block_dim: int, rowwise: bool, cols: bool
 ) -> _bw.BlockwiseData:

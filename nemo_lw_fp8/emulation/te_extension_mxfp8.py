@@ -23,6 +23,7 @@ from .te_extension_common import BACKEND, noop_set, plain_source, torch_dtype, w
 
 __all__ = [
     "dequantize",
+    "empty_mxfp8",
     "multi_tensor_compute_scale_inv_e8m0",
     "mxfp8_classes",
     "mxfp8_scaling_compute_partial_amax",
@@ -94,6 +95,22 @@ def _empty_data(quantizer: Any, shape: tuple[int, ...], device: torch.device) ->
         data.columnwise_data = torch.zeros(shape, dtype=torch.uint8, device=device)
         data.columnwise_scale_inv = _scale_buffer(_mxf.columnwise_scale_shape(shape), device)
     return data
+
+
+def empty_mxfp8(
+    quantizer: Any, shape: tuple[int, ...], fake_dtype: torch.dtype, device: torch.device
+) -> Any:
+    """``MXFP8Quantizer::create_tensor`` without a cast: the buffers of the quantizer's usages
+    (uint8 data of ``shape``, padded uint8 scales) in TE's MXFP8 tensor (or storage) class."""
+    _mxf.flat_2d_shape(shape)
+    return wrap_quantized(
+        mxfp8_classes(),
+        quantizer,
+        _empty_data(quantizer, shape, device),
+        fake_dtype,
+        device,
+        with_gemm_swizzled_scales=bool(quantizer.optimize_for_gemm),
+    )
 
 
 def quantize_mxfp8(

@@ -37,6 +37,8 @@ PATCH_MODULES: tuple[str, ...] = (
     "mla_local_attention",
     "bridge_layer_wise_wrap",
     "bridge_config_guards",
+    "bridge_checkpoint_sharding",
+    "bridge_save_param_sync",
 )
 
 

@@ -1,0 +1,93 @@
+"""Megatron-Bridge names the DistributedOptimizer's sharding type in layer-wise checkpoints.
+
+Behaviour: a layer-wise run keeps ``use_distributed_optimizer=False``, but its non-Muon
+parameters (embeddings, norms, biases) train under a sibling ``DistributedOptimizer``. Bridge
+0.6.2 builds a ``torch_dist`` save's content metadata from ``use_distributed_optimizer`` alone,
+so the sharding type (``dp_reshardable``, or ``fully_reshardable`` with
+``checkpoint.dist_ckpt_optim_fully_reshardable``) is missing, the DistributedOptimizer falls
+back to ``fully_sharded_model_space`` and megatron-core 0.19.2 refuses it at the first save
+(``CheckpointingException: ShardedTensor.flattened_range is not supported``). With this patch a
+save of a layer-wise run gets the metadata megatron-training builds for
+``--use-layer-wise-distributed-optimizer``; the loader reads it back from the checkpoint. Other
+runs are untouched. The decision: :mod:`nemo_lw_fp8.mechanics.checkpointing`.
+
+Mirrors: no Megatron-LM PR; megatron-training 0.19.2's own ``_build_sharded_state_dict_metadata``
+(which counts ``use_layer_wise_distributed_optimizer`` as having a DistributedOptimizer).
+
+Patches: ``megatron.bridge.training.checkpointing.save_checkpoint`` (records whether the run is
+layer-wise while it saves) and ``._build_sharded_state_dict_metadata`` (reads that record).
+
+Detection: only when Megatron-Bridge has been imported (this never imports Bridge itself);
+native when Bridge's ``_build_sharded_state_dict_metadata`` source mentions the layer-wise
+optimizer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from typing import Any
+
+from ..mechanics import checkpointing
+from .framework import Override, Patch, register, unpatched_own_attr
+
+FEATURE = "bridge_checkpoint_sharding"
+_BRIDGE_CONFIG = "megatron.bridge.training.config"
+_CHECKPOINTING = "megatron.bridge.training.checkpointing"
+
+
+def _module() -> Any | None:
+    """Bridge's checkpointing module, once Bridge is in use (then importing it is cheap)."""
+    if _BRIDGE_CONFIG not in sys.modules:
+        return None
+    return importlib.import_module(_CHECKPOINTING)
+
+
+def _detect_native() -> tuple[bool, str]:
+    module = _module()
+    if module is None:
+        return True, "Megatron-Bridge not imported: nothing to patch"
+    source = inspect.getsource(unpatched_own_attr(module, "_build_sharded_state_dict_metadata"))
+    if "layer_wise" in source:
+        return True, "Bridge names the sharding type for layer-wise runs"
+    return False, "Bridge names the sharding type only with use_distributed_optimizer"
+
+
+def _make_save_checkpoint(original):
+    def save_checkpoint(state: Any, *args: Any, **kwargs: Any) -> Any:
+        with checkpointing.saving_config(state.cfg):
+            return original(state, *args, **kwargs)
+
+    save_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+    return save_checkpoint
+
+
+def _make_metadata(original):
+    def _build_sharded_state_dict_metadata(use_distributed_optimizer: bool, cfg: Any) -> dict:
+        return original(checkpointing.has_distributed_optimizer(use_distributed_optimizer), cfg)
+
+    _build_sharded_state_dict_metadata.__wrapped__ = original  # type: ignore[attr-defined]
+    return _build_sharded_state_dict_metadata
+
+
+def _build_overrides() -> list[Override]:
+    module = sys.modules[_CHECKPOINTING]
+    metadata = "_build_sharded_state_dict_metadata"
+    save = module.__dict__["save_checkpoint"]
+    return [
+        Override(module, "save_checkpoint", _make_save_checkpoint(save)),
+        Override(module, metadata, _make_metadata(module.__dict__[metadata])),
+    ]
+
+
+PATCH = register(
+    Patch(
+        name=FEATURE,
+        upstream_pr=0,
+        summary="Megatron-Bridge names the DistributedOptimizer sharding type in layer-wise saves",
+        detect_native=_detect_native,
+        build_overrides=_build_overrides,
+        target="megatron-bridge",
+    )
+)

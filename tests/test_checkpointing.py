@@ -1,0 +1,279 @@
+"""``torch_dist`` checkpoints of layer-wise Muon runs with MXFP8 parameters, on CPU, bitwise.
+
+megatron-core level: a small MXFP8 model on the compact layout (Muon matrices, Adam vectors
+under the sibling DistributedOptimizer) trains, is saved through ``megatron.core.
+dist_checkpointing`` with the metadata megatron's loops build, and is loaded into a model built
+from another seed; weights, fp32 masters, Muon momentum, Adam moments and steps come back to the
+bit and training goes on exactly as the run that never stopped. The Bridge round trip (save,
+end the processes, resume in fresh ones) is in ``tests/test_bridge_checkpointing.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_lw_fp8.emulation import te_backend
+from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.scenarios import Scenario
+
+if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
+    pytest.skip("the MXFP8 emulation needs TE's Python package", allow_module_level=True)
+
+FP8 = BootOptions(fp8_emulation=True)
+BASE = Scenario(
+    optimizer="muon",
+    distribution="layerwise_compact",
+    model="fp8mlp",
+    fp8=True,
+    fp8_param_gather=True,
+    micro_batch=32,
+    plugin=True,
+    steps=5,
+)
+SAVE_AFTER = 3
+
+
+def _build(scenario: Scenario, seed: int):
+    from tests.support.scenarios import build_model
+    from tests.support.training import wrap_and_build_optimizer
+
+    module, config = build_model(scenario.with_(seed=seed))
+    return wrap_and_build_optimizer(module, config, scenario)
+
+
+def _mismatches(before: dict, after: dict) -> list[str]:
+    out = []
+    for name, value in before.items():
+        other = after.get(name)
+        same = (
+            other is not None and torch.equal(value, other)
+            if torch.is_tensor(value)
+            else value == other
+        )
+        if not same:
+            out.append(name)
+    return out
+
+
+def save_load_resume(scenario: Scenario, directory: str, sharding: str, fully_parallel: bool):
+    """On each rank: the uninterrupted run; the run saved after ``SAVE_AFTER`` steps, loaded
+    into a model and optimizer built from another seed, and trained on."""
+    from megatron.core import parallel_state
+
+    from tests.support import dist_checkpoints as ckpt
+    from tests.support.training import train_step
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    model, optimizer = _build(scenario, scenario.seed)
+    reference = [train_step(scenario, model, optimizer, s, dp_rank) for s in range(scenario.steps)]
+    final_weights = ckpt.weight_snapshot(model[0].module)
+    final_state = ckpt.optimizer_snapshot(optimizer, model[0].module)
+
+    model, optimizer = _build(scenario, scenario.seed)
+    losses = [train_step(scenario, model, optimizer, s, dp_rank) for s in range(SAVE_AFTER)]
+    saved_weights = ckpt.weight_values(model[0].module)
+    saved_state = ckpt.optimizer_snapshot(optimizer, model[0].module)
+    ckpt.save_torch_dist(model, optimizer, directory, sharding, fully_parallel=fully_parallel)
+
+    model, optimizer = _build(scenario, scenario.seed + 1)
+    fresh_state = ckpt.optimizer_snapshot(optimizer, model[0].module)
+    ckpt.load_torch_dist(model, optimizer, directory, fully_parallel=fully_parallel)
+    loaded_weights = ckpt.weight_values(model[0].module)
+    loaded_state = ckpt.optimizer_snapshot(optimizer, model[0].module)
+    losses += [train_step(scenario, model, optimizer, s, dp_rank) for s in range(SAVE_AFTER, 5)]
+    return {
+        "reference": reference,
+        "losses": losses,
+        "weights_differ": _mismatches(saved_weights, loaded_weights),
+        "state_differ": _mismatches(saved_state, loaded_state),
+        # The fresh build differs from the checkpoint: a load that did nothing cannot pass.
+        "fresh_differs": bool(_mismatches(saved_state, fresh_state)),
+        "state_names": sorted(saved_state),
+        "final_weights_differ": _mismatches(final_weights, ckpt.weight_snapshot(model[0].module)),
+        "final_state_differ": _mismatches(
+            final_state, ckpt.optimizer_snapshot(optimizer, model[0].module)
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    ("sharding", "fully_parallel"),
+    [("dp_reshardable", True), ("fully_reshardable", False)],
+    ids=["dp_reshardable-fully-parallel", "fully_reshardable"],
+)
+def test_torch_dist_round_trip_is_bitwise(sharding, fully_parallel, tmp_path):
+    results = run_on_ranks(
+        save_load_resume, BASE, str(tmp_path), sharding, fully_parallel, boot=FP8, timeout=400
+    )
+    for rank, result in enumerate(results):
+        names = result["state_names"]
+        # What must be in the checkpoint: fp32 masters of both optimizers, Muon's momentum,
+        # Adam's moments, the Adam step.
+        for kind in ("layerwise:master:", "layerwise:momentum_buffer:", "distopt:master:",
+                     "distopt:exp_avg:", "distopt:exp_avg_sq:", "distopt:steps"):  # fmt: skip
+            assert any(name.startswith(kind) for name in names), (rank, kind, names)
+        assert result["fresh_differs"], rank
+        assert result["weights_differ"] == [], (rank, result["weights_differ"])
+        assert result["state_differ"] == [], (rank, result["state_differ"])
+        assert result["losses"] == result["reference"], rank  # exact float equality
+        assert result["final_weights_differ"] == [], (rank, result["final_weights_differ"])
+        assert result["final_state_differ"] == [], (rank, result["final_state_differ"])
+
+
+# --------------------------------------------------------------------------- the CPU backend
+
+
+def empty_tensors_match_te(cases: list[tuple[str, bool, bool, bool]]) -> list[str]:
+    """``Quantizer.make_empty`` through the CPU ``transformer_engine_torch``: the class and inner
+    buffers TE's Python declares for each quantizer (``inner_tensor_specs``, which mirrors the
+    C++ ``create_tensor``)."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+    from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+
+    problems = []
+    shape = (256, 384)
+    for kind, rowwise, columnwise, internal in cases:
+        if kind == "mxfp8":
+            quantizer = MXFP8Quantizer(
+                tex.DType.kFloat8E4M3, rowwise=rowwise, columnwise=columnwise
+            )
+        else:
+            quantizer = Float8BlockQuantizer(
+                tex.DType.kFloat8E4M3, rowwise=rowwise, columnwise=columnwise,
+                block_scaling_dim=2 if kind == "blockwise2d" else 1,
+            )  # fmt: skip
+        quantizer.internal = internal
+        empty = quantizer.make_empty(shape, dtype=torch.bfloat16, device="cpu")
+        meta = quantizer.storage_metadata(torch.bfloat16)
+        if type(empty) is not meta["cls"]:
+            problems.append(f"{kind}: {type(empty).__name__} is not {meta['cls'].__name__}")
+        specs = quantizer.inner_tensor_specs(shape)
+        for attr, _ in type(empty)._INNER_TENSORS:
+            buffer = getattr(empty, attr)
+            if attr not in specs:
+                if buffer is not None:
+                    problems.append(f"{kind}: {attr} allocated for an unused usage")
+                continue
+            want_shape, want_dtype = specs[attr]
+            if buffer is None or tuple(buffer.shape) != tuple(want_shape):
+                problems.append(f"{kind}: {attr} {None if buffer is None else buffer.shape}")
+            elif buffer.dtype != want_dtype:
+                problems.append(f"{kind}: {attr} dtype {buffer.dtype} != {want_dtype}")
+        if not internal and (tuple(empty.shape) != shape or empty.dtype != torch.bfloat16):
+            problems.append(f"{kind}: logical {tuple(empty.shape)} {empty.dtype}")
+        if not internal:
+            like = torch.empty_like(empty)  # megatron's fully parallel load exchange
+            if type(like) is not type(empty) or like.get_usages() != empty.get_usages():
+                problems.append(f"{kind}: empty_like gave {type(like).__name__}")
+    return problems
+
+
+def test_make_empty_quantized_tensors_on_cpu():
+    cases = [
+        (kind, rowwise, columnwise, internal)
+        for kind in ("mxfp8", "blockwise1d", "blockwise2d")
+        for rowwise, columnwise in ((True, True), (True, False), (False, True))
+        for internal in (False, True)
+    ]
+    [problems] = run_on_ranks(empty_tensors_match_te, cases, world_size=1, boot=FP8)
+    assert problems == []
+
+
+def cpu_adam_state_layout() -> dict:
+    """megatron's Adam on CPU keeps FusedAdam's layout: moments per parameter, step per group."""
+    import megatron.core.optimizer as megatron_optimizer
+
+    from nemo_lw_fp8.cpu.fused_adam import CPUFusedAdam
+
+    assert megatron_optimizer.Adam is CPUFusedAdam
+    assert not megatron_optimizer.USING_PYTORCH_OPTIMIZER
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(4))]
+    optimizer = CPUFusedAdam([{"params": params}, {"params": []}], lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        optimizer.step()
+    state = optimizer.state_dict()
+    restored = CPUFusedAdam([{"params": [p.detach().clone() for p in params]}, {"params": []}])
+    restored.load_state_dict(state)
+    return {
+        "group_steps": [group["step"] for group in optimizer.param_groups],
+        "keys": sorted({key for s in optimizer.state.values() for key in s}),
+        "restored": all(
+            torch.equal(restored.state[r][key], optimizer.state[p][key])
+            and restored.state[r][key].dtype == torch.float32
+            for p, r in zip(params, restored.param_groups[0]["params"], strict=True)
+            for key in ("exp_avg", "exp_avg_sq")
+        ),
+    }
+
+
+def test_cpu_adam_keeps_fused_adams_state_layout():
+    [result] = run_on_ranks(cpu_adam_state_layout, world_size=1, boot=FP8)
+    # TE 2.20.2 advances the step of empty groups too (ranks sharing a shard agree on it).
+    assert result["group_steps"] == [3, 3]
+    assert result["keys"] == ["exp_avg", "exp_avg_sq"]
+    assert result["restored"]
+
+
+# --------------------------------------------------------------------------- Bridge's save
+
+
+def bridge_metadata_save(scenario: Scenario, directory: str) -> dict:
+    """Megatron-Bridge's own metadata builder for a layer-wise run, with the plugin's
+    ``bridge_checkpoint_sharding`` patch and (control) without it, feeding a real save."""
+    import os
+    import types
+
+    import megatron.bridge.training.checkpointing as bridge_checkpointing
+    from megatron.bridge.training.config import CheckpointConfig
+    from megatron.core import parallel_state
+
+    import nemo_lw_fp8
+    from nemo_lw_fp8.mechanics import checkpointing
+    from tests.support import dist_checkpoints as ckpt
+    from tests.support.training import train_step
+
+    nemo_lw_fp8.apply()  # Bridge is imported now: its patches apply
+    dp_rank = parallel_state.get_data_parallel_rank()
+    model, optimizer = _build(scenario, scenario.seed)
+    train_step(scenario, model, optimizer, 0, dp_rank)
+    cfg = types.SimpleNamespace(
+        optimizer=types.SimpleNamespace(
+            use_distributed_optimizer=False, use_layer_wise_distributed_optimizer=True
+        )
+    )
+    ckpt_cfg = CheckpointConfig()
+
+    def save(tag: str) -> str:
+        os.makedirs(f"{directory}/{tag}", exist_ok=True)
+        with checkpointing.saving_config(cfg):  # what the patched save_checkpoint does
+            metadata = bridge_checkpointing._build_sharded_state_dict_metadata(False, ckpt_cfg)
+        sharding = metadata.get("distrib_optim_sharding_type")
+        try:
+            with ckpt.in_process_write_results():
+                model_sd = ckpt.model_sharded_state_dict(model, metadata)
+                state = {"optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)}
+                from megatron.core import dist_checkpointing
+
+                dist_checkpointing.save(state, f"{directory}/{tag}", async_strategy="mcore")
+        except Exception as error:  # noqa: BLE001 - the control reports what megatron raised
+            return f"{sharding}: {type(error).__name__}: {error}"
+        return f"{sharding}: saved"
+
+    patched = save("patched")
+    nemo_lw_fp8.revert(["bridge_checkpoint_sharding"])
+    stock = save("stock")
+    return {"patched": patched, "stock": stock}
+
+
+def test_bridge_names_the_sharding_type_of_layer_wise_saves(tmp_path):
+    for result in run_on_ranks(bridge_metadata_save, BASE, str(tmp_path), boot=FP8, timeout=400):
+        assert result["patched"] == "dp_reshardable: saved"
+        # Control: Bridge's stock metadata has no sharding type; megatron refuses the fallback.
+        assert result["stock"] == (
+            "None: CheckpointingException: ShardedTensor.flattened_range is not supported."
+        ), result["stock"]
