@@ -76,6 +76,34 @@ def test_owner_must_unpack_its_own_segment_for_mxfp8():
     assert_diverges(off, on)
 
 
+def train_with_stock_sharding(scenario: Scenario) -> dict:
+    """Mutation: megatron's own ``shard_params`` at data-parallel size 1 (the compact layout
+    used to hand it over there): no compact ownership, so no compact gather."""
+    from nemo_lw_fp8.mechanics import compact
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compact, "shards", lambda ddp_config: False)
+        return train(scenario)
+
+
+@needs_te
+def test_compact_mxfp8_param_gather_at_data_parallel_size_1():
+    """One data-parallel rank (what PP 2 x VPP 2 on 2 ranks leaves): the compact gather still
+    quantizes the masters into the MXFP8 weights; megatron's one-rank gather would not, and the
+    weights would stay at their initial values (the control)."""
+    base = COMPACT.with_(
+        model="fp8mlp", fp8=True, micro_batch=32, snapshots=True, overlap=True, steps=3
+    )
+    off = run_on_ranks(train, base, world_size=1, boot=FP8)
+    on = run_on_ranks(train, base.with_(fp8_param_gather=True), world_size=1, boot=FP8)
+    assert_fp8_gather_parity(off, on)
+    stock = run_on_ranks(
+        train_with_stock_sharding, base.with_(fp8_param_gather=True), world_size=1, boot=FP8
+    )
+    with pytest.raises(AssertionError, match="losses"):
+        assert_fp8_gather_parity(off, stock)
+
+
 # --------------------------------------------------------------------------- layout facts
 
 

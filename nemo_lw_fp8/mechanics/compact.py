@@ -155,6 +155,19 @@ def compact_pieces(
     return pieces
 
 
+def shards(ddp_config: Any) -> bool:
+    """Whether the compact layout owns and gathers this run's layer-wise params: whenever it is
+    chosen, at every data-parallel size.
+
+    Data-parallel size 1 included: megatron's own ``shard_params`` returns early there and its
+    layer-wise gather of a one-rank group does nothing, trusting the inner step to have written
+    the weights. With MXFP8 param gather the inner step leaves MXFP8 weights alone (the gather
+    quantizes them, :func:`.masters.skip_requantize_on_inner_step`), and compact buffers have no
+    param buffer to stage into, so without this gather the MXFP8 weights would never change.
+    """
+    return plugin_config.is_compact(ddp_config)
+
+
 def shard(optimizer: Any, optimizers: list[Any], ownership: str) -> None:
     """Ownership for compact buffers; narrows the optimizers' param groups to this rank's
     pieces (whole params, or expert slices of grouped weights)."""

@@ -93,12 +93,10 @@ def _make_shard_params(original):
         chunks = optimizer_state(self).model_chunks or []
         if full_param_layouts is None or not chunks:
             return original(self, optimizers, full_param_layouts)
-        ddp_config = chunks[0].ddp_config
-        from megatron.core.utils import get_pg_size
-
-        if not plugin_config.is_compact(ddp_config) or get_pg_size(self.dp_cp) == 1:
+        if not compact.shards(chunks[0].ddp_config):
             return original(self, optimizers, full_param_layouts)
-        compact.shard(self, optimizers, plugin_config.grouped_weight_ownership(ddp_config))
+        ownership = plugin_config.grouped_weight_ownership(chunks[0].ddp_config)
+        compact.shard(self, optimizers, ownership)
         compact.attach_groups(self, chunks)
         return None
 
