@@ -111,6 +111,14 @@ def read(optimizer: Any) -> guards.Settings:
     if getattr(model_config, "fp8", None):
         take("fp8", model_config, "fp8", "TransformerConfig")
         take("fp8_recipe", model_config, "fp8_recipe", "TransformerConfig")
+    if values.get("moe_single_grouped_weight"):
+        # The model is built: whether TE's switch took effect is read from the parameters (the
+        # environment may have held it only while the model was built).
+        from . import grouped
+
+        params = [p for chunk in optimizer.model_chunks for p in chunk.module.parameters()]
+        values["grouped_linear_single_param"] = any(grouped.is_grouped_weight(p) for p in params)
+        sources["grouped_linear_single_param"] = "the built parameters (a single grouped weight)"
     recipe, cls = params_recipe(_layer_wise_params(optimizer))
     if recipe is not None:
         values["fp8_recipe"] = recipe
