@@ -31,6 +31,13 @@ Stand-ins (each can be installed and removed on its own):
     swap states of the CPU generator instead, and ``torch.cuda`` seeding calls become CPU-safe.
     Call site: ``GPTModel`` forward (dropout and init under ``get_cuda_rng_tracker().fork()``),
     ``model_parallel_cuda_manual_seed``.
+``checkpoint_dequantize``
+    ``FileSystemWriterAsync.prepare_write_data`` (megatron's ``torch_dist`` writer) dequantizes
+    a quantized tensor (its class defines ``dequantize``, e.g. TE's ``MXFP8Tensor``) before
+    writing only when it lives on a CUDA device; on CPU the TE object itself was pickled into
+    the checkpoint. The stand-in applies that same rule to CPU tensors, so a CPU checkpoint holds
+    what a GPU one holds (the dequantized values). Call site: its
+    ``_clone_or_dequantize_if_needed`` (through the planner's ``resolve_data``).
 ``cpu_fused_adam``
     With Transformer Engine importable (the MXFP8 emulation pools) megatron picks TE's
     ``FusedAdam``, whose step is a CUDA kernel; without TE it falls back to torch's ``AdamW``,
@@ -291,6 +298,38 @@ def _install_cpu_rng() -> Callable[[], None]:
     return undo
 
 
+# --------------------------------------------------------------------------- checkpoint_dequantize
+
+
+class _DequantizingPlanner:
+    """A save planner whose resolved tensors are dequantized as megatron does on a GPU."""
+
+    def __init__(self, planner: Any) -> None:
+        self._planner = planner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def resolve_data(self, item: Any) -> Any:
+        data = self._planner.resolve_data(item)
+        if isinstance(data, torch.Tensor) and "dequantize" in type(data).__dict__:
+            return data.detach().dequantize()
+        return data
+
+
+def _install_checkpoint_dequantize() -> Callable[[], None]:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync,
+    )
+
+    original = FileSystemWriterAsync.__dict__["prepare_write_data"]
+
+    def prepare_write_data(self: Any, plan: Any, planner: Any) -> None:
+        return original(self, plan, _DequantizingPlanner(planner))
+
+    return _swap_attrs(FileSystemWriterAsync, {"prepare_write_data": prepare_write_data})
+
+
 # --------------------------------------------------------------------------- cpu_fused_adam
 
 
@@ -347,6 +386,9 @@ STANDINS: dict[str, StandIn] = {
         StandIn("cuda_device", "device='cuda' and param.type() checks", _install_cuda_device),
         StandIn("uneven_all_gather", "layer-wise uneven gathers", _install_uneven_all_gather),
         StandIn("cpu_rng", "RNG tracker fork in GPTModel", _install_cpu_rng),
+        StandIn(
+            "checkpoint_dequantize", "torch_dist writer on CPU", _install_checkpoint_dequantize
+        ),
         StandIn("cpu_fused_adam", "FusedAdam's state layout on CPU", _install_cpu_fused_adam),
         StandIn("moe_split_sizes", "all-to-all split sizes on the host", _install_moe_split_sizes),
     )
