@@ -116,9 +116,20 @@ def read(optimizer: Any) -> guards.Settings:
         # environment may have held it only while the model was built).
         from . import grouped
 
-        params = [p for chunk in optimizer.model_chunks for p in chunk.module.parameters()]
-        values["grouped_linear_single_param"] = any(grouped.is_grouped_weight(p) for p in params)
-        sources["grouped_linear_single_param"] = "the built parameters (a single grouped weight)"
+        # A pipeline stage without MoE layers (dense first layers, embedding) holds no routed
+        # experts (megatron's MoELayer.experts): the stages that hold them judge.
+        experts = [
+            p
+            for chunk in optimizer.model_chunks
+            for name, p in chunk.module.named_parameters()
+            if ".experts." in f".{name}"
+        ]
+        if experts:
+            values["grouped_linear_single_param"] = any(map(grouped.is_grouped_weight, experts))
+            sources["grouped_linear_single_param"] = "the built expert parameters"
+        else:
+            values["grouped_linear_single_param"] = True
+            sources["grouped_linear_single_param"] = "no expert parameters on this rank"
     recipe, cls = params_recipe(_layer_wise_params(optimizer))
     if recipe is not None:
         values["fp8_recipe"] = recipe
