@@ -165,8 +165,17 @@ def build_tiny(
         train_iters=train_iters,
         max_lr=3e-3,
     )
-    cfg.scheduler.lr_warmup_iters = 1
+    short_run(cfg, train_iters)
     cfg.optimizer.clip_grad = 0.0  # a global norm sums in a layout-dependent order
+    cfg.ddp.check_for_nan_in_grad = False
+    cfg.model.moe_aux_loss_coeff = 0.0
+    return cfg
+
+
+def short_run(cfg: Any, train_iters: int) -> None:
+    """Settings of a short CPU run: warm-up of one step, evals twice, no checkpoints (a user
+    adds ``checkpoint.save=...``), a log line per step, no data workers."""
+    cfg.scheduler.lr_warmup_iters = 1
     cfg.validation.eval_interval = max(1, train_iters // 2)
     cfg.validation.eval_iters = 2
     cfg.checkpoint.save = None
@@ -176,9 +185,6 @@ def build_tiny(
     cfg.logger.tensorboard_dir = None
     cfg.train.manual_gc = False
     cfg.dataset.num_workers = 0
-    cfg.ddp.check_for_nan_in_grad = False
-    cfg.model.moe_aux_loss_coeff = 0.0
-    return cfg
 
 
 def _make(model: str, variant: str) -> Callable[..., Any]:
@@ -202,11 +208,24 @@ def _make_tiny(model: str) -> Callable[..., Any]:
     return recipe
 
 
+def _make_twin(full: str) -> Callable[..., Any]:
+    def recipe(**overrides: Any) -> Any:
+        from .twins import build_twin
+
+        return build_twin(full, **overrides)
+
+    recipe.__name__ = f"twin_{full}"
+    recipe.__doc__ = f"{full}'s parallelism structure at CPU size (PP/VPP/EP 2, as shipped)."
+    return recipe
+
+
 RECIPES: dict[str, Callable[..., Any]] = {}
 for _model in MODELS:
     for _variant in VARIANTS:
         RECIPES[f"{_key(_model)}_{_variant}"] = _make(_model, _variant)
     RECIPES[f"tiny_{_key(_model)}"] = _make_tiny(_model)
+    for _variant in VARIANTS:
+        RECIPES[f"twin_{_key(_model)}_{_variant}"] = _make_twin(f"{_key(_model)}_{_variant}")
 del _model, _variant
 
 

@@ -46,7 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="resolve, check and print the config; no training"
     )
-    parser.add_argument("--losses-json", help="write per-iteration losses (rank 0) to this file")
+    parser.add_argument(
+        "--losses-json",
+        help="write per-iteration losses (and grad norms) to this file, and each rank's digest "
+        "of its fp32 masters and optimizer state to FILE.rank<N>",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra-style key=value overrides")
 
 
@@ -142,6 +146,44 @@ def _count_expert_slices(optimizer: Any) -> int:
     return count
 
 
+def optimizer_state_digest(optimizer: Any) -> str:
+    """SHA-256 over this rank's fp32 masters and optimizer state (Muon momentum, Adam moments),
+    in the optimizer's own order: two runs that trained alike give the same digest."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+
+    def add(tensor: torch.Tensor) -> None:
+        data = tensor.detach().cpu().contiguous()
+        digest.update(str((tuple(data.shape), data.dtype)).encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    def walk(opt: Any) -> None:
+        children = getattr(opt, "chained_optimizers", None)
+        if children is not None:  # a ChainedOptimizer: its children hold the state
+            for child in children:
+                walk(child)
+            return
+        for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups",
+                     "fp32_from_fp32_groups", "shard_fp32_groups"):
+            for group in getattr(opt, name, None) or []:
+                for tensor in group:
+                    add(tensor)
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    state = inner.state.get(param, {})
+                    for key in sorted(state):
+                        if isinstance(state[key], torch.Tensor):
+                            add(state[key])
+
+    walk(optimizer)
+    return digest.hexdigest()
+
+
 def _reports_losses() -> bool:
     """The first rank of the last pipeline stage (megatron's loss is reduced there)."""
     from megatron.core import parallel_state as ps
@@ -206,6 +248,9 @@ class _LossRecorder:
         #: Whether this rank reports the run: the first rank of the last pipeline stage, where
         #: megatron reduces the losses (rank 0 unless pipeline parallel).
         self.reports: bool | None = None
+        #: Whether to take :func:`optimizer_state_digest` at the end (``--losses-json``).
+        self.digest_wanted = False
+        self.state_digest: str | None = None
 
     @staticmethod
     def _floats(losses: dict[str, Any] | None) -> dict[str, float]:
@@ -222,6 +267,8 @@ class _LossRecorder:
         class Recorder(Callback):
             def on_train_step_end(self, context: Any) -> None:
                 losses = recorder._floats(context.loss_dict)
+                if context.grad_norm is not None:
+                    losses["grad norm"] = float(context.grad_norm)
                 recorder.train.append(losses)
                 if recorder.progress is not None:
                     recorder.progress.report(len(recorder.train), losses.get("lm loss"))
@@ -231,6 +278,10 @@ class _LossRecorder:
 
             def on_eval_end(self, context: Any) -> None:
                 recorder.eval.append(recorder._floats(context.total_loss_dict))
+
+            def on_train_end(self, context: Any) -> None:
+                if recorder.digest_wanted:
+                    recorder.state_digest = optimizer_state_digest(context.optimizer)
 
         return Recorder()
 
@@ -257,10 +308,15 @@ def train(cfg: Any, cpu: bool = False, losses_json: str | None = None) -> _LossR
 
     progress = Progress(cfg.train.train_iters) if int(os.environ.get("RANK", "0")) == 0 else None
     recorder = _LossRecorder(progress)
+    recorder.digest_wanted = bool(losses_json)
     pretrain(cfg, forward_step, callbacks=[recorder.as_callback()])
     reports = recorder.reports
     if reports is None:
         reports = int(os.environ.get("RANK", "0")) == 0
+    if losses_json and recorder.state_digest is not None:
+        # Every rank: its own masters and optimizer state (the losses are reduced ones).
+        with open(f"{losses_json}.rank{os.environ.get('RANK', '0')}", "w") as handle:
+            json.dump({"optimizer_state": recorder.state_digest}, handle)
     if losses_json and reports:
         with open(losses_json, "w") as handle:
             json.dump(

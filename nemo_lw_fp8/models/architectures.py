@@ -397,17 +397,19 @@ def get_architecture(name: str) -> MoEArchitecture:
 # ----------------------------------------------------------------------------- tiny twins
 
 
-def tiny(arch: MoEArchitecture) -> MoEArchitecture:
+def tiny(arch: MoEArchitecture, *, num_layers: int | None = None) -> MoEArchitecture:
     """A same-structure model small enough for 2 CPU ranks (seconds per step).
 
     Kept: attention kind (MLA with / without q LoRA, gated GQA, hybrid Gated DeltaNet pattern),
     leading dense layers, shared experts (and their gate), router kind (sigmoid + expert bias +
     group-limited routing), MTP, untied output layer. Widths are multiples of 32 (MXFP8 blocks);
-    8 experts split over EP 1, 2, 4 or 8; top-2.
+    8 experts split over EP 1, 2, 4 or 8; top-2. ``num_layers``: another depth (recipe twins
+    give each pipeline stage its layers).
     """
     hidden, experts, vocab = 128, 8, 512
     dense = min(arch.first_k_dense, 1)  # one leading dense layer keeps the structure
     layers = 4 if arch.experimental_attention_variant else dense + 2
+    layers = num_layers or layers
     changes: dict[str, Any] = {
         "name": f"tiny-{arch.name}",
         "published_total_params": 0.0,

@@ -1,0 +1,117 @@
+"""Recipe-faithful twins: each full recipe's parallelism *structure* on at most 4 CPU ranks.
+
+A tiny model (:func:`nemo_lw_fp8.models.tiny`) proves little about a recipe that ships PP 4 x
+VPP 4 x EP 64 if it runs on 2 data-parallel ranks. A twin keeps what changes the code paths a
+recipe takes, and shrinks only the sizes:
+
+* pipeline parallel 2 when the recipe has PP > 1, with 2 virtual stages per rank when it has
+  VPP; its layout string keeps the recipe's shape (embedding with the first stage's layers, MTP
+  and loss after the last stage's), one decoder layer per stage; without a layout, the
+  recipe's embedding / loss accounting, two units per stage;
+* expert parallel 2 when the recipe has EP > 1, on data-parallel 2: like every shipped recipe,
+  expert-data-parallel size 1 (each expert's matrices on one rank);
+* TP, ETP, CP as shipped (all 1: Muon wants whole matrices), the FP8 recipe (MXFP8 or
+  blockwise), single grouped weights, layout, ownership, gradient clipping, MTP, dropout and the
+  MoE auxiliary loss as shipped.
+
+Names: ``twin_<recipe>`` (``twin_deepseek_v3_mxfp8``); ``pretrain --recipe twin_... --cpu``
+under ``torchrun --nproc-per-node`` :func:`twin_world_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from . import models
+from .models import MoEArchitecture, ParallelismDefaults
+
+#: Data-parallel ranks of every twin (and the expert-parallel size where the recipe has EP).
+TWIN_DATA_PARALLEL = 2
+PREFIX = "twin_"
+
+
+def _full(recipe: str) -> tuple[MoEArchitecture, str, ParallelismDefaults]:
+    """The architecture, variant and parallelism of a full recipe name (``deepseek_v3_mxfp8``)."""
+    from .recipes import MODELS, VARIANT_GPU, _key
+
+    for model in MODELS:
+        for variant, gpu in VARIANT_GPU.items():
+            if _key(recipe) == f"{_key(model)}_{variant}":
+                arch = models.get_architecture(model)
+                return arch, variant, models.parallelism(arch, gpu)
+    raise KeyError(f"{recipe!r} is not a full recipe (<model>_mxfp8 or <model>_hopper)")
+
+
+def twin_parallelism(full: ParallelismDefaults) -> ParallelismDefaults:
+    """The recipe's parallelism structure at sizes 1 or 2 (the layout is set by
+    :func:`twin_architecture`, which knows the layer count)."""
+    pp = 2 if full.pp > 1 else 1
+    world = pp * full.tp * full.cp * TWIN_DATA_PARALLEL
+    return replace(
+        full,
+        recipe=f"twin of {full.recipe}",
+        muon_change="",
+        nodes=1,
+        gpus_per_node=world,
+        pp=pp,
+        vpp=2 if full.vpp else None,
+        ep=TWIN_DATA_PARALLEL if full.ep > 1 else 1,
+        micro_batch_size=1,
+        # 4 micro-batches per data-parallel rank: a multiple of PP, as interleaving wants.
+        global_batch_size=4 * TWIN_DATA_PARALLEL,
+        seq_length=64,
+        pipeline_layout=None,
+    )
+
+
+def _stage_layout(stages: int, mtp: bool) -> str:
+    """One decoder layer per virtual stage, the embedding first, MTP and loss last."""
+    parts = ["t"] * stages
+    parts[0] = "E" + parts[0]
+    parts[-1] += ("m" if mtp else "") + "L"
+    return "|".join(parts)
+
+
+def twin_architecture(
+    arch: MoEArchitecture, full: ParallelismDefaults, twin: ParallelismDefaults
+) -> tuple[MoEArchitecture, ParallelismDefaults]:
+    """The tiny model sized to the twin's stages, and the twin with its layout."""
+    small = models.tiny(arch)
+    stages = twin.pp * (twin.vpp or 1)
+    layers = small.num_layers
+    if full.pipeline_layout is not None:
+        layers = stages
+        twin = replace(twin, pipeline_layout=_stage_layout(stages, bool(small.mtp_num_layers)))
+    elif twin.pp > 1:
+        extra = twin.account_for_embedding_in_pipeline_split
+        extra += twin.account_for_loss_in_pipeline_split
+        per_stage = max(2, -(-(layers + extra) // stages))
+        layers = per_stage * stages - extra
+    return models.tiny(arch, num_layers=layers), twin
+
+
+def twin_world_size(recipe: str) -> int:
+    """The ``--nproc-per-node`` a twin needs."""
+    return twin_parallelism(_full(_strip(recipe))[2]).world_size
+
+
+def _strip(name: str) -> str:
+    return name[len(PREFIX) :] if name.startswith(PREFIX) else name
+
+
+def build_twin(recipe: str, *, train_iters: int = 4) -> Any:
+    """A Bridge ``ConfigContainer``: the twin of full recipe ``recipe`` (``deepseek_v3_mxfp8``
+    or ``twin_deepseek_v3_mxfp8``), a short CPU-sized run with the recipe's training settings."""
+    from .recipes import build, short_run
+
+    arch, variant, full = _full(_strip(recipe))
+    shipped = build(arch, variant=variant, parallel=full)
+    small, twin = twin_architecture(arch, full, twin_parallelism(full))
+    cfg = build(small, variant=variant, parallel=twin, train_iters=train_iters, max_lr=3e-3)
+    short_run(cfg, train_iters)
+    # As shipped (the tiny recipes drop them for speed or for PP 1 layouts).
+    cfg.optimizer.clip_grad = shipped.optimizer.clip_grad
+    cfg.model.moe_aux_loss_coeff = shipped.model.moe_aux_loss_coeff
+    cfg.ddp.check_for_nan_in_grad = shipped.ddp.check_for_nan_in_grad
+    return cfg
