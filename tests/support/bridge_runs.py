@@ -1,0 +1,63 @@
+"""Runs of ``nemo-lw-fp8 pretrain --cpu`` under ``torchrun`` for the Bridge tests, as a user
+launches them (tests/bridge_run.py adds an optional mutation that switches one fix off).
+
+:func:`pretrain` returns the run's record: ``train`` (per iteration: reduced ``lm loss`` and
+``grad norm``), ``eval`` (per evaluation), ``ranks`` (each rank's digest of its fp32 masters
+and optimizer state at the end), and the grouped-weight ownership facts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent.parent
+#: FP8 param gather off, everything else as the recipe ships (the parity reference).
+GATHER_OFF = (
+    "mixed_precision.fp8_param_gather=false",
+    "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false",
+)
+
+
+def pretrain(
+    tmp: Path,
+    tag: str,
+    recipe: str,
+    *overrides: str,
+    nproc: int = 2,
+    mutation: str = "",
+    timeout: int = 900,
+) -> dict:
+    """Train ``recipe`` on ``nproc`` CPU ranks; a failing run fails the test with its log tail
+    (a control that crashes is a failure, not a divergence)."""
+    out = tmp / f"{tag}.json"
+    env = dict(os.environ, NEMO_LW_FP8_TEST_MUTATION=mutation)
+    port = str(29500 + (os.getpid() * 7 + sum(map(ord, tag))) % 400)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+         "--master-port", port, str(HERE / "bridge_run.py"), "pretrain", "--recipe", recipe,
+         "--cpu", "--losses-json", str(out), *overrides],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, f"{tag} failed:\n" + (done.stdout + done.stderr)[-4000:]
+    run = json.loads(out.read_text())
+    run["ranks"] = [
+        json.loads((tmp / f"{tag}.json.rank{rank}").read_text())["optimizer_state"]
+        for rank in range(nproc)
+    ]
+    return run
+
+
+def losses(run: dict) -> list[float]:
+    return [row["lm loss"] for row in run["train"]]
+
+
+def grad_norms(run: dict) -> list[float]:
+    return [row["grad norm"] for row in run["train"]]
+
+
+def eval_losses(run: dict) -> list[float]:
+    return [row["lm loss"] for row in run["eval"]]

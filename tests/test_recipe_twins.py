@@ -1,0 +1,69 @@
+"""Recipe-faithful twins (nemo_lw_fp8/twins.py) trained by ``nemo-lw-fp8 pretrain --cpu`` under
+torchrun, as a user launches them: each full recipe's parallelism structure (PP 2 with its
+layout or accounting, VPP 2, EP 2 on DP 2), FP8 recipe, single grouped weights, MTP, gradient
+clipping, dropout and auxiliary loss as shipped.
+
+FP8 param gather ON = OFF bitwise: every iteration's reduced loss and global grad norm (the
+clipping input), every evaluation, and every rank's fp32 masters and optimizer state at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_lw_fp8 import twins
+from tests.support import bridge_runs as br
+
+pytestmark = pytest.mark.usefixtures("bridge_installed")
+
+#: Twins that train on CPU. Two iterations with an evaluation after each: the second step's
+#: forward and both evals read the weights the plugin's FP8 gather delivered.
+TWINS = (
+    "deepseek_v3_mxfp8",
+    "deepseek_v2_lite_mxfp8",
+    "qwen3_30b_a3b_mxfp8",
+    "qwen3_235b_a22b_mxfp8",
+)
+SHORT = ("train.train_iters=2", "validation.eval_interval=1", "validation.eval_iters=1")
+
+
+@pytest.fixture(scope="module")
+def twin_run(tmp_path_factory):
+    """``twin_run(recipe, tag, *overrides, mutation="")``: one short run of a twin, kept for the
+    module (the control reuses a parity test's reference run)."""
+    done: dict[tuple, dict] = {}
+
+    def run(recipe: str, tag: str, *overrides: str, mutation: str = "") -> dict:
+        key = (recipe, overrides, mutation)
+        if key not in done:
+            tmp = tmp_path_factory.mktemp(f"{recipe}-{tag}")
+            nproc = twins.twin_world_size(recipe)
+            done[key] = br.pretrain(
+                tmp, tag, f"twin_{recipe}", *SHORT, *overrides, nproc=nproc, mutation=mutation
+            )
+        return done[key]
+
+    return run
+
+
+@pytest.mark.parametrize("recipe", TWINS)
+def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
+    on = twin_run(recipe, "on")
+    off = twin_run(recipe, "off", *br.GATHER_OFF)
+    assert len(br.losses(on)) == 2 and len(br.eval_losses(on)) == 3, on
+    assert br.losses(on) == br.losses(off)  # exact float equality
+    assert br.grad_norms(on) == br.grad_norms(off)
+    assert br.eval_losses(on) == br.eval_losses(off)
+    assert on["ranks"] == off["ranks"]
+    # Ranks hold different pieces of the model: the digests say something.
+    assert len(set(on["ranks"])) == twins.twin_world_size(recipe)
+
+
+def test_twin_control_catches_a_broken_fix(twin_run):
+    """The comparison above can fail: the flagship twin (PP 2 x VPP 2 x EP 2, MTP, single
+    grouped MXFP8 experts) without the init-value table (masters start from dequantized FP8
+    instead of TE's preserved bf16 values) differs from FP8 gather off."""
+    off = twin_run("deepseek_v3_mxfp8", "off", *br.GATHER_OFF)
+    broken = twin_run("deepseek_v3_mxfp8", "broken", mutation="init_value_table")
+    assert br.losses(broken) != br.losses(off)
+    assert broken["ranks"] != off["ranks"]
