@@ -3,7 +3,6 @@ every plugin feature on; FP8 param gather ON = OFF bitwise; the launchers' entry
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -12,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import bridge_runs as br
+
 HERE = Path(__file__).parent
-OFF = ("mixed_precision.fp8_param_gather=false",
-       "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false")
+OFF = br.GATHER_OFF
 
 
 pytestmark = pytest.mark.usefixtures("bridge_installed")
@@ -29,26 +29,14 @@ def _train(
     mutation: str = "",
     eval_interval: int | None = None,
 ) -> dict:
-    out = tmp / f"{tag}.json"
-    env = dict(os.environ, NEMO_LW_FP8_TEST_MUTATION=mutation)
-    port = str(29700 + (os.getpid() + hash(tag)) % 200)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-         "--master-port", port, str(HERE / "bridge_run.py"), "pretrain", "--recipe", recipe,
-         "--cpu", "--losses-json", str(out), f"train.train_iters={steps}",
-         f"validation.eval_interval={eval_interval or steps}", "train.global_batch_size=4", *extra],
-        capture_output=True, text=True, env=env, timeout=900,
+    return br.pretrain(
+        tmp, tag, recipe, f"train.train_iters={steps}",
+        f"validation.eval_interval={eval_interval or steps}", "train.global_batch_size=4", *extra,
+        mutation=mutation,
     )  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return json.loads(out.read_text())
 
 
-def _losses(run: dict) -> list[float]:
-    return [row["lm loss"] for row in run["train"]]
-
-
-def _eval_losses(run: dict) -> list[float]:
-    return [row["lm loss"] for row in run["eval"]]
+_losses, _eval_losses = br.losses, br.eval_losses
 
 
 def test_tiny_deepseek_v3_fp8_gather_on_equals_off_through_bridge(tmp_path):

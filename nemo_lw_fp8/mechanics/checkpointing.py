@@ -56,3 +56,61 @@ def save_needs_param_sync(cfg: Any) -> bool:
     if getattr(ddp, "use_megatron_fsdp", False) or cfg.optimizer.use_distributed_optimizer:
         return False
     return layer_wise_run(cfg) and bool(getattr(ddp, "overlap_param_gather", False))
+
+
+_LOADING_INTO: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "nemo_lw_fp8_loading_into", default=None
+)
+
+
+@contextlib.contextmanager
+def loading_into(cfg: Any) -> Iterator[None]:
+    """While Bridge loads a checkpoint into the run configured by ``cfg``."""
+    token = _LOADING_INTO.set(cfg)
+    try:
+        yield
+    finally:
+        _LOADING_INTO.reset(token)
+
+
+def _current_fields(cfg: Any) -> dict[str, dict[str, Any]]:
+    from ..guards import CHECKPOINT_FIXED_FIELDS
+
+    current: dict[str, dict[str, Any]] = {}
+    for section, name in CHECKPOINT_FIXED_FIELDS:
+        current.setdefault(section, {})[name] = getattr(getattr(cfg, section), name, None)
+    return current
+
+
+def missing_files(iteration_dir: str) -> list[str]:
+    """Files a ``torch_dist`` checkpoint's metadata lists that its directory lacks."""
+    import os
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.exists(os.path.join(iteration_dir, ".metadata")):
+        return [".metadata"]
+    storage = FileSystemReader(iteration_dir).read_metadata().storage_data or {}
+    listed = {info.relative_path for info in storage.values()}
+    return [name for name in listed if not os.path.exists(os.path.join(iteration_dir, name))]
+
+
+def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
+    """Refuse, before anything is loaded, a checkpoint this run cannot resume from: one written
+    by another model / FP8 recipe / optimizer, or one missing files (rules
+    ``checkpoint-mismatch`` and ``checkpoint-missing-shard``)."""
+    import os
+
+    from ..guards import ConfigError, checkpoint_mismatch, checkpoint_missing_files
+
+    cfg = _LOADING_INTO.get()
+    if cfg is None:
+        return
+    iteration_dir = os.path.dirname(run_config_file)
+    message = checkpoint_mismatch(run_config, _current_fields(cfg), iteration_dir)
+    if message:
+        raise ConfigError("checkpoint-mismatch", message)
+    if getattr(cfg.checkpoint, "ckpt_format", "torch_dist") == "torch_dist":
+        message = checkpoint_missing_files(missing_files(iteration_dir), iteration_dir)
+        if message:
+            raise ConfigError("checkpoint-missing-shard", message)

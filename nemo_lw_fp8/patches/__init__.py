@@ -39,6 +39,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "bridge_config_guards",
     "bridge_checkpoint_sharding",
     "bridge_save_param_sync",
+    "bridge_checkpoint_compat",
 )
 
 

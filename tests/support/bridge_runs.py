@@ -22,6 +22,20 @@ GATHER_OFF = (
 )
 
 
+def _launch(
+    tmp: Path, tag: str, recipe: str, overrides: tuple[str, ...], nproc: int, mutation: str,
+    timeout: int,
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ, NEMO_LW_FP8_TEST_MUTATION=mutation)
+    port = str(29500 + (os.getpid() * 7 + sum(map(ord, tag))) % 400)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+         "--master-port", port, str(HERE / "bridge_run.py"), "pretrain", "--recipe", recipe,
+         "--cpu", "--losses-json", str(tmp / f"{tag}.json"), *overrides],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )  # fmt: skip
+
+
 def pretrain(
     tmp: Path,
     tag: str,
@@ -33,22 +47,21 @@ def pretrain(
 ) -> dict:
     """Train ``recipe`` on ``nproc`` CPU ranks; a failing run fails the test with its log tail
     (a control that crashes is a failure, not a divergence)."""
-    out = tmp / f"{tag}.json"
-    env = dict(os.environ, NEMO_LW_FP8_TEST_MUTATION=mutation)
-    port = str(29500 + (os.getpid() * 7 + sum(map(ord, tag))) % 400)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-         "--master-port", port, str(HERE / "bridge_run.py"), "pretrain", "--recipe", recipe,
-         "--cpu", "--losses-json", str(out), *overrides],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )  # fmt: skip
+    done = _launch(tmp, tag, recipe, overrides, nproc, mutation, timeout)
     assert done.returncode == 0, f"{tag} failed:\n" + (done.stdout + done.stderr)[-4000:]
-    run = json.loads(out.read_text())
+    run = json.loads((tmp / f"{tag}.json").read_text())
     run["ranks"] = [
         json.loads((tmp / f"{tag}.json.rank{rank}").read_text())["optimizer_state"]
         for rank in range(nproc)
     ]
     return run
+
+
+def pretrain_refused(tmp: Path, tag: str, recipe: str, *overrides: str, nproc: int = 2) -> str:
+    """A run expected to stop with an error: its whole output (asserting that it stopped)."""
+    done = _launch(tmp, tag, recipe, overrides, nproc, "", 600)
+    assert done.returncode != 0, f"{tag} was expected to stop but trained"
+    return done.stdout + done.stderr
 
 
 def losses(run: dict) -> list[float]:

@@ -1,0 +1,90 @@
+"""Megatron-Bridge refuses, before loading anything, a checkpoint the run cannot resume from.
+
+Behaviour: Bridge 0.6.2 compares only TP / PP between a checkpoint's ``run_config.yaml`` and the
+run. A checkpoint of another model fails later inside the sharded load with a key or shape
+error naming tensors, one of FP8 recipe MXFP8 loaded into a blockwise run (or the reverse) loads
+without complaint, and a checkpoint missing one of its ``.distcp`` files fails on the ranks that
+read it while the others wait in a collective. With this patch the load stops first, on every
+rank, with a message naming each differing field (model shapes, FP8 recipe, optimizer) or the
+missing files, and the fix: :func:`nemo_lw_fp8.mechanics.checkpointing.check_loadable`, rules
+``checkpoint-mismatch`` and ``checkpoint-missing-shard`` in :mod:`nemo_lw_fp8.guards`.
+
+Mirrors: no upstream change.
+
+Patches: ``megatron.bridge.training.checkpointing._load_checkpoint_from_path`` (remembers the
+run being loaded into) and that module's ``read_run_config`` (Bridge reads the checkpoint's
+config through it, rank 0 reading and broadcasting, before any tensor is loaded).
+
+Detection: only when Megatron-Bridge has been imported; native when Bridge's load path compares
+the FP8 recipe itself (its source mentions ``fp8_recipe``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from typing import Any
+
+from ..mechanics import checkpointing
+from .framework import Override, Patch, register, unpatched_own_attr
+
+FEATURE = "bridge_checkpoint_compat"
+_BRIDGE_CONFIG = "megatron.bridge.training.config"
+_CHECKPOINTING = "megatron.bridge.training.checkpointing"
+
+
+def _module() -> Any | None:
+    if _BRIDGE_CONFIG not in sys.modules:
+        return None
+    return importlib.import_module(_CHECKPOINTING)
+
+
+def _detect_native() -> tuple[bool, str]:
+    module = _module()
+    if module is None:
+        return True, "Megatron-Bridge not imported: nothing to patch"
+    if "fp8_recipe" in inspect.getsource(unpatched_own_attr(module, "_load_checkpoint_from_path")):
+        return True, "Bridge's checkpoint load compares the FP8 recipe itself"
+    return False, "Bridge's checkpoint load compares only TP and PP with the saved config"
+
+
+def _make_load(original):
+    def _load_checkpoint_from_path(load_dir: str, state: Any, *args: Any, **kwargs: Any) -> Any:
+        with checkpointing.loading_into(state.cfg):
+            return original(load_dir, state, *args, **kwargs)
+
+    _load_checkpoint_from_path.__wrapped__ = original  # type: ignore[attr-defined]
+    return _load_checkpoint_from_path
+
+
+def _make_read(original):
+    def read_run_config(run_config_filename: str) -> dict[str, Any]:
+        run_config = original(run_config_filename)
+        checkpointing.check_loadable(run_config, run_config_filename)
+        return run_config
+
+    read_run_config.__wrapped__ = original  # type: ignore[attr-defined]
+    return read_run_config
+
+
+def _build_overrides() -> list[Override]:
+    module = sys.modules[_CHECKPOINTING]
+    load = module.__dict__["_load_checkpoint_from_path"]
+    read = module.__dict__["read_run_config"]
+    return [
+        Override(module, "_load_checkpoint_from_path", _make_load(load)),
+        Override(module, "read_run_config", _make_read(read)),
+    ]
+
+
+PATCH = register(
+    Patch(
+        name=FEATURE,
+        upstream_pr=0,
+        summary="Megatron-Bridge refuses a checkpoint of another model, FP8 recipe or optimizer",
+        detect_native=_detect_native,
+        build_overrides=_build_overrides,
+        target="megatron-bridge",
+    )
+)

@@ -1,0 +1,64 @@
+"""A checkpoint the run cannot resume from is refused before anything is loaded, with the
+difference and the fix (rules ``checkpoint-mismatch`` and ``checkpoint-missing-shard``, patch
+``bridge_checkpoint_compat``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_lw_fp8 import guards
+from nemo_lw_fp8.mechanics import checkpointing
+from tests.support import bridge_runs as br
+
+SAVED = {
+    "model": {"num_layers": 3, "hidden_size": 128, "fp8": "e4m3", "fp8_recipe": "mxfp8"},
+    "optimizer": {"optimizer": "dist_muon"},
+}
+
+
+def test_mismatch_names_every_differing_field():
+    same = {section: dict(values) for section, values in SAVED.items()}
+    assert guards.checkpoint_mismatch(SAVED, same, "ck/iter_2") is None
+    other = {
+        "model": {**SAVED["model"], "num_layers": 4, "fp8_recipe": "blockwise"},
+        "optimizer": {"optimizer": "adam"},
+    }
+    message = guards.checkpoint_mismatch(SAVED, other, "ck/iter_2")
+    assert "model.num_layers: 3 in the checkpoint, 4 here" in message
+    assert "model.fp8_recipe: 'mxfp8' in the checkpoint, 'blockwise' here" in message
+    assert "optimizer.optimizer: 'dist_muon'" in message and "checkpoint.load" in message
+    assert "hidden_size" not in message
+
+
+def test_missing_files_are_listed(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"a": torch.ones(4), "b": torch.zeros(2)}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert checkpointing.missing_files(str(tmp_path)) == []
+    shard = next(tmp_path.glob("*.distcp"))
+    shard.unlink()
+    assert checkpointing.missing_files(str(tmp_path)) == [shard.name]
+    message = guards.checkpoint_missing_files([shard.name], str(tmp_path))
+    assert shard.name in message and "ckpt_step" in message
+    (tmp_path / ".metadata").unlink()
+    assert checkpointing.missing_files(str(tmp_path)) == [".metadata"]
+
+
+@pytest.mark.usefixtures("bridge_installed")
+def test_bridge_refuses_another_recipe_and_a_missing_shard(tmp_path):
+    """Saved by tiny DeepSeek-V3: loading it into tiny Qwen3 stops at the config comparison on
+    every rank; with one shard file gone, the same recipe stops before reading tensors."""
+    ckpt = tmp_path / "ckpt"
+    br.pretrain(tmp_path, "save", "tiny_deepseek_v3", "train.train_iters=1",
+                "validation.eval_interval=1", f"checkpoint.save={ckpt}",
+                "checkpoint.save_interval=1")  # fmt: skip
+    load = ("train.train_iters=2", f"checkpoint.load={ckpt}")
+    other = br.pretrain_refused(tmp_path, "other", "tiny_qwen3_30b_a3b", *load)
+    assert "[nemo_lw_fp8:checkpoint-mismatch]" in other
+    assert "model.multi_latent_attention: True in the checkpoint, False here" in other
+
+    shard = sorted((ckpt / "iter_0000001").glob("*.distcp"))[-1]
+    shard.unlink()
+    missing = br.pretrain_refused(tmp_path, "missing", "tiny_deepseek_v3", *load)
+    assert "[nemo_lw_fp8:checkpoint-missing-shard]" in missing and shard.name in missing
