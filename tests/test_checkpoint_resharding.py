@@ -88,6 +88,8 @@ def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list
 def test_resume_at_another_data_parallel_size_keeps_the_state(tmp_path):
     scenario = BASE.with_(steps=3)
     at2, at4, back2, nudged = (tmp_path / name for name in ("dp2", "dp4", "dp2-again", "nudged"))
+    for directory in (at2, at4, back2, nudged):
+        directory.mkdir()
     run_on_ranks(train_and_save, scenario, str(at2), 3, world_size=2, boot=FP8, timeout=400)
     losses4 = run_on_ranks(load_save_and_train, scenario, str(at2), str(at4), str(nudged),
                            world_size=4, boot=FP8, timeout=400)  # fmt: skip
