@@ -153,7 +153,9 @@ def training_round_trip(
     import os
 
     from megatron.core import dist_checkpointing, parallel_state
+    from megatron.training import arguments
 
+    import nemo_lw_fp8
     from tests.support import dist_checkpoints as ckpt
     from tests.support.training import train_step
 
@@ -166,6 +168,8 @@ def training_round_trip(
             "state": ckpt.optimizer_snapshot(optimizer, module),
         }
 
+    nemo_lw_fp8.apply()  # first, as a training script does: validate_args runs the plugin's rules
+    guarded = hasattr(arguments.validate_args, "__wrapped__")
     dp_rank = parallel_state.get_data_parallel_rank()
     steps = range(SAVE_AFTER)
     with ckpt.training_globals(ckpt.training_args(directory, fully_reshardable)):
@@ -188,6 +192,7 @@ def training_round_trip(
         )
     written = os.path.join(directory, f"iter_{SAVE_AFTER:07d}")
     return {
+        "guarded": guarded,
         "content_metadata": dist_checkpointing.load_content_metadata(written),
         "saved": saved,
         "loaded": loaded,
@@ -224,6 +229,7 @@ def test_megatron_training_checkpoint_round_trip_is_bitwise(fully_reshardable, t
                      "distopt:exp_avg:", "distopt:exp_avg_sq:", "distopt:steps"):  # fmt: skip
             assert any(name.startswith(kind) for name in names), (rank, kind, names)
         assert result["fresh_differs"], rank
+        assert result["guarded"], "the plugin's rules did not run in validate_args"
         # megatron-training names the sibling DistributedOptimizer's sharding type.
         sharding = "fully_reshardable" if fully_reshardable else "dp_reshardable"
         assert result["content_metadata"]["distrib_optim_sharding_type"] == sharding, rank
