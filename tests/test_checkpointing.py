@@ -4,8 +4,11 @@ megatron-core level: a small MXFP8 model on the compact layout (Muon matrices, A
 under the sibling DistributedOptimizer) trains, is saved through ``megatron.core.
 dist_checkpointing`` with the metadata megatron's loops build, and is loaded into a model built
 from another seed; weights, fp32 masters, Muon momentum, Adam moments and steps come back to the
-bit and training goes on exactly as the run that never stopped. The Bridge round trip (save,
-end the processes, resume in fresh ones) is in ``tests/test_bridge_checkpointing.py``.
+bit and training goes on exactly as the run that never stopped. The same through
+megatron-training's own ``save_checkpoint`` / ``load_checkpoint``, with the ``args`` its parser
+and ``validate_args`` build (``--optimizer muon --use-distributed-optimizer``), and a control
+whose changed state must come back as a mismatch. The Bridge round trip (save, end the
+processes, resume in fresh ones) is in ``tests/test_bridge_checkpointing.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from nemo_lw_fp8.emulation import te_backend
 from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.parity import assert_diverges
 from tests.support.scenarios import Scenario
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
@@ -119,6 +123,134 @@ def test_torch_dist_round_trip_is_bitwise(sharding, fully_parallel, tmp_path):
         assert result["losses"] == result["reference"], rank  # exact float equality
         assert result["final_weights_differ"] == [], (rank, result["final_weights_differ"])
         assert result["final_state_differ"] == [], (rank, result["final_state_differ"])
+
+
+# --------------------------------------------------------------------------- megatron.training
+
+
+def _mutate_one_of_each(optimizer, module) -> list[str]:
+    """Control: after the snapshot, before the save, change element 0 of this rank's first
+    layer-wise fp32 master, first Muon momentum and first Adam ``exp_avg`` shard."""
+    from tests.support import dist_checkpoints as ckpt
+
+    live = ckpt.optimizer_tensors(optimizer, module)
+    mutated = []
+    for kind in ("layerwise:master:", "layerwise:momentum_buffer:", "distopt:exp_avg:"):
+        name = next(k for k in sorted(live) if k.startswith(kind) and live[k].numel())
+        with torch.no_grad():
+            live[name].view(-1)[0] += 1.0
+        mutated.append(name)
+    return sorted(mutated)
+
+
+def training_round_trip(
+    scenario: Scenario, directory: str, fully_reshardable: bool, mutate: bool = False
+) -> dict:
+    """On each rank, with megatron-training's args and globals: train ``SAVE_AFTER`` steps, save
+    through ``megatron.training.checkpointing.save_checkpoint``, train one more step (the run
+    that never stopped); build the model and optimizer from another seed, load through
+    ``load_checkpoint``, train that step again. ``mutate``: the control."""
+    import os
+
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.training import arguments
+
+    import nemo_lw_fp8
+    from tests.support import dist_checkpoints as ckpt
+    from tests.support.training import train_step
+
+    def state(model, optimizer, losses: list[float], iteration: int) -> dict:
+        module = model[0].module
+        return {
+            "losses": list(losses),
+            "iteration": iteration,
+            "weights": ckpt.weight_values(module),
+            "state": ckpt.optimizer_snapshot(optimizer, module),
+        }
+
+    nemo_lw_fp8.apply()  # first, as a training script does: validate_args runs the plugin's rules
+    guarded = hasattr(arguments.validate_args, "__wrapped__")
+    dp_rank = parallel_state.get_data_parallel_rank()
+    steps = range(SAVE_AFTER)
+    with ckpt.training_globals(ckpt.training_args(directory, fully_reshardable)):
+        model, optimizer = _build(scenario, scenario.seed)
+        ckpt.give_sharded_state_dict(model[0].module)
+        losses = [train_step(scenario, model, optimizer, s, dp_rank) for s in steps]
+        saved = state(model, optimizer, losses, SAVE_AFTER)
+        mutated = _mutate_one_of_each(optimizer, model[0].module) if mutate else []
+        ckpt.training_save(model, optimizer, SAVE_AFTER)
+        went_on = state(
+            model, optimizer, [train_step(scenario, model, optimizer, SAVE_AFTER, dp_rank)], 0
+        )
+
+        model, optimizer = _build(scenario, scenario.seed + 1)
+        ckpt.give_sharded_state_dict(model[0].module)
+        fresh = state(model, optimizer, losses, SAVE_AFTER)
+        loaded = state(model, optimizer, losses, ckpt.training_load(model, optimizer))
+        resumed = state(
+            model, optimizer, [train_step(scenario, model, optimizer, SAVE_AFTER, dp_rank)], 0
+        )
+    written = os.path.join(directory, f"iter_{SAVE_AFTER:07d}")
+    return {
+        "guarded": guarded,
+        "content_metadata": dist_checkpointing.load_content_metadata(written),
+        "saved": saved,
+        "loaded": loaded,
+        "went_on": went_on,
+        "resumed": resumed,
+        "mutated": mutated,
+        # The fresh build differs from the checkpoint: a load that did nothing cannot pass.
+        "fresh_differs": bool(_mismatches(saved["state"], fresh["state"]))
+        and bool(_mismatches(saved["weights"], fresh["weights"])),
+    }
+
+
+def assert_same_state(before: list[dict], after: list[dict]) -> None:
+    """Per rank: iteration, losses, the weights the GEMMs read, every fp32 master, Muon
+    momentum, Adam moment and step, equal to the bit."""
+    for rank, (a, b) in enumerate(zip(before, after, strict=True)):
+        assert a["iteration"] == b["iteration"], (rank, a["iteration"], b["iteration"])
+        assert a["losses"] == b["losses"], (rank, a["losses"], b["losses"])
+        assert _mismatches(a["weights"], b["weights"]) == [], (rank, "weights")
+        differ = _mismatches(a["state"], b["state"])
+        assert differ == [], f"rank {rank}: optimizer state differs: {differ}"
+
+
+@pytest.mark.parametrize(
+    "fully_reshardable", [False, True], ids=["dp_reshardable", "fully_reshardable"]
+)
+def test_megatron_training_checkpoint_round_trip_is_bitwise(fully_reshardable, tmp_path):
+    results = run_on_ranks(
+        training_round_trip, BASE, str(tmp_path), fully_reshardable, boot=FP8, timeout=400
+    )
+    for rank, result in enumerate(results):
+        names = sorted(result["saved"]["state"])
+        for kind in ("layerwise:master:", "layerwise:momentum_buffer:", "distopt:master:",
+                     "distopt:exp_avg:", "distopt:exp_avg_sq:", "distopt:steps"):  # fmt: skip
+            assert any(name.startswith(kind) for name in names), (rank, kind, names)
+        assert result["fresh_differs"], rank
+        assert result["guarded"], "the plugin's rules did not run in validate_args"
+        # megatron-training names the sibling DistributedOptimizer's sharding type.
+        sharding = "fully_reshardable" if fully_reshardable else "dp_reshardable"
+        assert result["content_metadata"]["distrib_optim_sharding_type"] == sharding, rank
+    assert_same_state([r["saved"] for r in results], [r["loaded"] for r in results])
+    # Training goes on as the run that never stopped.
+    assert_same_state([r["went_on"] for r in results], [r["resumed"] for r in results])
+
+
+def test_megatron_training_checkpoint_control_detects_a_changed_state(tmp_path):
+    """Control: state changed between the snapshot and the save must come back as a mismatch
+    of exactly the changed entries (a completed run, not a crash)."""
+    results = run_on_ranks(
+        training_round_trip, BASE, str(tmp_path), False, mutate=True, boot=FP8, timeout=400
+    )
+    saved, loaded = [r["saved"] for r in results], [r["loaded"] for r in results]
+    assert_diverges(saved, loaded, compare=assert_same_state, match="optimizer state differs")
+    for rank, result in enumerate(results):
+        assert len(result["mutated"]) == 3, rank
+        differ = sorted(_mismatches(result["saved"]["state"], result["loaded"]["state"]))
+        assert differ == result["mutated"], (rank, differ)
+        assert _mismatches(result["saved"]["weights"], result["loaded"]["weights"]) == [], rank
 
 
 # --------------------------------------------------------------------------- the CPU backend

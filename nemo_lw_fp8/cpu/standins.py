@@ -31,6 +31,11 @@ Stand-ins (each can be installed and removed on its own):
     swap states of the CPU generator instead, and ``torch.cuda`` seeding calls become CPU-safe.
     Call site: ``GPTModel`` forward (dropout and init under ``get_cuda_rng_tracker().fork()``),
     ``model_parallel_cuda_manual_seed``.
+``cuda_rng_state``
+    ``torch.cuda.get_rng_state`` / ``set_rng_state`` read and set the CPU generator, whose state
+    the ``cpu_rng`` stand-in lets play the CUDA generator's role. Call sites: megatron-training's
+    ``checkpointing.get_rng_state`` (every ``save_checkpoint`` and ``torch_dist`` load records
+    ``cuda_rng_state``) and ``load_checkpoint`` (restores it); Megatron-Bridge's copies of both.
 ``checkpoint_dequantize``
     ``FileSystemWriterAsync.prepare_write_data`` (megatron's ``torch_dist`` writer) dequantizes
     a quantized tensor (its class defines ``dequantize``, e.g. TE's ``MXFP8Tensor``) before
@@ -298,6 +303,19 @@ def _install_cpu_rng() -> Callable[[], None]:
     return undo
 
 
+# --------------------------------------------------------------------------- cuda_rng_state
+
+
+def _install_cuda_rng_state() -> Callable[[], None]:
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+        torch.set_rng_state(new_state)
+
+    return _swap_attrs(torch.cuda, {"get_rng_state": get_rng_state, "set_rng_state": set_rng_state})
+
+
 # --------------------------------------------------------------------------- checkpoint_dequantize
 
 
@@ -386,6 +404,7 @@ STANDINS: dict[str, StandIn] = {
         StandIn("cuda_device", "device='cuda' and param.type() checks", _install_cuda_device),
         StandIn("uneven_all_gather", "layer-wise uneven gathers", _install_uneven_all_gather),
         StandIn("cpu_rng", "RNG tracker fork in GPTModel", _install_cpu_rng),
+        StandIn("cuda_rng_state", "RNG state in checkpoints", _install_cuda_rng_state),
         StandIn(
             "checkpoint_dequantize", "torch_dist writer on CPU", _install_checkpoint_dequantize
         ),

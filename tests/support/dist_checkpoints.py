@@ -5,7 +5,9 @@ exactly as megatron-training's and Megatron-Bridge's checkpointing do: the model
 optimizer's ``sharded_state_dict`` with the content metadata those loops build (the
 DistributedOptimizer's sharding type), ``dist_checkpointing.save`` / ``load`` (optionally through
 the fully parallel save / load wrappers, which exchange empty tensors between ranks), then the
-model's and the optimizer's ``load_state_dict``. :func:`optimizer_snapshot` and
+model's and the optimizer's ``load_state_dict``. :func:`training_save` / :func:`training_load`
+call megatron-training's own ``save_checkpoint`` / ``load_checkpoint`` with the ``args`` its
+parser builds (:func:`training_args`, :func:`training_globals`). :func:`optimizer_snapshot` and
 :func:`weight_snapshot` record what must come back to the bit.
 """
 
@@ -156,17 +158,18 @@ def weight_values(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def optimizer_snapshot(optimizer, module: torch.nn.Module) -> dict[str, Any]:
+def optimizer_tensors(optimizer, module: torch.nn.Module) -> dict[str, Any]:
     """Per parameter name: each chained optimizer's fp32 master and state tensors (Muon's
-    momentum, Adam's moments on this rank's shards), and every param group's step."""
+    momentum, Adam's moments on this rank's shards), the live objects; and every param group's
+    step."""
     names = {id(p): n for n, p in module.named_parameters()}
     out: dict[str, Any] = {}
 
     def record(kind: str, name: str, main: torch.Tensor, inner) -> None:
-        out[f"{kind}:master:{name}"] = main.detach().clone()
+        out[f"{kind}:master:{name}"] = main
         for key, value in inner.state.get(main, {}).items():
             if torch.is_tensor(value):
-                out[f"{kind}:{key}:{name}"] = value.detach().clone()
+                out[f"{kind}:{key}:{name}"] = value
 
     def walk(opt) -> None:
         for child in getattr(opt, "chained_optimizers", []):
@@ -187,3 +190,127 @@ def optimizer_snapshot(optimizer, module: torch.nn.Module) -> dict[str, Any]:
 
     walk(optimizer)
     return out
+
+
+def optimizer_snapshot(optimizer, module: torch.nn.Module) -> dict[str, Any]:
+    """A copy of :func:`optimizer_tensors`: what must come back to the bit."""
+    return {
+        key: value.detach().clone() if torch.is_tensor(value) else value
+        for key, value in optimizer_tensors(optimizer, module).items()
+    }
+
+
+# --------------------------------------------------------------------------- megatron.training
+
+
+def training_args(directory: str, fully_reshardable: bool, extra: tuple[str, ...] = ()):
+    """megatron-training's ``args`` for a layer-wise Muon run with MXFP8 param gather, from its
+    own parser and ``validate_args`` (which the plugin hooks: its rules run on them too).
+
+    They describe the run to ``megatron.training.checkpointing``; the model and optimizer are
+    the scenario's (the sizes below only have to agree between save and load, which
+    ``check_checkpoint_args`` compares). ``--optimizer muon --use-distributed-optimizer`` is how
+    megatron-training 0.19.2 spells the layer-wise optimizer (``validate_args`` turns it into
+    ``use_layer_wise_distributed_optimizer``).
+    """
+    import sys
+
+    import torch.distributed as dist
+    from megatron.training import arguments
+
+    argv = [
+        "pretrain", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+        "--train-iters", "8", "--lr", "0.01", "--bf16", "--no-gradient-accumulation-fusion",
+        "--optimizer", "muon", "--use-distributed-optimizer",
+        "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather",
+        "--reuse-grad-buf-for-mxfp8-param-ag",
+        "--ckpt-format", "torch_dist", "--save", directory, "--load", directory,
+        "--save-interval", "1",
+    ]  # fmt: skip
+    if fully_reshardable:
+        argv.append("--dist-ckpt-optim-fully-reshardable")
+    before = sys.argv
+    sys.argv = argv + list(extra)
+    try:
+        args = arguments.parse_args()
+    finally:
+        sys.argv = before
+    # parse_args reads the rank and world size from the environment torchrun sets.
+    args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
+    return arguments.validate_args(args, {})
+
+
+@contextlib.contextmanager
+def training_globals(args) -> Iterator[None]:
+    """megatron-training's process globals for ``args`` (what its save / load read: the args and
+    the micro-batch calculator a load updates), restored afterwards: the rank processes serve
+    other tests."""
+    from megatron.core import num_microbatches_calculator as microbatches
+    from megatron.core import rerun_state_machine
+    from megatron.training import checkpointing, global_vars
+
+    saved = (
+        global_vars._GLOBAL_ARGS,
+        microbatches._GLOBAL_NUM_MICROBATCHES_CALCULATOR,
+        rerun_state_machine._GLOBAL_RERUN_STATE_MACHINE,
+        checkpointing._CHECKPOINT_VERSION,
+        checkpointing._LOADED_ITERATION,
+    )
+    global_vars.set_args(args)
+    microbatches._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
+    microbatches.init_num_microbatches_calculator(
+        args.rank, None, args.global_batch_size, args.micro_batch_size, args.data_parallel_size
+    )
+    try:
+        yield
+    finally:
+        (
+            global_vars._GLOBAL_ARGS,
+            microbatches._GLOBAL_NUM_MICROBATCHES_CALCULATOR,
+            rerun_state_machine._GLOBAL_RERUN_STATE_MACHINE,
+            checkpointing._CHECKPOINT_VERSION,
+            checkpointing._LOADED_ITERATION,
+        ) = saved
+
+
+def give_sharded_state_dict(module: torch.nn.Module) -> None:
+    """megatron-training's save and load call ``sharded_state_dict`` on each (unwrapped) model
+    chunk; a plain torch module gets what megatron's ``sharded_state_dict_default`` gives one
+    without it (every tensor replicated across data-parallel ranks)."""
+    from megatron.core.transformer.utils import (
+        ensure_metadata_has_dp_cp_group,
+        make_sharded_tensors_for_checkpoint,
+    )
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            module.state_dict(prefix="", keep_vars=True), prefix, {}, sharded_offsets,
+            dp_cp_group=metadata["dp_cp_group"],
+        )  # fmt: skip
+
+    module.sharded_state_dict = sharded_state_dict
+
+
+def training_save(model: list, optimizer, iteration: int) -> None:
+    """``megatron.training.checkpointing.save_checkpoint`` of ``model`` and ``optimizer`` into
+    ``args.save``, as megatron-training's loop calls it (its ``preprocess_common_state_dict``
+    drops the per-rank args before the ranks' common state is compared); no scheduler: the
+    scenarios train at a constant learning rate."""
+    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.training import preprocess_common_state_dict
+
+    with in_process_write_results():
+        save_checkpoint(
+            iteration, model, optimizer, None, 0,
+            preprocess_common_state_dict_fn=preprocess_common_state_dict,
+        )  # fmt: skip
+
+
+def training_load(model: list, optimizer) -> int:
+    """``megatron.training.checkpointing.load_checkpoint`` from ``args.load``; the iteration."""
+    from megatron.training.checkpointing import load_checkpoint
+
+    iteration, _ = load_checkpoint(model, optimizer, None)
+    return iteration
