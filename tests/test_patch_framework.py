@@ -168,3 +168,26 @@ def test_apply_after_models_exist_says_so():
     messages = run_on_ranks(_apply_after_building_a_model, world_size=2)[0]
     assert messages, "no LateApplyWarning"
     assert "before building models and optimizers" in messages[0]
+
+
+def _apply_again_after_building_a_model():
+    from tests.support.scenarios import Scenario, build_model
+    from tests.support.training import wrap_and_build_optimizer
+
+    nemo_lw_fp8.apply()
+    scenario = Scenario(optimizer="adam", distribution="distopt")
+    module, config = build_model(scenario)
+    model, optimizer = wrap_and_build_optimizer(module, config, scenario)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            nemo_lw_fp8.apply()  # everything applied or native: nothing comes late
+        return [str(w.message) for w in caught if issubclass(w.category, LateApplyWarning)]
+    finally:
+        del model, optimizer
+
+
+def test_apply_again_after_models_exist_is_quiet():
+    """Native patches (the stack has the change, or Bridge is not in use) install nothing, so a
+    second apply() after models exist has nothing to warn about."""
+    assert run_on_ranks(_apply_again_after_building_a_model, world_size=2) == [[], []]

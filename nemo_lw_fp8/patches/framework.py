@@ -211,7 +211,8 @@ def apply(features: Iterable[str] | None = None, *, allow_untested: bool = False
     """
     chosen = _resolve(features)
     names = [patch.name for patch in chosen]
-    if any(not patch.applied for patch in chosen):
+    # Only a patch this call will install can come too late (a native one installs nothing).
+    if any(not patch.applied and not patch.detect_native()[0] for patch in chosen):
         _warn_if_late(names)
     return {patch.name: _apply_one(patch, allow_untested) for patch in chosen}
 
