@@ -80,6 +80,15 @@ def _provider(arch: MoEArchitecture, parallel: ParallelismDefaults, transformer_
         "moe_permute_fusion": transformer_impl == "transformer_engine",
         "transformer_impl": transformer_impl,
     }
+    if arch.experimental_attention_variant and transformer_impl == "transformer_engine":
+        # as Bridge's qwen3_next / qwen35 bridges: megatron's hybrid block spec (Gated DeltaNet
+        # on the linear-attention layers); the default GPT spec would build softmax attention
+        # everywhere. (``--cpu`` swaps in the CPU layers' own hybrid spec.)
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec as hybrid_spec,
+        )
+
+        kwargs["transformer_layer_spec"] = hybrid_spec
     cls = MLAModelProvider if arch.multi_latent_attention else GPTModelProvider
     return cls(**{k: v for k, v in kwargs.items() if v is not None or k == "q_lora_rank"})
 

@@ -28,7 +28,8 @@ everything can be undone with :func:`uninstall`.
 ``local_mtp_spec``
     ``gpt_provider.mtp_block_spec`` builds multi-token-prediction layers with
     ``use_transformer_engine=True`` whatever the decoder uses; on CPU they take megatron's local
-    backend (its ``get_gpt_mtp_block_spec(use_transformer_engine=False)``) like the decoder.
+    backend (its ``get_gpt_mtp_block_spec(use_transformer_engine=False)``) like the decoder, with
+    the decoder's zero-centred RMSNorm when the config asks for it.
 ``cpu_rng_checkpoint``
     ``checkpointing.py::get_rng_state`` / the loader call ``torch.cuda.get/set_rng_state``; on CPU
     the CUDA generator state is the CPU generator's (already saved under ``torch_rng_state``).
@@ -116,7 +117,10 @@ def install() -> None:
     original_mtp_spec = gpt_layer_specs.get_gpt_mtp_block_spec
 
     def local_mtp_spec(config: Any, spec: Any, use_transformer_engine: bool, **kwargs: Any) -> Any:
-        return original_mtp_spec(config, spec, use_transformer_engine=False, **kwargs)
+        from nemo_lw_fp8.cpu.layers import swap_norms
+
+        mtp = original_mtp_spec(config, spec, use_transformer_engine=False, **kwargs)
+        return None if mtp is None else swap_norms(mtp, config)
 
     _swap(gpt_layer_specs, "get_gpt_mtp_block_spec", local_mtp_spec)
 

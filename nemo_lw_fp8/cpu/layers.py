@@ -12,6 +12,14 @@ Why
     MXFP8 param-gather paths see what they see on a GPU. Routed experts can be the single
     grouped weight of :mod:`nemo_lw_fp8.cpu.grouped_experts`.
 
+Hybrid models (``experimental_attention_variant='gated_delta_net'``: Qwen3-Next, Qwen3.5) are
+built layer by layer as megatron's own ``experimental_attention_variant_module_specs`` builds them
+(TE-only upstream): megatron's local layers, with its ``GatedDeltaNet`` spec on the linear-attention
+layers, whose fused input norm + ``in_proj`` (TE's ``LayerNormColumnParallelLinear``) is
+:class:`NormColumnParallelLinear` here; fla's kernels are the references of
+:mod:`nemo_lw_fp8.cpu.gated_delta_rule`. Zero-centred RMSNorm (``layernorm_zero_centered_gamma``,
+which megatron's torch norm refuses) is :class:`ZeroCenteredRMSNorm`.
+
 Limits (checked, not silently ignored): tensor parallelism 1 (the adapters do no TP
 communication), linear widths multiples of 32 (MXFP8 blocks). MLA's two down projections stay
 bf16 linears: megatron accepts only its own classes in those slots.
@@ -98,6 +106,65 @@ class MXFP8RowParallelLinear(_MXFP8ParallelLinear):
     partition_dim = 1
 
 
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """TE's RMSNorm with ``zero_centered_gamma``: ``x / rms(x) * (1 + weight)``, weight starting
+    at zero, computed in fp32 and cast back (megatron's torch norm refuses zero-centred gamma)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__()
+        if config.normalization != "RMSNorm":
+            raise ValueError(
+                "the CPU layers have zero-centred gamma for RMSNorm only, got normalization="
+                f"{config.normalization!r} with layernorm_zero_centered_gamma=True"
+            )
+        self.eps = eps
+        self.weight = torch.nn.Parameter(
+            torch.zeros(hidden_size, dtype=config.params_dtype)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (xf * rstd * (1 + self.weight.float())).to(x.dtype)
+
+
+class NormColumnParallelLinear(torch.nn.Module):
+    """Norm then column-parallel linear: the CPU counterpart of TE's
+    ``LayerNormColumnParallelLinear``, in the slot megatron's Gated DeltaNet spec fuses its input
+    norm into (``in_proj``). ``norm_class`` / ``linear_class``: megatron's local norm and linear
+    here, swapped like every other spec class (MXFP8 linear, zero-centred norm)."""
+
+    norm_class: Any = None  # set below: megatron's WrappedTorchNorm
+    linear_class: Any = None  # set below: megatron's ColumnParallelLinear
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self.norm = self.norm_class(
+            config=config, hidden_size=input_size, eps=config.layernorm_epsilon
+        )
+        self.linear = self.linear_class(input_size, output_size, config=config, **kwargs)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.linear.bias
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return self.linear(self.norm(x))
+
+
+def _norm_linear_class(norm: Any, linear: Any) -> type:
+    """A :class:`NormColumnParallelLinear` with the given norm and linear classes."""
+    return type(
+        f"{norm.__name__}{linear.__name__}",
+        (NormColumnParallelLinear,),
+        {"norm_class": norm, "linear_class": linear, "__module__": __name__},
+    )
+
+
 #: Submodule slots megatron accepts only its own classes for (``MLASelfAttention`` checks
 #: ``in [Linear, TEColumnParallelLinear, ColumnParallelLinear]``): they stay bf16 on CPU.
 _KEEP_FIELDS = frozenset({"linear_q_down_proj", "linear_kv_down_proj"})
@@ -112,6 +179,11 @@ def _swap_tree(node: Any, table: dict[type, Any], whole: dict[type, Any]) -> Any
         return _swap_tree(node, table, whole)
 
     if isinstance(node, type):
+        if issubclass(node, NormColumnParallelLinear):
+            norm, linear = _swap(node.norm_class), _swap(node.linear_class)
+            if (norm, linear) == (node.norm_class, node.linear_class):
+                return node
+            return _norm_linear_class(norm, linear)
         return table.get(node, node)
     if isinstance(node, ModuleSpec):
         if node.module in whole:
@@ -140,6 +212,81 @@ def _swap_tree(node: Any, table: dict[type, Any], whole: dict[type, Any]) -> Any
     return node
 
 
+def _hybrid_block_spec(config: Any, spec_config: Any, vp_stage: int | None) -> Any:
+    """The decoder block of a Gated DeltaNet hybrid, as megatron's
+    ``get_transformer_block_with_experimental_attention_variant_spec`` lays it out (TE-only
+    upstream) but from megatron's local layers: per layer, linear attention (its
+    ``get_gated_delta_net_module_spec``, input norm fused into ``in_proj``) or megatron's
+    standard attention, by ``linear_attention_freq``; dense / MoE MLP by ``moe_layer_freq``;
+    then the layers of this pipeline stage."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_gated_delta_net_module_spec,
+        get_linear_attention_pattern,
+    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from nemo_lw_fp8.cpu import standins
+
+    if config.experimental_attention_variant != "gated_delta_net":
+        raise ValueError(
+            "the CPU layers build experimental_attention_variant='gated_delta_net' only, got "
+            f"{config.experimental_attention_variant!r}. Fix: run it on a GPU."
+        )
+    standins.install(("gated_delta_rule",))  # fla's Triton kernels cannot take CPU tensors
+
+    class _Backend(LocalSpecProvider):
+        def column_parallel_layer_norm_linear(self) -> type:
+            return _norm_linear_class(WrappedTorchNorm, ColumnParallelLinear)
+
+    standard_config = copy.copy(spec_config)
+    standard_config.experimental_attention_variant = None
+    standard = get_gpt_decoder_layer_specs(standard_config, use_transformer_engine=False)
+    linear_attention = get_gated_delta_net_module_spec(config, backend=_Backend())
+    layers = [
+        dataclasses.replace(
+            layer,
+            submodules=dataclasses.replace(
+                layer.submodules, input_layernorm=IdentityOp, self_attention=linear_attention
+            ),
+        )
+        if linear
+        else layer
+        for layer, linear in zip(standard, get_linear_attention_pattern(config), strict=True)
+    ]
+    if config.pipeline_model_parallel_layout is not None:
+        ids = config.pipeline_model_parallel_layout.get_layer_id_list(
+            layer_type=LayerType.decoder, vp_stage=vp_stage
+        )
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
+    rms = config.normalization == "RMSNorm"
+    return TransformerBlockSubmodules(
+        layer_specs=[layers[i] for i in ids],
+        layer_norm=LocalSpecProvider().layer_norm(rms_norm=rms, for_qk=False),
+    )
+
+
+def swap_norms(spec: Any, config: Any) -> Any:
+    """``spec`` with megatron's torch norm replaced by :class:`ZeroCenteredRMSNorm` when the
+    config asks for zero-centred gamma (also for the MTP block Bridge builds separately)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if not getattr(config, "layernorm_zero_centered_gamma", False):
+        return spec
+    return _swap_tree(spec, {WrappedTorchNorm: ZeroCenteredRMSNorm}, {})
+
+
 def cpu_decoder_block_spec(
     config: Any,
     *,
@@ -149,12 +296,14 @@ def cpu_decoder_block_spec(
     vp_stage: int | None = None,
 ) -> Any:
     """megatron's local decoder block spec for ``config`` (dense / MoE layers per
-    ``moe_layer_freq``, MLA or standard attention, torch norms), with MXFP8 linears when ``fp8``
-    and :class:`~nemo_lw_fp8.cpu.grouped_experts.GroupedExperts` routed experts when
-    ``single_grouped_experts``; ``vp_stage``: the virtual pipeline stage being built."""
+    ``moe_layer_freq``, MLA, standard or Gated DeltaNet hybrid attention, torch norms), with
+    MXFP8 linears when ``fp8`` and :class:`~nemo_lw_fp8.cpu.grouped_experts.GroupedExperts`
+    routed experts when ``single_grouped_experts``; ``vp_stage``: the virtual pipeline stage
+    being built."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     if fp8 and fp8_recipe != "mxfp8":
         raise ValueError(
@@ -166,14 +315,19 @@ def cpu_decoder_block_spec(
     # for discrete experts (SequentialMLP), swapped below; the model keeps its own config.
     spec_config = copy.copy(config)
     spec_config.moe_grouped_gemm = False
-    spec = get_gpt_decoder_block_spec(
-        spec_config, use_transformer_engine=False, vp_stage=vp_stage
-    )
+    if getattr(config, "experimental_attention_variant", None) is not None:
+        spec = _hybrid_block_spec(config, spec_config, vp_stage)
+    else:
+        spec = get_gpt_decoder_block_spec(
+            spec_config, use_transformer_engine=False, vp_stage=vp_stage
+        )
     table: dict[type, Any] = {}
     whole: dict[type, Any] = {}
     if fp8:
         table[ColumnParallelLinear] = MXFP8ColumnParallelLinear
         table[RowParallelLinear] = MXFP8RowParallelLinear
+    if getattr(config, "layernorm_zero_centered_gamma", False):
+        table[WrappedTorchNorm] = ZeroCenteredRMSNorm
     if single_grouped_experts:
         from nemo_lw_fp8.cpu.grouped_experts import GroupedExperts
 

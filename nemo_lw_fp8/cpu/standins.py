@@ -61,6 +61,14 @@ Stand-ins (each can be installed and removed on its own):
     the tensor is already on the host and stays a tensor, which gloo's binding refuses. The
     stand-in hands numpy arrays as the GPU path does. Call site:
     ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` (expert parallel > 1).
+``gated_delta_rule`` (on demand: installed by ``cpu.layers.cpu_decoder_block_spec`` when it
+    builds Gated DeltaNet layers; importing fla costs seconds)
+    megatron's ``GatedDeltaNet`` calls fla's Triton kernels ``causal_conv1d``, ``l2norm`` and
+    ``chunk_gated_delta_rule``, which do not run on CPU tensors (and refuses to build when fla
+    is missing: ``HAVE_FLA``). The PyTorch references of :mod:`nemo_lw_fp8.cpu.gated_delta_rule`
+    take their place; CUDA inputs still go to fla. Call sites: ``GatedDeltaNet.forward`` and
+    ``_setup_variant_attrs`` (``gdn.py``), ``_GDNBase._prepare_input_for_gated_delta_rule``
+    and ``__init__`` (``common.py``).
 """
 
 from __future__ import annotations
@@ -84,6 +92,8 @@ class StandIn:
     name: str
     call_sites: str
     install_fn: Callable[[], Callable[[], None]]
+    #: installed only when asked for by name (its imports are costly and few runs need it)
+    on_demand: bool = False
     _undo: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
@@ -397,6 +407,15 @@ def _install_moe_split_sizes() -> Callable[[], None]:
     return _swap_attrs(token_dispatcher, {"maybe_move_tensor_to_cpu": _host_values})
 
 
+# ------------------------------------------------------------------------- gated_delta_rule
+
+
+def _install_gated_delta_rule() -> Callable[[], None]:
+    from nemo_lw_fp8.cpu.gated_delta_rule import install_into_megatron
+
+    return install_into_megatron()
+
+
 STANDINS: dict[str, StandIn] = {
     standin.name: standin
     for standin in (
@@ -410,13 +429,23 @@ STANDINS: dict[str, StandIn] = {
         ),
         StandIn("cpu_fused_adam", "FusedAdam's state layout on CPU", _install_cpu_fused_adam),
         StandIn("moe_split_sizes", "all-to-all split sizes on the host", _install_moe_split_sizes),
+        StandIn(
+            "gated_delta_rule",
+            "fla's Triton kernels in Gated DeltaNet",
+            _install_gated_delta_rule,
+            on_demand=True,
+        ),
     )
 }
 
 
 def install(names: tuple[str, ...] | None = None) -> list[str]:
-    """Install the named stand-ins (all by default); returns the names installed."""
-    chosen = list(STANDINS) if names is None else list(names)
+    """Install the named stand-ins (by default all but the on-demand ones); returns the names
+    installed."""
+    if names is None:
+        chosen = [name for name, standin in STANDINS.items() if not standin.on_demand]
+    else:
+        chosen = list(names)
     for name in chosen:
         if name not in STANDINS:
             raise KeyError(f"unknown CPU stand-in {name!r}; known: {sorted(STANDINS)}")

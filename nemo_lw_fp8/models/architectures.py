@@ -46,6 +46,9 @@ class MoEArchitecture:
     layernorm_epsilon: float = 1e-6
     layernorm_zero_centered_gamma: bool = False
     gated_linear_unit: bool = True  # SwiGLU: linear_fc1 has 2 x ffn rows
+    # torch.nn.functional name; megatron's default is gelu, all six models use SiLU (SwiGLU;
+    # Gated DeltaNet also gates its output and activates its convolution with it)
+    activation_func: str = "silu"
     add_bias_linear: bool = False
     untie_embeddings_and_output_weights: bool = True
 
@@ -154,6 +157,11 @@ class MoEArchitecture:
             # MLA's q_lora_rank=None means "no q LoRA", not megatron's default 512
             keep_none = key == "q_lora_rank" and self.multi_latent_attention
             if key in skip or (value is None and not keep_none):
+                continue
+            if key == "activation_func":
+                import torch.nn.functional as F
+
+                out[key] = getattr(F, value)
                 continue
             if key == "untie_embeddings_and_output_weights":
                 out["share_embeddings_and_output_weights"] = not value
