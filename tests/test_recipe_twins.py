@@ -23,6 +23,8 @@ TWINS = (
     "deepseek_v2_lite_mxfp8",
     "qwen3_30b_a3b_mxfp8",
     "qwen3_235b_a22b_mxfp8",
+    "qwen3_next_80b_a3b_mxfp8",
+    "qwen3_5_35b_a3b_mxfp8",
 )
 SHORT = ("train.train_iters=2", "validation.eval_interval=1", "validation.eval_iters=1")
 
@@ -59,14 +61,22 @@ def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
     assert len(set(on["ranks"])) == twins.twin_world_size(recipe)
 
 
-def test_twin_control_catches_a_broken_fix(twin_run):
-    """The comparison above can fail: the flagship twin (PP 2 x VPP 2 x EP 2, MTP, single
-    grouped MXFP8 experts) without the init-value table (masters start from dequantized FP8
-    instead of TE's preserved bf16 values) differs from FP8 gather off."""
+def test_twin_controls_catch_each_broken_fix(twin_run):
+    """The comparison above can fail, on the flagship twin (PP 2 x VPP 2 x EP 2, MTP, single
+    grouped MXFP8 experts), once per fix:
+
+    * without the init-value table (TE's attribute dropped by ``Module._apply``) the masters
+      start from dequantized FP8: the masters, the state and the evals part from gather off;
+    * without staging before the gathers of an eval run with the pre-hooks on, evals read stale
+      Adam params while training (its loop stages before every forward) stays equal.
+    """
     off = twin_run("deepseek_v3_mxfp8", "off", *br.GATHER_OFF)
     broken = twin_run("deepseek_v3_mxfp8", "broken", mutation="init_value_table")
-    assert br.losses(broken) != br.losses(off)
     assert broken["ranks"] != off["ranks"]
+    assert br.eval_losses(broken) != br.eval_losses(off)
+    stale = twin_run("deepseek_v3_mxfp8", "stale", mutation="stage_before_hook_gather")
+    assert br.losses(stale) == br.losses(off)
+    assert br.eval_losses(stale) != br.eval_losses(off)
 
 
 def test_flagship_twin_resumes_bitwise(tmp_path):

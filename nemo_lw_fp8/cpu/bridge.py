@@ -78,6 +78,15 @@ def install() -> None:
     standins.install()
     _undo.append(standins.uninstall_all)
 
+    # megatron's jit_fuser is torch.compile: on CPU, inductor compiles C++ for each fused
+    # function at its first call (20-60 s per process for the Gated-DeltaNet layers) to save
+    # microseconds on tiny shapes. Eager here; ON and OFF runs alike.
+    import torch._dynamo
+
+    previous_disable = torch._dynamo.config.disable
+    torch._dynamo.config.disable = True
+    _undo.append(lambda: setattr(torch._dynamo.config, "disable", previous_disable))
+
     from megatron.bridge.training import initialize as bridge_initialize
     from megatron.bridge.training import setup as bridge_setup
 
