@@ -41,6 +41,13 @@ SECTIONS: dict[str, list[tuple[str, str]]] = {
 }
 
 
+def _layout_text(layout: Any) -> str | None:
+    """A pipeline layout as its string (megatron may hold it parsed)."""
+    if layout is None or isinstance(layout, str):
+        return layout
+    return str(getattr(layout, "layout", layout))
+
+
 def recipe_row(cfg: Any) -> dict[str, Any]:
     """The plugin-relevant settings of a built ``ConfigContainer`` (flat, JSON-friendly)."""
     from nemo_lw_fp8 import config as plugin_config
@@ -65,7 +72,11 @@ def recipe_row(cfg: Any) -> dict[str, Any]:
         "switch_env": cfg.env_vars.get(SINGLE_GROUPED_WEIGHT_ENV),
         "tp": model.tensor_model_parallel_size,
         "pp": model.pipeline_model_parallel_size,
+        "vpp": model.virtual_pipeline_model_parallel_size,
+        "pipeline_layout": _layout_text(model.pipeline_model_parallel_layout),
         "ep": model.expert_model_parallel_size,
+        "clip_grad": opt.clip_grad,
+        "mtp_num_layers": getattr(model, "mtp_num_layers", None),
         "etp": model.expert_tensor_parallel_size,
         "num_layers": model.num_layers,
         "hidden_size": model.hidden_size,

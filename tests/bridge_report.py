@@ -127,6 +127,7 @@ def main(out_path: str) -> None:
             bridge.finalize(cfg)
             row = recipe_row(cfg)
             model = name[len("tiny_"):] if name.startswith("tiny_") else name.rsplit("_", 1)[0]
+            model = model.removeprefix("twin_")
             arch = architectures.get_architecture(model)
             row["arch"] = {
                 "num_layers": arch.num_layers,

@@ -34,7 +34,11 @@ def report(tmp_path_factory, bridge_installed) -> dict:
 def test_every_recipe_builds_offline_and_passes_the_guards(report):
     assert report["errors"] == {}
     assert sorted(report["recipes"]) == sorted(recipes.RECIPES)
-    assert len(report["recipes"]) == len(recipes.MODELS) * 3
+    full = [name for name in recipes.RECIPES if not name.startswith(("tiny_", "twin_"))]
+    assert len(full) == len(recipes.MODELS) * len(recipes.VARIANTS)
+    assert sorted(n for n in recipes.RECIPES if n.startswith("twin_")) == sorted(
+        f"twin_{name}" for name in full
+    )
 
 
 @pytest.mark.parametrize("name", sorted(recipes.RECIPES))
@@ -61,6 +65,8 @@ def test_recipe_key_settings(report, name):
         assert row["hidden_size"] < arch["hidden_size"] and row["num_moe_experts"] <= 8
         assert row["multi_latent_attention"] == arch["multi_latent_attention"]
         assert (row["tp"], row["pp"]) == (1, 1)
+    elif name.startswith("twin_"):
+        _check_twin(row, report["recipes"][name[len("twin_"):]])
     else:
         for key in ("num_layers", "hidden_size", "num_moe_experts", "moe_ffn_hidden_size",
                     "vocab_size", "multi_latent_attention"):
@@ -69,6 +75,21 @@ def test_recipe_key_settings(report, name):
         parallel = models.parallelism(name.rsplit("_", 1)[0], gpu)
         assert (row["pp"], row["ep"]) == (parallel.pp, parallel.ep)
         assert row["global_batch_size"] == parallel.global_batch_size
+
+
+def _check_twin(twin: dict, full: dict) -> None:
+    """A twin keeps its recipe's structure (sizes 1 or 2) and training settings."""
+    assert twin["hidden_size"] < full["hidden_size"]
+    assert twin["pp"] == (2 if full["pp"] > 1 else 1)
+    assert twin["vpp"] == (2 if full["vpp"] else None)
+    assert twin["ep"] == (2 if full["ep"] > 1 else 1)
+    assert bool(twin["pipeline_layout"]) == bool(full["pipeline_layout"])
+    if full["pipeline_layout"]:  # embedding first, MTP and loss last, as the recipe's
+        first, *_, last = twin["pipeline_layout"].split("|")
+        assert first.startswith("E") and last.endswith("mL" if full["mtp_num_layers"] else "tL")
+    for key in ("fp8_recipe", "single_grouped_weight", "clip_grad", "mtp_num_layers", "tp",
+                "etp", "layout", "multi_latent_attention", "reuse_grad_buf"):
+        assert twin[key] == full[key], key
 
 
 @pytest.mark.parametrize("model", recipes.MODELS)
