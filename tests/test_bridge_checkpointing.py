@@ -4,10 +4,10 @@ tiny DeepSeek-V3 with every plugin feature on (layer-wise Muon, compact layout, 
 gathers, MXFP8 param gather): a run saves a ``torch_dist`` checkpoint at iteration 2 and goes
 on to 4 (evaluating at 3 and at the end); fresh processes load it and train iterations 3-4.
 Training and evaluation losses after the save equal the run that went on, bitwise, and the
-weights the save wrote are the masters of that step. Two settings differ from the recipe, each
-for a CPU limit named in docs/checkpointing.md: discrete experts (the CPU single-grouped-weight
-layer's checkpoint does not load yet) and no dropout (a resume on CPU restores the generator
-dropout draws from differently).
+weights the save wrote are the masters of that step. The experts are the recipe's single grouped
+weights (one TE ``GroupedTensor`` per expert linear, written per expert as megatron does). One
+setting differs from the recipe, for a CPU limit named in docs/checkpointing.md: no dropout (a
+resume on CPU restores the generator dropout draws from differently).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import pytest
 
 HERE = Path(__file__).parent
 CPU_LIMITS = (
-    "model.moe_single_grouped_weight=false",
     "model.hidden_dropout=0.0",
     "model.attention_dropout=0.0",
 )

@@ -132,7 +132,6 @@ EXPECTED_RULES = {
     "fp16": "fp8-gather-bf16",
     "bad-ownership": "grouped-weight-ownership-name",
     "expert-runs-padded": "grouped-weight-split-ownership-needs-compact",
-    "expert-runs-saving": "grouped-weight-split-ownership-checkpoint",
 }
 
 
