@@ -70,9 +70,6 @@ class Settings:
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     #: Compact layout: how a single grouped weight is owned ("whole", "expert", "auto").
     grouped_weight_ownership: str = "whole"
-    #: A checkpoint is saved during training (Bridge ``checkpoint.save`` / ``--save``); None:
-    #: not known at this call site.
-    checkpoint_save: bool | None = None
     #: ``OptimizerConfig.fp8_recipe`` when the recipe itself was read elsewhere (the parameters'
     #: types, ``TransformerConfig``); None: not set or not known at this call site.
     optimizer_fp8_recipe: str | None = None
@@ -107,8 +104,6 @@ class Settings:
         }
         if hasattr(args, "use_layer_wise_param_layout") and "layer_wise_layout" not in values:
             values["layer_wise_layout"] = "padded" if args.use_layer_wise_param_layout else "legacy"
-        if hasattr(args, "save"):
-            values["checkpoint_save"] = bool(args.save)
         return cls(**values)
 
 
@@ -528,19 +523,6 @@ def _split_ownership_needs_compact(s: Settings) -> str | None:
     return None
 
 
-def _split_ownership_checkpoint(s: Settings) -> str | None:
-    split = s.grouped_weight_ownership in ("expert", "auto")
-    if s.layer_wise and split and s.checkpoint_save:
-        return (
-            f"grouped_weight_ownership={s.grouped_weight_ownership!r} with checkpoint saving is "
-            "not supported yet: megatron's torch_dist optimizer state maps each optimizer "
-            "parameter to a whole model tensor, and an expert run of a grouped weight is not "
-            "one. Fix: grouped_weight_ownership='whole' for runs that save checkpoints "
-            "(same arithmetic; only the per-rank balance differs)."
-        )
-    return None
-
-
 INTEGRATION_RULES: tuple[Rule, ...] = (
     Rule("grouped-weight-needs-grouped-gemm", "one grouped weight = TE grouped GEMM experts",
          _grouped_needs_grouped_gemm),
@@ -565,8 +547,6 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
          _ownership_value),
     Rule("grouped-weight-split-ownership-needs-compact", "expert runs need the compact gather",
          _split_ownership_needs_compact),
-    Rule("grouped-weight-split-ownership-checkpoint", "torch_dist has no expert-run state",
-         _split_ownership_checkpoint),
 )
 RULES = RULES + INTEGRATION_RULES
 

@@ -65,8 +65,6 @@ GUARD_CASES = {
     "bad-ownership": ("tiny_deepseek_v3", ["optimizer.grouped_weight_ownership=per-expert"]),
     "expert-runs-padded": ("tiny_deepseek_v3", [
         "optimizer.layer_wise_layout=padded", "optimizer.grouped_weight_ownership=expert"]),
-    "expert-runs-saving": ("tiny_deepseek_v3", [
-        "optimizer.grouped_weight_ownership=auto", "checkpoint.save=/tmp/nemo-lw-fp8-ckpt"]),
 }
 
 

@@ -4,10 +4,10 @@ tiny DeepSeek-V3 with every plugin feature on (layer-wise Muon, compact layout, 
 gathers, MXFP8 param gather): a run saves a ``torch_dist`` checkpoint at iteration 2 and goes
 on to 4 (evaluating at 3 and at the end); fresh processes load it and train iterations 3-4.
 Training and evaluation losses after the save equal the run that went on, bitwise, and the
-weights the save wrote are the masters of that step. Two settings differ from the recipe, each
-for a CPU limit named in docs/checkpointing.md: discrete experts (the CPU single-grouped-weight
-layer's checkpoint does not load yet) and no dropout (a resume on CPU restores the generator
-dropout draws from differently).
+weights the save wrote are the masters of that step. The model is the recipe's: single grouped
+expert weights (one TE ``GroupedTensor`` per expert linear, written per expert as megatron does)
+and dropout 0.1 (the CPU backend keeps the CUDA generator's stream apart from the host's, so the
+resumed dropout masks are the uninterrupted run's).
 """
 
 from __future__ import annotations
@@ -21,11 +21,6 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-CPU_LIMITS = (
-    "model.moe_single_grouped_weight=false",
-    "model.hidden_dropout=0.0",
-    "model.attention_dropout=0.0",
-)
 
 pytestmark = pytest.mark.usefixtures("bridge_installed")
 
@@ -38,7 +33,7 @@ def _pretrain(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
          "--master-port", port, str(HERE / "bridge_run.py"), "pretrain", "--recipe",
          "tiny_deepseek_v3", "--cpu", "--losses-json", str(out), "validation.eval_interval=3",
-         "train.global_batch_size=4", *CPU_LIMITS, *extra],
+         "train.global_batch_size=4", *extra],
         capture_output=True, text=True, env=env, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

@@ -27,8 +27,8 @@ GOOD = dict(
     te_version="2.20.2",
     grouped_linear_single_param=True,
 )
-#: Expert-run ownership of grouped weights, no checkpoint saving (benchmarks, short runs).
-EXPERT_RUNS = GOOD | dict(grouped_weight_ownership="expert", checkpoint_save=False)
+#: Expert-run ownership of grouped weights (checkpoints save each run's optimizer state).
+EXPERT_RUNS = GOOD | dict(grouped_weight_ownership="expert")
 HOPPER = GOOD | dict(fp8_recipe="blockwise", reuse_grad_buf_for_mxfp8_param_ag=False,
                      moe_single_grouped_weight=False)
 
@@ -103,9 +103,6 @@ CASES: list[tuple[str, dict, str]] = [
     ("expert runs on the padded layout", GOOD | dict(layer_wise_layout="padded",
                                                     grouped_weight_ownership="expert"),
      "grouped-weight-split-ownership-needs-compact"),
-    ("auto ownership while saving checkpoints", GOOD | dict(grouped_weight_ownership="auto",
-                                                           checkpoint_save=True),
-     "grouped-weight-split-ownership-checkpoint"),
 ]
 
 

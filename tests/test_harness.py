@@ -131,6 +131,38 @@ def test_cuda_call_sites_run_on_cpu():
     assert torch.equal(inside0, results[1][3])
 
 
+def _model_draws_across_a_resume(use_device_stream: bool) -> bool:
+    """Save both generators, draw as the model does, restore them, make a DataLoader iterator
+    (a host draw, as Bridge's setup does after a checkpoint load), draw again: equal draws?"""
+    import contextlib
+
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from torch.utils.data import DataLoader
+
+    from nemo_lw_fp8.cpu.standins import DEVICE_RNG
+
+    assert hasattr(GPTModel.forward, "__wrapped__")  # the model's forward runs on the stream
+    model = DEVICE_RNG.active if use_device_stream else contextlib.nullcontext
+    torch.manual_seed(5)
+    host, device = torch.get_rng_state(), torch.cuda.get_rng_state()
+    with model():
+        first = torch.nn.functional.dropout(torch.ones(64), p=0.5)
+    torch.set_rng_state(host)
+    torch.cuda.set_rng_state(device)
+    iter(DataLoader(list(range(4))))
+    with model():
+        second = torch.nn.functional.dropout(torch.ones(64), p=0.5)
+    return bool(torch.equal(first, second))
+
+
+def test_cuda_generator_is_a_stream_of_its_own():
+    """Dropout draws come back after a restore whatever the host drew in between; control: on
+    the one CPU generator (the stand-in's former behaviour) the DataLoader's draw shifts them."""
+    [same] = run_on_ranks(_model_draws_across_a_resume, True, world_size=1)
+    [shared] = run_on_ranks(_model_draws_across_a_resume, False, world_size=1)
+    assert same and not shared
+
+
 def test_standins_uninstall_restores_originals():
     names = ("cuda_runtime", "uneven_all_gather")
     before = {

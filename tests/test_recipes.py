@@ -153,7 +153,6 @@ EXPECTED_RULES = {
     "fp16": "fp8-gather-bf16",
     "bad-ownership": "grouped-weight-ownership-name",
     "expert-runs-padded": "grouped-weight-split-ownership-needs-compact",
-    "expert-runs-saving": "grouped-weight-split-ownership-checkpoint",
 }
 
 

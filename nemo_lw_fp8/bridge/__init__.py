@@ -204,8 +204,6 @@ def settings_from_config(cfg: Any) -> Any:
         values.update(optimizer._layout_settings())
     values["use_distributed_optimizer"] = bool(getattr(cfg.ddp, "use_distributed_optimizer", False))
     values["ddp_overlap_param_gather"] = bool(getattr(cfg.ddp, "overlap_param_gather", False))
-    checkpoint = getattr(cfg, "checkpoint", None)
-    values["checkpoint_save"] = bool(getattr(checkpoint, "save", None))
     # TE's switch: Bridge exports cfg.env_vars before it builds (values already in the process
     # environment win), so the rule sees what the model build will see.
     switch = "NVTE_GROUPED_LINEAR_SINGLE_PARAM"

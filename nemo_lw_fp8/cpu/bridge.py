@@ -30,9 +30,10 @@ everything can be undone with :func:`uninstall`.
     ``use_transformer_engine=True`` whatever the decoder uses; on CPU they take megatron's local
     backend (its ``get_gpt_mtp_block_spec(use_transformer_engine=False)``) like the decoder, with
     the decoder's zero-centred RMSNorm when the config asks for it.
-``cpu_rng_checkpoint``
-    ``checkpointing.py::get_rng_state`` / the loader call ``torch.cuda.get/set_rng_state``; on CPU
-    the CUDA generator state is the CPU generator's (already saved under ``torch_rng_state``).
+
+RNG states in checkpoints: ``checkpointing.py::get_rng_state`` / the loader's
+``torch.cuda.get/set_rng_state`` act on the
+``cpu_rng`` stand-in's CUDA generator stream (:data:`nemo_lw_fp8.cpu.standins.DEVICE_RNG`).
 """
 
 from __future__ import annotations
@@ -136,9 +137,6 @@ def install() -> None:
     from megatron.core.transformer.moe import moe_utils
 
     _swap(moe_utils, "te_general_gemm", None)
-
-    _swap(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
-    _swap(torch.cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state))
 
 
 def uninstall() -> None:

@@ -313,6 +313,7 @@ class GroupedExperts(torch.nn.Module):
         super().__init__()
         self.config = config
         self.num_local_experts = num_local_experts
+        self.pg_collection = pg_collection
         single = bool(getattr(config, "moe_single_grouped_weight", False))
         common = dict(
             config=config,
@@ -353,3 +354,57 @@ class GroupedExperts(torch.nn.Module):
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the main backward (no delayed wgrad)."""
+
+    def _groups(self) -> tuple[Any, Any, Any]:
+        """Expert-parallel, expert-tensor-parallel and expert-data-parallel groups."""
+        from megatron.core import parallel_state
+
+        pg = self.pg_collection
+        ep = getattr(pg, "ep", None) or parallel_state.get_expert_model_parallel_group()
+        tp = getattr(pg, "expt_tp", None) or parallel_state.get_expert_tensor_parallel_group()
+        dp = getattr(pg, "expt_dp", None) or parallel_state.get_expert_data_parallel_group()
+        return ep, tp, dp
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """megatron's ``torch_dist`` layout of TE grouped experts (``TEGroupedMLP`` over
+        ``TEGroupedLinear._sharded_state_dict_grouped``): each expert under
+        ``<prefix>experts.linear_fc{1,2}.weight`` at its global expert index, fc1 of a gated MLP
+        in its [W; V] halves, one writer per expert-data-parallel group. A single grouped
+        weight is one :class:`~nemo_lw_fp8.mechanics.grouped_checkpoint.GroupedWeightFactory`
+        whose data is the parameter, so optimizers find its entry (and runs of its experts
+        theirs). No ``_extra_state``: the CPU layer keeps no FP8 metadata."""
+        from megatron.core.utils import get_pg_rank, get_pg_size
+
+        from nemo_lw_fp8.mechanics import grouped_checkpoint as gc
+
+        metadata = metadata or {}
+        ep, tp, dp = self._groups()
+        replica_id = (0, 0, get_pg_rank(dp))
+        out: dict[str, Any] = {}
+        for name, linear in (("linear_fc1", self.linear_fc1), ("linear_fc2", self.linear_fc2)):
+            layout = gc.GroupedLayout(
+                sharded_offsets=tuple(sharded_offsets),
+                first_global_expert=get_pg_rank(ep) * self.num_local_experts,
+                num_global_experts=get_pg_size(ep) * self.num_local_experts,
+                tp_axis=0 if name == "linear_fc1" else 1,
+                tp_rank=get_pg_rank(tp),
+                tp_size=get_pg_size(tp),
+                gated=name == "linear_fc1" and bool(self.config.gated_linear_unit),
+                singleton_local_shards=bool(metadata.get("singleton_local_shards", False)),
+                tail=f"{name}.weight",
+                tp_group=tp,
+                dp_group=metadata.get("dp_cp_group"),
+            )
+            key = f"{prefix}experts.{name}.weight"
+            if linear.single_grouped_weight:
+                out[f"{prefix}{name}.weight"] = gc.factory(
+                    key, linear.weight, layout, 0, self.num_local_experts, replica_id
+                )
+                continue
+            for index, param in enumerate(linear.weight_params()):
+                out[f"{prefix}{name}.weight{index}"] = gc.expert_entry(
+                    layout, key, param, index, replica_id
+                )
+        return out

@@ -28,14 +28,14 @@ Stand-ins (each can be installed and removed on its own):
     branch, #3524).
 ``cpu_rng``
     ``CudaRNGStatesTracker.add`` / ``fork`` keep named CUDA generator states; on CPU they keep and
-    swap states of the CPU generator instead, and ``torch.cuda`` seeding calls become CPU-safe.
-    Call site: ``GPTModel`` forward (dropout and init under ``get_cuda_rng_tracker().fork()``),
-    ``model_parallel_cuda_manual_seed``.
-``cuda_rng_state``
-    ``torch.cuda.get_rng_state`` / ``set_rng_state`` read and set the CPU generator, whose state
-    the ``cpu_rng`` stand-in lets play the CUDA generator's role. Call sites: megatron-training's
-    ``checkpointing.get_rng_state`` (every ``save_checkpoint`` and ``torch_dist`` load records
-    ``cuda_rng_state``) and ``load_checkpoint`` (restores it); Megatron-Bridge's copies of both.
+    swap states of the CPU generator instead. The CUDA default generator is a stream of its own
+    (:data:`DEVICE_RNG`), swapped into the CPU generator while ``GPTModel.forward`` runs, and
+    ``torch.cuda.manual_seed(_all)`` / ``get_rng_state`` / ``set_rng_state`` act on it: as on a
+    GPU, host draws (a ``DataLoader`` making an iterator draws its base seed) leave the model's
+    dropout masks alone, and a checkpoint saves and restores the two generators apart. Call
+    sites: ``GPTModel`` forward (dropout, and under ``get_cuda_rng_tracker().fork()``) and init,
+    ``model_parallel_cuda_manual_seed``, Megatron-Bridge's ``get_rng_state`` and its RNG restore
+    at load (``torch.cuda.get_rng_state`` / ``set_rng_state``).
 ``checkpoint_dequantize``
     ``FileSystemWriterAsync.prepare_write_data`` (megatron's ``torch_dist`` writer) dequantizes
     a quantized tensor (its class defines ``dequantize``, e.g. TE's ``MXFP8Tensor``) before
@@ -74,6 +74,7 @@ Stand-ins (each can be installed and removed on its own):
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -271,7 +272,57 @@ def _install_uneven_all_gather() -> Callable[[], None]:
 # --------------------------------------------------------------------------- cpu_rng
 
 
+class _DeviceStream:
+    """The CUDA default generator's stream on a CPU rank.
+
+    On a GPU the model's random draws (dropout outside the tracker's forks) come from the CUDA
+    generator, and everything else on the host (a ``DataLoader`` drawing its base seed when an
+    iterator is made, ...) from the CPU generator; a checkpoint saves and restores the two apart.
+    On CPU both would be the one CPU generator, so a resumed process that makes its data
+    iterators after the load (Bridge's ``setup``) shifted the dropout masks. The model's forward
+    therefore runs with this stream swapped into the CPU generator, and ``torch.cuda``'s
+    ``manual_seed`` / ``get_rng_state`` / ``set_rng_state`` act on it.
+    """
+
+    def __init__(self) -> None:
+        self.state = torch.Generator().get_state()
+        self.depth = 0
+
+    def seed(self, seed: int) -> None:
+        generator = torch.Generator()
+        generator.manual_seed(int(seed))
+        self.set_state(generator.get_state())
+
+    def get_state(self) -> torch.Tensor:
+        return torch.get_rng_state() if self.depth else self.state.clone()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        if self.depth:
+            torch.set_rng_state(state)
+        else:
+            self.state = state.clone()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The CPU generator draws from this stream inside (re-entrant)."""
+        if self.depth == 0:
+            host = torch.get_rng_state()
+            torch.set_rng_state(self.state)
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                self.state = torch.get_rng_state()
+                torch.set_rng_state(host)
+
+
+DEVICE_RNG = _DeviceStream()
+
+
 def _install_cpu_rng() -> Callable[[], None]:
+    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import random as mpu_random
 
     tracker_cls = mpu_random.CudaRNGStatesTracker
@@ -299,31 +350,32 @@ def _install_cpu_rng() -> Callable[[], None]:
             self.states_[name] = torch.get_rng_state()
             torch.set_rng_state(outer_state)
 
+    original_forward = GPTModel.__dict__["forward"]
+
+    @functools.wraps(original_forward)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with DEVICE_RNG.active():
+            return original_forward(self, *args, **kwargs)
+
     undo_tracker = _swap_attrs(tracker_cls, {"add": add, "fork": fork})
-    # torch.manual_seed calls torch.cuda.manual_seed_all; the CPU generator is already seeded then.
+    undo_model = _swap_attrs(GPTModel, {"forward": forward})
+    # torch.manual_seed also seeds the CUDA generators (torch.cuda.manual_seed_all).
     undo_cuda = _swap_attrs(
         torch.cuda,
-        {"manual_seed": lambda seed: None, "manual_seed_all": lambda seed: None},
+        {
+            "manual_seed": DEVICE_RNG.seed,
+            "manual_seed_all": DEVICE_RNG.seed,
+            "get_rng_state": lambda device="cuda": DEVICE_RNG.get_state(),
+            "set_rng_state": lambda new_state, device="cuda": DEVICE_RNG.set_state(new_state),
+        },
     )
 
     def undo() -> None:
         undo_cuda()
+        undo_model()
         undo_tracker()
 
     return undo
-
-
-# --------------------------------------------------------------------------- cuda_rng_state
-
-
-def _install_cuda_rng_state() -> Callable[[], None]:
-    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
-        return torch.get_rng_state()
-
-    def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-        torch.set_rng_state(new_state)
-
-    return _swap_attrs(torch.cuda, {"get_rng_state": get_rng_state, "set_rng_state": set_rng_state})
 
 
 # --------------------------------------------------------------------------- checkpoint_dequantize
@@ -422,8 +474,7 @@ STANDINS: dict[str, StandIn] = {
         StandIn("cuda_runtime", "DDP buffers and streams", _install_cuda_runtime),
         StandIn("cuda_device", "device='cuda' and param.type() checks", _install_cuda_device),
         StandIn("uneven_all_gather", "layer-wise uneven gathers", _install_uneven_all_gather),
-        StandIn("cpu_rng", "RNG tracker fork in GPTModel", _install_cpu_rng),
-        StandIn("cuda_rng_state", "RNG state in checkpoints", _install_cuda_rng_state),
+        StandIn("cpu_rng", "CUDA RNG streams and tracker forks", _install_cpu_rng),
         StandIn(
             "checkpoint_dequantize", "torch_dist writer on CPU", _install_checkpoint_dequantize
         ),

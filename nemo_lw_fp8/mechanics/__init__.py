@@ -14,6 +14,7 @@ follow one parameter through a step without reading the wiring:
 * :mod:`.blockwise`     blockwise FP8 gather: owner-quantized codes + tile scales on the wire;
 * :mod:`.grouped`       single grouped expert weights as E matrices for Muon;
 * :mod:`.expert_slices` a run of experts of a grouped weight as an optimizer parameter;
+* :mod:`.grouped_checkpoint` single grouped weights and runs of their experts in ``torch_dist``;
 * :mod:`.lifecycle`     the steps features add around the layer-wise optimizer's ``__init__``.
 
 Functions here are called through their module (``staging.stage_owned_masters(...)``), so a

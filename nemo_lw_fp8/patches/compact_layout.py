@@ -14,7 +14,7 @@ collective per group instead of #3524's uneven all_gather per bucket, and MXFP8 
 supported (upstream rejected that combination).
 
 Patches: ``LayerWiseDistributedOptimizer.compute_full_param_layout``, ``.shard_params`` and
-``.sharded_state_dict`` (refuses expert runs, which torch_dist cannot describe);
+``.sharded_state_dict`` (entries for the expert runs this rank owns);
 ``_ParamAndGradBuffer.__init__`` (effective config), ``partition_buckets`` as DDP calls it,
 ``_ParamAndGradBucketGroup.start_param_sync`` / ``.finish_param_sync`` (compact groups only).
 
@@ -25,11 +25,13 @@ layout field (``use_layer_wise_param_layout``) - #5388's design.
 from __future__ import annotations
 
 from .. import config as plugin_config
-from ..mechanics import compact
+from ..mechanics import compact, grouped_checkpoint
 from ..state import optimizer_state
 from .framework import Override, Patch, register
 
 FEATURE = "compact_layout"
+#: Where the expert runs' entries join the model's sharded state dict the optimizer reads.
+RUNS_KEY = "nemo_lw_fp8_expert_runs"
 
 
 def _detect_native() -> tuple[bool, str]:
@@ -106,17 +108,18 @@ def _make_shard_params(original):
 
 def _make_sharded_state_dict(original):
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        """Refuse, with the fix, a torch_dist checkpoint of expert-run ownership (guarded at
-        configuration time too: rule ``grouped-weight-split-ownership-checkpoint``)."""
-        if compact.owns_expert_runs(self):
-            from ..guards import ConfigError
-
-            raise ConfigError(
-                "grouped-weight-split-ownership-checkpoint",
-                "this layer-wise optimizer owns runs of experts of single grouped weights "
-                "(grouped_weight_ownership='expert'/'auto'), which megatron's torch_dist "
-                "optimizer state cannot describe. Fix: grouped_weight_ownership='whole'.",
-            )
+        """Give the runs of experts this optimizer owns their entries: each a slice, along the
+        expert dimension, of its grouped weight's entry (see ``mechanics.grouped_checkpoint``),
+        so their fp32 masters and Muon momentum are saved and loaded like whole parameters."""
+        params = [
+            param
+            for opt in getattr(self, "chained_optimizers", [self])
+            for group in getattr(opt, "float16_groups", [])
+            for param in group
+        ]
+        runs = grouped_checkpoint.run_entries(model_sharded_state_dict, params)
+        if runs:
+            model_sharded_state_dict = {**model_sharded_state_dict, RUNS_KEY: runs}
         return original(self, model_sharded_state_dict, is_loading, **kwargs)
 
     sharded_state_dict.__wrapped__ = original
