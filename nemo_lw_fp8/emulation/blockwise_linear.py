@@ -16,7 +16,8 @@ Weights come in two modes, giving identical results for equal weight values:
 * FP8 parameters (created under TE's ``quantized_model_init``, or ``fp8_params=True``): the
   parameter *is* TE's persistent ``Float8BlockwiseQTensor`` (rowwise and columnwise data). The
   forward GEMM reads the rowwise form, and the backward's data-gradient GEMM
-  (``dgrad = dy @ W``) reads the **columnwise** form, as TE's wgrad/dgrad GEMMs do. With
+  (``dgrad = dy @ W``) reads the **columnwise** form as it is at backward time, as TE's dgrad
+  GEMM reads its saved weight (so a gather that left it stale gives other gradients). With
   ``preserve_high_precision_init_val=True`` the pre-quantisation values are attached as TE's
   modules do. Needs :func:`nemo_lw_fp8.emulation.activate` (or a real TE).
 
@@ -28,6 +29,7 @@ in the parameter's nominal dtype so megatron's DDP hooks add it to ``main_grad``
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,16 +79,18 @@ class _BlockwiseLinearFunction(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         x_dq = quantize_dequantize_input(x)
-        if _is_blockwise(weight):
+        persistent = _is_blockwise(weight)
+        if persistent:
             w_fwd = weight.dequantize(dtype=weight.dtype)
-            w_bwd = _columnwise_weight(weight)
         else:
             w_fwd = quantize_dequantize_weight(weight)
-            w_bwd = w_fwd
         out = torch.matmul(x_dq.float(), w_fwd.float().t())
         if bias is not None:
             out = out + bias.float()
-        ctx.save_for_backward(x_dq, w_bwd)
+        # A persistent weight is read at backward time (its columnwise form), as TE's dgrad GEMM
+        # reads the saved weight; a high-precision one as quantized here (its tiles are square).
+        ctx.save_for_backward(x_dq, None if persistent else w_fwd)
+        ctx.weight = weight if persistent else None
         ctx.has_bias = bias is not None
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -95,6 +99,9 @@ class _BlockwiseLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x_dq, w_bwd = ctx.saved_tensors
+        if ctx.weight is not None:
+            w_bwd = _columnwise_weight(ctx.weight)
+        ctx.weight = None
         grad = grad_out.float()
         grad_x = torch.matmul(grad, w_bwd.float()).to(x_dq.dtype)
         grad_2d = grad.reshape(-1, grad.shape[-1])
@@ -108,7 +115,9 @@ class BlockwiseFP8Linear(torch.nn.Module):
 
     ``fp8_params``: ``None`` follows TE's ``quantized_model_init`` (when TE is imported),
     ``True`` forces a persistent ``Float8BlockwiseQTensor`` weight (128x128 tiles, rowwise and
-    columnwise), ``False`` keeps it high precision.
+    columnwise), ``False`` keeps it high precision. ``init_method`` fills the high-precision
+    weight (megatron's initializers), default PyTorch's ``Linear`` init. Any widths: edge
+    tiles hold fewer elements.
     """
 
     def __init__(
@@ -118,6 +127,8 @@ class BlockwiseFP8Linear(torch.nn.Module):
         bias: bool = True,
         *,
         params_dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+        init_method: Callable[[torch.Tensor], Any] | None = None,
         fp8_params: bool | None = None,
     ) -> None:
         super().__init__()
@@ -127,14 +138,19 @@ class BlockwiseFP8Linear(torch.nn.Module):
         if fp8_params is None:
             fp8_params = fp8_params_requested()
         self.fp8_params = fp8_params
-        weight = torch.empty(out_features, in_features, dtype=params_dtype)
-        torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        weight = torch.empty(out_features, in_features, dtype=params_dtype, device=device)
+        if init_method is None:
+            torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        else:
+            init_method(weight)
         if fp8_params:
             self.weight = self._quantized_weight(weight, state)
         else:
             self.weight = torch.nn.Parameter(weight)
         if bias:
-            self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=params_dtype))
+            self.bias = torch.nn.Parameter(
+                torch.zeros(out_features, dtype=params_dtype, device=device)
+            )
         else:
             self.register_parameter("bias", None)
 
