@@ -206,10 +206,12 @@ def _make_tiny(model: str, variant: str) -> Callable[..., Any]:
         return build_tiny(model, **({"variant": variant} | overrides))
 
     recipe.__name__ = tiny_name(model, variant)
-    recipe.__doc__ = (
-        f"Tiny {model} architecture (2 CPU ranks with --cpu), every feature on, {variant} FP8 "
-        "param gather."
-    )
+    recipe.__doc__ = f"Tiny {model} architecture (2 CPU ranks with --cpu), every feature on."
+    if variant == "hopper":
+        recipe.__doc__ = (
+            f"Tiny {model} architecture (2 CPU ranks with --cpu), Hopper variant: blockwise FP8 "
+            "compute and param gather, discrete experts."
+        )
     return recipe
 
 
