@@ -10,12 +10,15 @@ explicit hyper-parameters of :mod:`nemo_lw_fp8.models.architectures` (no Hugging
   grad buffer - Bridge's ``bf16_with_mxfp8_mixed``) or ``hopper`` (Hopper: blockwise FP8
   compute, blockwise FP8 parameters with FP8 codes + scales on the wire, no grad-buffer reuse);
 * single grouped expert weights (TE's ``GroupedLinear`` with one parameter) on the grouped GEMM
-  (``mxfp8`` and tiny recipes; the blockwise gather handles discrete expert weights only);
+  (``mxfp8`` recipes, tiny ones included; the blockwise gather handles discrete expert weights
+  only);
 * parallelism from :func:`nemo_lw_fp8.models.parallelism` (best published Bridge recipe
   of the model, adapted to Muon).
 
-Names: ``<model>_<variant>`` (``deepseek_v3_mxfp8``, ``qwen3_235b_a22b_hopper``...) and
-``tiny_<model>`` (same architecture, tiny widths; trains on 2 CPU ranks with ``--cpu``). Every
+Names: ``<model>_<variant>`` (``deepseek_v3_mxfp8``, ``qwen3_235b_a22b_hopper``...),
+``tiny_<model>`` (same architecture, tiny widths, MXFP8; trains on 2 CPU ranks with ``--cpu``)
+and ``tiny_<model>_hopper`` (the same with the Hopper variant: ``build_tiny(variant="hopper")``,
+blockwise FP8 emulated on CPU, discrete experts). Every
 recipe can be overridden from YAML / ``key=value`` (see :mod:`nemo_lw_fp8.launch.pretrain`).
 """
 
@@ -208,12 +211,22 @@ def _make(model: str, variant: str) -> Callable[..., Any]:
     return recipe
 
 
-def _make_tiny(model: str) -> Callable[..., Any]:
-    def recipe(**overrides: Any) -> Any:
-        return build_tiny(model, **overrides)
+def tiny_name(model: str, variant: str = "mxfp8") -> str:
+    """Recipe name of a tiny model: ``tiny_<model>`` (MXFP8), ``tiny_<model>_hopper``."""
+    return f"tiny_{_key(model)}" + ("" if variant == "mxfp8" else f"_{variant}")
 
-    recipe.__name__ = f"tiny_{_key(model)}"
+
+def _make_tiny(model: str, variant: str) -> Callable[..., Any]:
+    def recipe(**overrides: Any) -> Any:
+        return build_tiny(model, **({"variant": variant} | overrides))
+
+    recipe.__name__ = tiny_name(model, variant)
     recipe.__doc__ = f"Tiny {model} architecture (2 CPU ranks with --cpu), every feature on."
+    if variant == "hopper":
+        recipe.__doc__ = (
+            f"Tiny {model} architecture (2 CPU ranks with --cpu), Hopper variant: blockwise FP8 "
+            "compute and param gather, discrete experts."
+        )
     return recipe
 
 
@@ -232,7 +245,8 @@ RECIPES: dict[str, Callable[..., Any]] = {}
 for _model in MODELS:
     for _variant in VARIANTS:
         RECIPES[f"{_key(_model)}_{_variant}"] = _make(_model, _variant)
-    RECIPES[f"tiny_{_key(_model)}"] = _make_tiny(_model)
+    for _variant in VARIANTS:
+        RECIPES[tiny_name(_model, _variant)] = _make_tiny(_model, _variant)
     for _variant in VARIANTS:
         RECIPES[f"twin_{_key(_model)}_{_variant}"] = _make_twin(f"{_key(_model)}_{_variant}")
 del _model, _variant
@@ -247,14 +261,19 @@ def get_recipe(name: str) -> Callable[..., Any]:
         ) from None
 
 
+def tiny_variant_of(name: str) -> tuple[str, str] | None:
+    """``(model, variant)`` of a ``tiny_*`` recipe name (None for full-size recipes)."""
+    key = _key(name)
+    for model in MODELS:
+        for variant in VARIANTS:
+            if key == tiny_name(model, variant):
+                return model, variant
+    return None
+
+
 def tiny_architecture_of(name: str) -> MoEArchitecture | None:
     """The tiny architecture behind a ``tiny_*`` recipe name (None for full-size recipes)."""
-    key = _key(name)
-    if not key.startswith("tiny_"):
-        return None
-    for model in MODELS:
-        if _key(model) == key[len("tiny_"):]:
-            return models.tiny(models.get_architecture(model))
-    return None
+    found = tiny_variant_of(name)
+    return None if found is None else models.tiny(models.get_architecture(found[0]))
 
 

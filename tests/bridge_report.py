@@ -124,7 +124,8 @@ def main(out_path: str) -> None:
             cfg = recipes.get_recipe(name)()
             bridge.finalize(cfg)
             row = recipe_row(cfg)
-            model = name[len("tiny_"):] if name.startswith("tiny_") else name.rsplit("_", 1)[0]
+            tiny_of = recipes.tiny_variant_of(name)
+            model = tiny_of[0] if tiny_of is not None else name.rsplit("_", 1)[0]
             model = model.removeprefix("twin_")
             arch = architectures.get_architecture(model)
             row["arch"] = {

@@ -1,7 +1,9 @@
 """``torchrun`` target for tests/test_bridge_training.py: ``nemo-lw-fp8 pretrain`` with an
 optional mutation (env ``NEMO_LW_FP8_TEST_MUTATION``) switching one plugin fix off, so the test
 shows its parity check fails without that fix (also the target of
-tests/test_bridge_checkpointing.py)."""
+tests/test_bridge_checkpointing.py and tests/test_bridge_hopper.py; env
+``NEMO_LW_FP8_TEST_PROBE``: a path prefix where each rank records what the layer-wise optimizer
+was built over)."""
 
 from __future__ import annotations
 
@@ -29,8 +31,44 @@ elif MUTATION == "save_param_sync":
     import nemo_lw_fp8.mechanics.checkpointing as checkpointing
 
     checkpointing.save_needs_param_sync = lambda cfg: False
+elif MUTATION == "blockwise_columnwise":
+    # Receivers keep the columnwise copy of gathered blockwise weights as it was (the dgrad
+    # GEMM then reads stale weights); the rowwise copy is still refreshed.
+    import nemo_lw_fp8.mechanics.blockwise as blockwise
+
+    blockwise.derive_columnwise = lambda params: None
 elif MUTATION:
     raise SystemExit(f"unknown mutation {MUTATION!r}")
+
+PROBE = os.environ.get("NEMO_LW_FP8_TEST_PROBE", "")
+if PROBE:
+    # What the layer-wise optimizer was built over, per rank (tests/test_bridge_hopper.py):
+    # the emulated FP8 linears, persistent blockwise weights, blockwise gather plans.
+    import json
+
+    import nemo_lw_fp8.mechanics.blockwise as blockwise
+
+    _set_up, _attach = blockwise.set_up, blockwise.attach_groups
+    _seen: dict = {"blockwise_groups": 0}
+
+    def _probe_attach(optimizer):
+        _seen["blockwise_groups"] += _attach(optimizer)
+        return _seen["blockwise_groups"]
+
+    def _probe_set_up(optimizer):
+        linears: dict = {}
+        for chunk in optimizer.model_chunks:
+            for module in chunk.module.modules():
+                name = type(module).__name__
+                if name.endswith("ParallelLinear"):
+                    linears[name] = linears.get(name, 0) + 1
+        _seen["linears"] = linears
+        _seen["blockwise_weights"] = len(blockwise.layer_wise_blockwise_params(optimizer))
+        _set_up(optimizer)
+        with open(f"{PROBE}.rank{os.environ.get('RANK', '0')}.json", "w") as handle:
+            json.dump(_seen, handle)
+
+    blockwise.set_up, blockwise.attach_groups = _probe_set_up, _probe_attach
 
 from nemo_lw_fp8 import cli  # noqa: E402
 

@@ -466,6 +466,41 @@ def test_wire_bytes_ratio():
     assert Fraction(bw.wire_bytes((4096, 4096), 1), 2 * 4096 * 4096) == Fraction(33, 64)
 
 
+def test_linear_backward_quantizes_as_te_float8_block_scaling():
+    """BlockwiseFP8Linear's GEMM operands (bf16 weight, quantised on the fly) at widths that
+    leave partial blocks: forward Q1x128(x) Q128x128(W)^T; dgrad Q_row(dy) (1x128 along out) @
+    W; wgrad Q_col(dy)^T (128x1 along tokens) @ Q_col(x) (128x1); bias grad from raw dy."""
+    from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
+
+    torch.manual_seed(0)
+    tokens, k, n = 200, 96, 160
+    layer = BlockwiseFP8Linear(k, n, fp8_params=False)
+    layer.bias.data.normal_()
+    x = torch.randn(tokens, k, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, n, dtype=torch.bfloat16)
+    y = layer(x)
+    y.backward(dy)
+
+    def q(t, block_dim, use, dtype=E4M3):
+        data = bw.quantize(
+            t, dtype, block_dim=block_dim, rowwise=use == "rowwise", columnwise=use == "columnwise"
+        )
+        return bw.dequantize(data, t.dtype, use=use).float()
+
+    w_q = q(layer.weight.detach(), 2, "rowwise")
+    expected_y = (q(x.detach(), 1, "rowwise") @ w_q.t() + layer.bias.float()).bfloat16()
+    assert torch.equal(y, expected_y)
+    expected_dx = (q(dy, 1, "rowwise") @ w_q).bfloat16()
+    expected_dw = (q(dy, 1, "columnwise").t() @ q(x.detach(), 1, "columnwise")).bfloat16()
+    assert torch.equal(x.grad, expected_dx)
+    assert torch.equal(layer.weight.grad, expected_dw)
+    assert torch.equal(layer.bias.grad, dy.sum(0))
+    # The quantisation of dy is visible: unquantised dy gives other gradients.
+    assert not torch.equal(x.grad, (dy.float() @ w_q).bfloat16())
+    unquantized_dw = (dy.float().t() @ q(x.detach(), 1, "columnwise")).bfloat16()
+    assert not torch.equal(layer.weight.grad, unquantized_dw)
+
+
 # --------------------------------------------------------------------------------------------
 # Distributed-optimizer path
 # --------------------------------------------------------------------------------------------

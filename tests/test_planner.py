@@ -399,3 +399,14 @@ def test_recipe_plan_bad_input(capsys, overrides, message):
     assert cli.main(["plan", "--recipe", "tiny_deepseek_v3", *overrides]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.splitlines()) <= 2
+
+
+def test_recipe_plan_tiny_hopper_has_discrete_experts():
+    """``tiny_<model>_hopper`` plans the tiny architecture with the Hopper variant's discrete
+    expert weights (the blockwise gather handles no grouped tensors)."""
+    from nemo_lw_fp8.models import recipe_plan
+
+    hopper = recipe_plan.recipe_setup("tiny_deepseek_v3_hopper")
+    mxfp8 = recipe_plan.recipe_setup("tiny_deepseek_v3")
+    assert hopper.arch == mxfp8.arch and hopper.par == mxfp8.par
+    assert (hopper.single_grouped_weight, mxfp8.single_grouped_weight) == (False, True)

@@ -39,6 +39,8 @@ def test_every_recipe_builds_offline_and_passes_the_guards(report):
     assert sorted(n for n in recipes.RECIPES if n.startswith("twin_")) == sorted(
         f"twin_{name}" for name in full
     )
+    # tiny_<model> (MXFP8) and tiny_<model>_hopper
+    assert len([name for name in recipes.RECIPES if name.startswith("tiny_")]) == len(full)
 
 
 @pytest.mark.parametrize("name", sorted(recipes.RECIPES))

@@ -5,12 +5,15 @@ Part of the CPU backend (:mod:`nemo_lw_fp8.cpu`): used under ``--cpu`` and by th
 Why
     With FP8 on, megatron builds Transformer Engine layers, whose GEMMs are CUDA kernels. On CPU
     we keep megatron's local (non-TE) decoder spec - its MLA attention, router, token dispatcher,
-    shared experts, norms - and swap only the linear layers for
-    :class:`~nemo_lw_fp8.emulation.fp8_linear.MXFP8Linear` (TE ``Linear``'s MXFP8 arithmetic,
-    exactly emulated). Under megatron's ``get_fp8_context(is_init=True)`` (TE's
-    ``quantized_model_init``) their weights become TE ``MXFP8Tensor`` parameters, so megatron's
-    MXFP8 param-gather paths see what they see on a GPU. Routed experts can be the single
-    grouped weight of :mod:`nemo_lw_fp8.cpu.grouped_experts`.
+    shared experts, norms - and swap only the linear layers for the emulated linear of the
+    ``fp8_recipe`` (:data:`FP8_LINEARS`): :class:`~nemo_lw_fp8.emulation.fp8_linear.MXFP8Linear`
+    (TE ``Linear``'s MXFP8 arithmetic, Blackwell recipes) or
+    :class:`~nemo_lw_fp8.emulation.blockwise_linear.BlockwiseFP8Linear` (``Float8BlockScaling``,
+    Hopper recipes), both exactly emulated. Under megatron's ``get_fp8_context(is_init=True)``
+    (TE's ``quantized_model_init``) their weights become TE ``MXFP8Tensor`` /
+    ``Float8BlockwiseQTensor`` parameters, so megatron's and the plugin's FP8 param-gather paths
+    see what they see on a GPU. Routed experts can be the single grouped weight of
+    :mod:`nemo_lw_fp8.cpu.grouped_experts` (MXFP8 only), else megatron's discrete experts.
 
 Hybrid models (``experimental_attention_variant='gated_delta_net'``: Qwen3-Next, Qwen3.5) are
 built layer by layer as megatron's own ``experimental_attention_variant_module_specs`` builds them
@@ -21,8 +24,9 @@ layers, whose fused input norm + ``in_proj`` (TE's ``LayerNormColumnParallelLine
 which megatron's torch norm refuses) is :class:`ZeroCenteredRMSNorm`.
 
 Limits (checked, not silently ignored): tensor parallelism 1 (the adapters do no TP
-communication), linear widths multiples of 32 (MXFP8 blocks). MLA's two down projections stay
-bf16 linears: megatron accepts only its own classes in those slots.
+communication), MXFP8 linear widths multiples of 32 (MXFP8 blocks; blockwise tiles at the edges
+may be partial, any width works). MLA's two down projections stay bf16 linears: megatron accepts
+only its own classes in those slots.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any
 
 import torch
 
+from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
 from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear
 
 
@@ -41,10 +46,13 @@ def _tp_size(config: Any) -> int:
     return int(getattr(config, "tensor_model_parallel_size", 1) or 1)
 
 
-class _MXFP8ParallelLinear(torch.nn.Module):
-    """Megatron ``Column/RowParallelLinear`` interface over :class:`MXFP8Linear` (TP = 1)."""
+class _FP8ParallelLinear(torch.nn.Module):
+    """Megatron ``Column/RowParallelLinear`` interface over an emulated FP8 linear (TP = 1)."""
 
     partition_dim = 0
+    #: The emulated linear (``MXFP8Linear`` or ``BlockwiseFP8Linear``); its constructor takes
+    #: ``(in, out, bias=, params_dtype=, init_method=)`` and follows TE's quantized_model_init.
+    linear_class: Any = MXFP8Linear
 
     def __init__(
         self,
@@ -60,9 +68,9 @@ class _MXFP8ParallelLinear(torch.nn.Module):
     ) -> None:
         super().__init__()
         if _tp_size(config) != 1:
-            raise ValueError("CPU MXFP8 linears support tensor_model_parallel_size=1 only")
+            raise ValueError("CPU FP8 linears support tensor_model_parallel_size=1 only")
         self.skip_bias_add = skip_bias_add
-        self.linear = MXFP8Linear(
+        self.linear = self.linear_class(
             input_size,
             output_size,
             bias=bias,
@@ -98,11 +106,11 @@ class _MXFP8ParallelLinear(torch.nn.Module):
         return self.linear(flat).reshape(*shape[:-1], self.linear.out_features), None
 
 
-class MXFP8ColumnParallelLinear(_MXFP8ParallelLinear):
+class MXFP8ColumnParallelLinear(_FP8ParallelLinear):
     partition_dim = 0
 
 
-class MXFP8RowParallelLinear(_MXFP8ParallelLinear):
+class MXFP8RowParallelLinear(_FP8ParallelLinear):
     partition_dim = 1
 
 
@@ -163,6 +171,25 @@ def _norm_linear_class(norm: Any, linear: Any) -> type:
         (NormColumnParallelLinear,),
         {"norm_class": norm, "linear_class": linear, "__module__": __name__},
     )
+
+
+class BlockwiseColumnParallelLinear(_FP8ParallelLinear):
+    """Hopper's blockwise FP8 (TE ``Float8BlockScaling``): 1x128 input blocks, 128x128 weight
+    tiles; persistent ``Float8BlockwiseQTensor`` weights under quantized_model_init."""
+
+    partition_dim = 0
+    linear_class = BlockwiseFP8Linear
+
+
+class BlockwiseRowParallelLinear(BlockwiseColumnParallelLinear):
+    partition_dim = 1
+
+
+#: megatron's ``fp8_recipe`` -> the CPU (column, row) parallel linears that emulate it.
+FP8_LINEARS: dict[str, tuple[type, type]] = {
+    "mxfp8": (MXFP8ColumnParallelLinear, MXFP8RowParallelLinear),
+    "blockwise": (BlockwiseColumnParallelLinear, BlockwiseRowParallelLinear),
+}
 
 
 #: Submodule slots megatron accepts only its own classes for (``MLASelfAttention`` checks
@@ -296,20 +323,27 @@ def cpu_decoder_block_spec(
     vp_stage: int | None = None,
 ) -> Any:
     """megatron's local decoder block spec for ``config`` (dense / MoE layers per
-    ``moe_layer_freq``, MLA, standard or Gated DeltaNet hybrid attention, torch norms), with
-    MXFP8 linears when ``fp8`` and :class:`~nemo_lw_fp8.cpu.grouped_experts.GroupedExperts`
-    routed experts when ``single_grouped_experts``; ``vp_stage``: the virtual pipeline stage
-    being built."""
+    ``moe_layer_freq``, MLA, standard or Gated DeltaNet hybrid attention, torch norms), with the
+    ``fp8_recipe``'s emulated linears (:data:`FP8_LINEARS`: ``mxfp8`` or ``blockwise``) when
+    ``fp8`` and :class:`~nemo_lw_fp8.cpu.grouped_experts.GroupedExperts` routed experts when
+    ``single_grouped_experts``; ``vp_stage``: the virtual pipeline stage being built."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if fp8 and fp8_recipe != "mxfp8":
+    recipe = str(getattr(fp8_recipe, "value", fp8_recipe))
+    if fp8 and recipe not in FP8_LINEARS:
         raise ValueError(
-            f"the CPU layers emulate MXFP8 compute only, not fp8_recipe={fp8_recipe!r} (the "
-            "blockwise CPU linear needs 128-wide tiles, wider than the tiny models). Fix: use an "
-            "MXFP8 recipe on CPU (mixed_precision=bf16_with_mxfp8_mixed), or a GPU."
+            f"the CPU layers emulate {' and '.join(FP8_LINEARS)} FP8 compute only, not "
+            f"fp8_recipe={recipe!r}. Fix: mixed_precision.fp8_recipe=mxfp8 (Blackwell recipes) "
+            "or blockwise (Hopper recipes) on CPU, or run on a GPU."
+        )
+    if fp8 and single_grouped_experts and recipe != "mxfp8":
+        raise ValueError(
+            f"the CPU single grouped expert weights are MXFP8 only, not fp8_recipe={recipe!r}. "
+            "Fix: model.moe_single_grouped_weight=false (discrete experts, as the Hopper "
+            "recipes have)."
         )
     # The local spec's grouped-GEMM experts need the grouped_gemm CUDA package: build the spec as
     # for discrete experts (SequentialMLP), swapped below; the model keeps its own config.
@@ -324,8 +358,7 @@ def cpu_decoder_block_spec(
     table: dict[type, Any] = {}
     whole: dict[type, Any] = {}
     if fp8:
-        table[ColumnParallelLinear] = MXFP8ColumnParallelLinear
-        table[RowParallelLinear] = MXFP8RowParallelLinear
+        table[ColumnParallelLinear], table[RowParallelLinear] = FP8_LINEARS[recipe]
     if getattr(config, "layernorm_zero_centered_gamma", False):
         table[WrappedTorchNorm] = ZeroCenteredRMSNorm
     if single_grouped_experts:

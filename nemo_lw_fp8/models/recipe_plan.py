@@ -86,17 +86,17 @@ def recipe_setup(name: str, overrides: list[str] = ()) -> RecipeSetup:  # type: 
     key = recipes._key(name)
     if key not in recipes.RECIPES:
         raise UsageError(f"unknown recipe {name!r}", "`nemo-lw-fp8 recipes` lists the recipes")
-    tiny_arch = recipes.tiny_architecture_of(key)
-    if tiny_arch is not None:
-        arch, variant, par = tiny_arch, "tiny", recipes.tiny_parallelism()
+    tiny_of = recipes.tiny_variant_of(key)
+    if tiny_of is not None:
+        arch, par = recipes.tiny_architecture_of(key), recipes.tiny_parallelism()
+        gpu, variant = VARIANT_GPU["tiny"], tiny_of[1]
     else:
         model = next(m for m in recipes.MODELS if key.startswith(recipes._key(m) + "_"))
         variant = key[len(recipes._key(model)) + 1 :]
         arch = get_architecture(model)
         par = parallelism(arch, recipes.VARIANT_GPU[variant])
-    setup = RecipeSetup(
-        key, arch, par, VARIANT_GPU[variant], single_grouped_weight=variant != "hopper"
-    )
+        gpu = VARIANT_GPU[variant]
+    setup = RecipeSetup(key, arch, par, gpu, single_grouped_weight=variant != "hopper")
     changes: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
