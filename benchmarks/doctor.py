@@ -54,14 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
         f"{os.cpu_count()} CPUs, {args.runs} runs each"
     )
-    print(f"| {'command':<28} | wall s (each) {'':<12} | wall s median | CPU s median |")
-    print(f"|{'-' * 30}|{'-' * 28}|{'-' * 15}|{'-' * 14}|")
+    print(f"| {'command':<32} | wall s (each) {'':<12} | wall s median | CPU s median |")
+    print(f"|{'-' * 34}|{'-' * 28}|{'-' * 15}|{'-' * 14}|")
     for name, command in CASES.items():
         runs = [measure(command) for _ in range(args.runs)]
         walls = " ".join(f"{w:.1f}" for w, _ in runs)
         wall = statistics.median(w for w, _ in runs)
         cpu = statistics.median(c for _, c in runs)
-        print(f"| {name:<28} | {walls:<26} | {wall:>13.1f} | {cpu:>12.1f} |")
+        print(f"| {name:<32} | {walls:<26} | {wall:>13.1f} | {cpu:>12.1f} |")
     return 0
 
 
