@@ -4,13 +4,16 @@ Each patch module records the upstream change it mirrors (``Patch.upstream_pr``,
 ``upstream_title``) and owns its detector; ``nemo-lw-fp8 doctor`` reads them from the patch
 registry. This module adds the changes that the installed megatron-core must simply have, so
 ``doctor`` reports them too: a detector looks at megatron's symbols, never its version string,
-and returns ``(native, reason)``.
+and returns ``(native, reason)``; it reads them through :mod:`nemo_lw_fp8.symbols`, so
+``doctor`` answers without importing megatron-core.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from . import symbols
 
 
 @dataclass(frozen=True)
@@ -21,20 +24,19 @@ class TrackedChange:
 
 
 def _detect_overlap_layerwise_gather() -> tuple[bool, str]:
-    from megatron.core.distributed import distributed_data_parallel as ddp_mod
-    from megatron.core.distributed import param_and_grad_buffer as buf_mod
-
+    buffers = symbols.module("megatron.core.distributed.param_and_grad_buffer")
+    ddp = symbols.module("megatron.core.distributed.distributed_data_parallel")
     missing = [
         name
         for name, ok in (
-            ("_LayerwiseAllGatherHandle", hasattr(buf_mod, "_LayerwiseAllGatherHandle")),
+            ("_LayerwiseAllGatherHandle", buffers.has("_LayerwiseAllGatherHandle")),
             (
                 "_ParamAndGradBucket.set_layerwise_params_list",
-                hasattr(buf_mod._ParamAndGradBucket, "set_layerwise_params_list"),
+                buffers.has("_ParamAndGradBucket.set_layerwise_params_list"),
             ),
             (
                 "DistributedDataParallel.free_overlap_buffers",
-                hasattr(ddp_mod.DistributedDataParallel, "free_overlap_buffers"),
+                ddp.has("DistributedDataParallel.free_overlap_buffers"),
             ),
         )
         if not ok

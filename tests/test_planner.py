@@ -263,6 +263,33 @@ def test_tiny_model_by_hand():
     assert compact["grad_sync"]["wire_bytes_per_rank"] == 12288 * 4 + 128 * 4 // 2
 
 
+def test_grouped_expert_runs_balance_newton_schulz():
+    """Three single grouped weights (4, 64, 32) on 2 ranks: whole ownership gives one rank two
+    of them (Newton-Schulz 2:1); runs of experts give each rank 6 experts; "auto" splits because
+    that lowers the busiest rank by more than 2 %. The padded layout owns whole either way."""
+    specs = [
+        ParamSpec(f"g{i}", (4, 64, 32), muon=True, expert_parallel=True, num_experts=4)
+        for i in range(3)
+    ]
+    c = 4 * 64 * 32 * 32
+    runs = {
+        ownership: planner.plan(
+            specs, dp=2, fp8_param_gather=False, grouped_weight_ownership=ownership
+        )
+        for ownership in ("whole", "expert", "auto")
+    }
+    compact = {k: r["layouts"]["compact"] for k, r in runs.items()}
+    assert compact["whole"]["newton_schulz"]["by_rank"] == [2 * c, c]
+    assert compact["expert"]["newton_schulz"]["by_rank"] == [3 * c // 2, 3 * c // 2]
+    assert compact["auto"]["newton_schulz"] == compact["expert"]["newton_schulz"]
+    elements = 4 * 64 * 32
+    assert compact["whole"]["bytes_by_rank"]["masters"] == [4 * 2 * elements, 4 * elements]
+    assert compact["expert"]["bytes_by_rank"]["masters"] == [4 * 3 * elements // 2] * 2
+    assert runs["expert"]["grouped_weight_ownership"] == "expert"
+    stock = [r["layouts"]["stock_padded"]["bytes_by_rank"] for r in runs.values()]
+    assert stock[0] == stock[1] == stock[2]
+
+
 def test_mxfp8_weight_bytes():
     # rowwise + columnwise codes, scales padded to (128, 4) and (4, 128) tiles
     assert planner.mxfp8_weight_bytes((128, 128)) == 2 * 128 * 128 + 128 * 4 + 4 * 128
@@ -375,8 +402,10 @@ def test_recipe_plan_pipeline_and_grouped_weights():
     peaks = result["pp_rank_peaks"]
     assert len(peaks) == 2 and result["pp_rank"] == peaks.index(max(peaks))
     assert result["verdict"]["fits"] and result["verdict"]["gpu_bytes"] == 80e9
-    grouped = [b for b in result["layouts"]["compact"]["buffers"] if "expert" in b["name"]]
-    assert grouped  # the experts live on some rank; grouped weights keep their element count
+    # At EP 1 megatron builds the experts with the dense process groups: no expert buffers.
+    names = [b["name"] for b in result["layouts"]["compact"]["buffers"]]
+    assert names and not any("/expert/" in name for name in names)
+    # grouped weights keep their element count
     specs = recipe_plan.stage_param_specs(setup.arch, setup.par, 0) + (
         recipe_plan.stage_param_specs(setup.arch, setup.par, 1)
     )
@@ -391,6 +420,7 @@ def test_recipe_plan_pipeline_and_grouped_weights():
         (["model.tensor_model_parallel_size=2"], "whole matrices"),
         (["optimizer.lr=1"], "plan does not read 'optimizer.lr'"),
         (["model.expert_model_parallel_size=3"], "does not split"),
+        (["optimizer.grouped_weight_ownership=experts"], "grouped_weight_ownership='experts'"),
     ],
 )
 def test_recipe_plan_bad_input(capsys, overrides, message):

@@ -21,11 +21,30 @@ def _rank_holds(spec: ParamSpec, items: list[str]) -> bool:
     parts = spec.name.split(".")
     if parts[0] == "embedding":
         return "E" in items
-    if parts[0] == "output_layer" or spec.name == "decoder.final_layernorm.weight":
+    if parts[0] == "output_layer" or parts[:2] == ["decoder", "final_layernorm"]:
         return "L" in items  # megatron builds the final norm with the last decoder stage
     if parts[0] == "mtp":
         return f"m{parts[2]}" in items
     return f"t{parts[2]}" in items
+
+
+def specs_on_rank(
+    specs: list[ParamSpec], stages: list[list[str]], pp: int, pp_rank: int
+) -> list[ParamSpec]:
+    """The parameters of ``specs`` (a whole model, megatron's names) that pipeline rank
+    ``pp_rank`` holds, for virtual stages ``stages`` in megatron's order (lists of "E", "t",
+    "m", "L"; stage ``s`` lives on rank ``s % pp``)."""
+    items: list[str] = []
+    counters = {"t": 0, "m": 0}
+    for stage_index, stage in enumerate(stages):
+        for item in stage:
+            if item in counters:
+                if stage_index % pp == pp_rank:
+                    items.append(f"{item}{counters[item]}")
+                counters[item] += 1
+            elif stage_index % pp == pp_rank:
+                items.append(item)
+    return [s for s in specs if _rank_holds(s, items)]
 
 
 def stage_param_specs(
@@ -35,18 +54,8 @@ def stage_param_specs(
     one EP rank's share)."""
     if par.tp != 1 or par.cp != 1:
         raise ValueError("the planner models TP = CP = 1")
-    items: list[str] = []
-    counters = {"t": 0, "m": 0}
-    for stage_index, stage in enumerate(par.stages(arch)):
-        for item in stage:
-            if item in counters:
-                if stage_index % par.pp == pp_rank:
-                    items.append(f"{item}{counters[item]}")
-                counters[item] += 1
-            elif stage_index % par.pp == pp_rank:
-                items.append(item)
     specs = to_model_spec(arch, include_mtp=include_mtp).params()
-    return [s for s in specs if _rank_holds(s, items)]
+    return specs_on_rank(specs, par.stages(arch), par.pp, pp_rank)
 
 
 def plan_rank(

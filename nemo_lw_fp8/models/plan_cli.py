@@ -99,7 +99,6 @@ def format_verdict(result: dict[str, Any]) -> str:
     ownership = result["grouped_weight_ownership"]
     grouped = (
         f"single grouped expert weights, ownership {ownership}"
-        + ("" if ownership == "whole" else " (planned as whole: expert runs are not modelled)")
         if result["single_grouped_weight"]
         else "discrete expert weights"
     )

@@ -5,8 +5,10 @@
 * ``stock_padded``: megatron-core 0.19.2's padded layer-wise layout (Muon on the matrices, a
   sibling ``DistributedOptimizer`` running Adam on embeddings, output layer and vectors),
   computed by megatron's own layout code (:func:`nemo_lw_fp8.layout.stock_padded_layout`);
-* ``compact``: the same optimizers with compact (zero-padding) Muon buffers, ownership from
-  :func:`nemo_lw_fp8.layout.assign_owners_joint` (by Newton-Schulz cost) and one gather per
+* ``compact``: the same optimizers with compact (zero-padding) Muon buffers, ownership as the
+  compact patch computes it (:func:`nemo_lw_fp8.layout.choose_pieces` by Newton-Schulz cost, the
+  dense and the expert group each on its own; grouped expert weights whole or in runs of
+  experts) and one gather per
   Muon bucket group, even or uneven (:func:`nemo_lw_fp8.layout.even_gather_fits`), as the
   compact patch does it;
 * ``adam_distopt``: Adam on everything through megatron's ``DistributedOptimizer``.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import layout as lo
@@ -59,7 +61,8 @@ ASSUMPTIONS = (
     "stock_legacy: the uneven all_gather of the legacy path, which NCCL runs as one broadcast per "
     "rank, over megatron's unpadded, untagged buckets. compact: one all_gather_into_tensor per "
     "gather group (consecutive bucket groups merged until the transient padding is within "
-    "gather_padding_tolerance) plus Adam's; for expert groups the busiest EP index is reported.",
+    "gather_padding_tolerance) plus Adam's; every expert-data-parallel group owns its "
+    "(identically shaped) experts the same way.",
     "compact gradients are all-reduced per bucket (upstream PR #5388's compact path); the padded "
     "and Adam layouts reduce-scatter.",
 )
@@ -227,6 +230,7 @@ class _Acc:
             "description": description,
             "bytes_per_rank": per_rank,
             "worst_rank": worst,
+            "bytes_by_rank": {f: list(self.mem[f]) for f in MEMORY_FIELDS},
             "bytes_per_rank_mean": mean,
             "padding_numel": self.padding_numel,
             "muon_padding_numel": self.muon_padding_numel,
@@ -239,6 +243,7 @@ class _Acc:
         if ns is not None:
             mean_ns = sum(ns) / dp
             out["newton_schulz"] = {
+                "by_rank": list(ns),
                 "max": max(ns),
                 "mean": mean_ns,
                 "max_over_mean": lo.imbalance(ns),
@@ -249,13 +254,16 @@ class _Acc:
 
 
 def _local_specs(specs: Sequence[ParamSpec], ep: int) -> list[ParamSpec]:
+    """One expert-parallel rank's trainable parameters. At EP 1 (with TP = ETP = 1) megatron
+    builds experts with the dense process groups (``allreduce`` stays True, the linears'
+    ``use_expert_pgs`` is off), so they share the dense buffers and ownership group."""
     local = []
     for s in specs:
         if not s.trainable:
             continue
         view = s.local(ep)
         if view is not None:
-            local.append(view)
+            local.append(view if ep > 1 else replace(view, expert_parallel=False))
     return local
 
 
@@ -266,32 +274,45 @@ def _rank_view(values: list[int], expert: bool, dp: int, ep: int) -> list[int]:
 
 @dataclass
 class _Ownership:
-    """Our owners: ``dense[i]`` (data-parallel rank) for dense Muon spec ``i``;
-    ``expert[e][i]`` (expert-data-parallel rank) for expert spec ``i`` in the expert-data-parallel
-    group of expert-parallel index ``e``; ``cost[r]``: Newton-Schulz total of global rank ``r``."""
+    """Our owners, as the compact patch computes them (:func:`nemo_lw_fp8.mechanics.compact.
+    shard`): ``dense[i]`` the pieces of dense Muon spec ``i`` as ``(owner, units)`` (data-parallel
+    ranks); ``expert[i]`` the same for expert spec ``i`` inside every expert-data-parallel group
+    (every group holds the same shapes, so one answer serves all); ``units[i]``: how many pieces
+    spec ``i`` can split into; ``cost[r]``: Newton-Schulz total of global rank ``r``."""
 
-    dense: dict[int, int]
-    expert: list[dict[int, int]]
+    dense: dict[int, list[tuple[int, int]]]
+    expert: dict[int, list[tuple[int, int]]]
+    units: dict[int, int]
     cost: list[int]
 
 
-def _our_owners(specs: list[ParamSpec], dp: int, ep: int) -> _Ownership:
-    """Our owners (:func:`nemo_lw_fp8.layout.assign_owners_joint`) keyed by spec index."""
-    dense = [i for i, s in enumerate(specs) if s.muon and not s.expert_parallel]
-    expert = [i for i, s in enumerate(specs) if s.muon and s.expert_parallel]
-    joint = lo.assign_owners_joint(
-        [lo.newton_schulz_cost(specs[i].shape) for i in dense],
-        [lo.newton_schulz_cost(specs[i].shape) for i in expert],
-        dp,
-        lo.default_expert_groups(dp, ep),
-        [specs[i].numel for i in dense],
-        [specs[i].numel for i in expert],
-    )
-    return _Ownership(
-        dict(zip(dense, joint.dense, strict=True)),
-        [dict(zip(expert, owners, strict=True)) for owners in joint.expert],
-        joint.rank_cost,
-    )
+def _expert_units(spec: ParamSpec, ownership: str) -> int:
+    """Experts a Muon spec splits into: E for a single grouped weight ``(E, m, n)`` unless
+    ownership is whole (``mechanics.compact.expert_units``), else 1."""
+    return spec.shape[0] if ownership != "whole" and len(spec.shape) == 3 else 1
+
+
+def _our_owners(specs: list[ParamSpec], dp: int, ep: int, ownership: str) -> _Ownership:
+    """Our owners keyed by spec index: dense matrices over the data-parallel group, expert
+    matrices over the expert-data-parallel group, each group on its own
+    (:func:`nemo_lw_fp8.layout.choose_pieces`, whole or in runs of experts)."""
+    edp = dp // ep
+    units = {i: _expert_units(s, ownership) for i, s in enumerate(specs) if s.muon}
+    tables: list[dict[int, list[tuple[int, int]]]] = []
+    loads: list[list[int]] = []
+    for expert, world in ((False, dp), (True, edp)):
+        members = [i for i, s in enumerate(specs) if s.muon and s.expert_parallel == expert]
+        costs = [lo.newton_schulz_cost(specs[i].shape) for i in members]
+        pieces = lo.choose_pieces(
+            costs, [units[i] for i in members], world, [specs[i].numel for i in members], ownership
+        )
+        table: dict[int, list[tuple[int, int]]] = {i: [] for i in members}
+        for piece in pieces:
+            table[members[piece.index]].append((piece.owner, piece.hi - piece.lo))
+        tables.append(table)
+        loads.append(lo.piece_loads(costs, [units[i] for i in members], pieces, world))
+    cost = [loads[0][r] + loads[1][r // ep] for r in range(dp)]
+    return _Ownership(tables[0], tables[1], units, cost)
 
 
 def _param_bytes(buf: _Buffer, numel: int) -> int:
@@ -312,13 +333,17 @@ def plan(
     *,
     overlap_grad_reduce: bool = True,
     gather_padding_tolerance: float = 0.1,
+    grouped_weight_ownership: str = "whole",
 ) -> dict[str, Any]:
     """Per-rank bytes, Newton-Schulz balance and per-step communication of the three layouts.
 
     ``model``: a name from :data:`nemo_lw_fp8.models.shapes.SPECS` or an explicit list of
     :class:`ParamSpec` (full model, all experts). ``dp``: data-parallel size = world size;
     ``ep``: expert-parallel size (divides ``dp`` and the expert count). ``bucket_size``:
-    elements per DDP bucket, ``None`` for megatron's default. Returns a JSON-ready dict
+    elements per DDP bucket, ``None`` for megatron's default. ``grouped_weight_ownership``: how
+    the compact layout owns single grouped expert weights ``(E, m, n)`` (``"whole"``,
+    ``"expert"``: runs of experts, ``"auto"``; :data:`nemo_lw_fp8.layout.GROUPED_WEIGHT_OWNERSHIP`).
+    Returns a JSON-ready dict
     (docs/planner.md describes every field).
     """
     if dp < 1 or ep < 1 or dp % ep:
@@ -340,21 +365,22 @@ def plan(
 
     # -------------------------------------------------------------- layer-wise (a) and (b)
     buffers = _buffers(specs, fp8_param_gather, layer_wise=True)
-    own = _our_owners(specs, dp, ep)
+    own = _our_owners(specs, dp, ep, grouped_weight_ownership)
 
-    def our_owners(buf: _Buffer, e: int) -> list[int]:
-        """Our owner of each parameter of a Muon buffer (expert buffers: in EP group ``e``)."""
-        table = own.expert[e] if buf.expert else own.dense
-        return [table[i] for i in buf.indices]
+    def our_pieces(buf: _Buffer, p: int) -> list[tuple[int, int]]:
+        """``(elements, owner)`` of each piece of parameter ``p`` of a Muon buffer (owners in
+        the buffer's group: data-parallel or expert-data-parallel ranks)."""
+        i = buf.indices[p]
+        table = own.expert if buf.expert else own.dense
+        return [(buf.specs[p].numel * n // own.units[i], owner) for owner, n in table[i]]
 
     def our_rank_numel(buf: _Buffer) -> list[int]:
         """Elements each global rank updates in a Muon buffer under our ownership."""
-        if not buf.expert:
-            return lo.rank_loads([s.numel for s in buf.specs], our_owners(buf, 0), dp)
-        per_group = [
-            lo.rank_loads([s.numel for s in buf.specs], our_owners(buf, e), edp) for e in range(ep)
-        ]
-        return [per_group[r % ep][r // ep] for r in range(dp)]
+        loads = [0] * world(buf)
+        for p in range(len(buf.specs)):
+            for numel, owner in our_pieces(buf, p):
+                loads[owner] += numel
+        return _rank_view(loads, buf.expert, dp, ep)
 
     stock, compact = _Acc(dp), _Acc(dp)
     stock_ns = [0] * dp
@@ -427,47 +453,44 @@ def plan(
                     any(members[i][0].muon for i, _ in grp) for grp in groups
                 )
                 continue
-            # compact: the Muon buckets of each bucket group form one gather unit. Expert
-            # groups own differently per EP index: keep the busiest one (per metric).
-            worst = {"collectives": 0, "output": 0, "wire": 0, "padding": 0}
-            for e in range(ep if expert else 1):
-                owners_of = {i: our_owners(m[0], e) for i, m in enumerate(members) if m[0].muon}
-                units: list[tuple[list[int], list[int]]] = []
-                unit_grad_bytes: list[int] = []
-                for grp in reversed(groups):  # forward order, as the gathers are issued
-                    sizes: list[int] = []
-                    unit_owners: list[int] = []
-                    for i, b in grp:
-                        buf, _, flat = members[i]
-                        if not buf.muon:
-                            continue
-                        for p in flat.bucket_params[b]:
-                            sizes.append(buf.specs[p].numel)
-                            unit_owners.append(owners_of[i][p])
-                    if sizes:
-                        units.append((sizes, unit_owners))
-                        unit_grad_bytes.append(sum(sizes) * g)
-                # As the compact patch does it: one gather per bucket group, even when its
-                # transient padding is within the tolerance, else uneven (real bytes only).
-                stats = {"collectives": len(units), "output": 0, "wire": 0, "padding": 0}
-                for (sizes, unit_owners), grad_region in zip(units, unit_grad_bytes, strict=True):
-                    segments = lo.rank_loads(sizes, unit_owners, w)
-                    if lo.even_gather_fits(segments, gather_padding_tolerance):
-                        gplan = lo.pack_for_even_all_gather(sizes, unit_owners, w)
-                        nbytes = gplan.gather_numel * PARAM_BYTES
-                        stats["padding"] += gplan.transient_padding
-                    else:
-                        nbytes = sum(sizes) * PARAM_BYTES
-                    stats["output"] += nbytes
-                    stats["wire"] += _ring(w, nbytes)
-                    transient_peak = max(transient_peak, nbytes)
-                    transient_extra = max(transient_extra, nbytes - grad_region)
-                worst = {k: max(worst[k], stats[k]) for k in worst}
-            acc.gather["muon_collectives"] += worst["collectives"]
-            acc.gather["output_bytes"] += worst["output"]
-            acc.gather["wire_bytes_per_rank"] += worst["wire"]
-            acc.gather["padding_bytes"] += worst["padding"] * PARAM_BYTES
-            transient_padding += worst["padding"]
+            # compact: the Muon buckets of each bucket group form one gather unit (every
+            # expert-data-parallel group owns the same shapes the same way).
+            units: list[tuple[list[int], list[int]]] = []
+            unit_grad_bytes: list[int] = []
+            for grp in reversed(groups):  # forward order, as the gathers are issued
+                sizes: list[int] = []
+                unit_owners: list[int] = []
+                for i, b in grp:
+                    buf, _, flat = members[i]
+                    if not buf.muon:
+                        continue
+                    for p in flat.bucket_params[b]:
+                        for numel, owner in our_pieces(buf, p):
+                            sizes.append(numel)
+                            unit_owners.append(owner)
+                if sizes:
+                    units.append((sizes, unit_owners))
+                    unit_grad_bytes.append(sum(sizes) * g)
+            # As the compact patch does it: one gather per bucket group, even when its
+            # transient padding is within the tolerance, else uneven (real bytes only).
+            stats = {"collectives": len(units), "output": 0, "wire": 0, "padding": 0}
+            for (sizes, unit_owners), grad_region in zip(units, unit_grad_bytes, strict=True):
+                segments = lo.rank_loads(sizes, unit_owners, w)
+                if lo.even_gather_fits(segments, gather_padding_tolerance):
+                    gplan = lo.pack_for_even_all_gather(sizes, unit_owners, w)
+                    nbytes = gplan.gather_numel * PARAM_BYTES
+                    stats["padding"] += gplan.transient_padding
+                else:
+                    nbytes = sum(sizes) * PARAM_BYTES
+                stats["output"] += nbytes
+                stats["wire"] += _ring(w, nbytes)
+                transient_peak = max(transient_peak, nbytes)
+                transient_extra = max(transient_extra, nbytes - grad_region)
+            acc.gather["muon_collectives"] += stats["collectives"]
+            acc.gather["output_bytes"] += stats["output"]
+            acc.gather["wire_bytes_per_rank"] += stats["wire"]
+            acc.gather["padding_bytes"] += stats["padding"] * PARAM_BYTES
+            transient_padding += stats["padding"]
     for acc in (stock, compact):
         acc.gather["collectives"] = acc.gather["muon_collectives"] + acc.gather["adam_collectives"]
 
@@ -548,6 +571,7 @@ def plan(
         "bucket_size": bucket_size,
         "fp8_param_gather": fp8_param_gather,
         "grad_dtype": grad_dtype,
+        "grouped_weight_ownership": grouped_weight_ownership,
         "params": {
             "total": sum(s.numel for s in all_specs),
             "trainable": sum(s.numel for s in all_specs if s.trainable),

@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from ..cli import UsageError
+from ..layout import GROUPED_WEIGHT_OWNERSHIP
 from .architectures import MoEArchitecture, get_architecture, tiny
 from .parallel import ParallelismDefaults, parallelism
 from .pipeline import stage_param_specs
@@ -156,6 +157,11 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
             f"TP = {par.tp}, ETP = {par.etp}: the planner models whole matrices per rank",
             "layer-wise Muon recipes use TP = ETP = 1 (docs/planner.md); plan with those",
         )
+    if setup.ownership not in GROUPED_WEIGHT_OWNERSHIP:
+        raise UsageError(
+            f"optimizer.grouped_weight_ownership={setup.ownership!r}",
+            "one of " + ", ".join(GROUPED_WEIGHT_OWNERSHIP),
+        )
     world = par.world_size
     if world % (par.pp * par.cp) or world % (par.ep * par.pp):
         raise UsageError(
@@ -193,6 +199,7 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
                 fp8_param_gather=setup.fp8_param_gather,
                 grad_dtype="fp32" if setup.grad_reduce_in_fp32 else "bf16",
                 gather_padding_tolerance=setup.gather_padding_tolerance,
+                grouped_weight_ownership=setup.ownership,
             )
         by_rank.append(plans[signature])
 

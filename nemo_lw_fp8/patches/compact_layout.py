@@ -25,6 +25,7 @@ layout field (``use_layer_wise_param_layout``) - #5388's design.
 from __future__ import annotations
 
 from .. import config as plugin_config
+from .. import symbols
 from ..mechanics import compact, grouped_checkpoint
 from ..state import optimizer_state
 from .framework import Override, Patch, register
@@ -35,12 +36,8 @@ RUNS_KEY = "nemo_lw_fp8_expert_runs"
 
 
 def _detect_native() -> tuple[bool, str]:
-    from megatron.core.distributed.distributed_data_parallel_config import (
-        DistributedDataParallelConfig,
-    )
-
-    fields = getattr(DistributedDataParallelConfig, "__dataclass_fields__", {})
-    if "use_layer_wise_param_layout" not in fields:
+    config = symbols.module("megatron.core.distributed.distributed_data_parallel_config")
+    if "use_layer_wise_param_layout" not in config.fields("DistributedDataParallelConfig"):
         return False, "DistributedDataParallelConfig has no per-buffer layer-wise layout setting"
     return True, "DistributedDataParallelConfig carries the decoupled layer-wise layout"
 

@@ -30,33 +30,32 @@ The mechanics (what a grouped weight is, Muon per expert): :mod:`nemo_lw_fp8.mec
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any
 
 import torch
 
+from .. import symbols
 from ..mechanics import grouped
-from .framework import Override, Patch, register, unpatched_own_attr
+from .framework import Override, Patch, register
 
 FEATURE = "grouped_weight_layerwise"
 
 
 def _detect_upstream_part() -> tuple[bool, str]:
     """#5464's numerics for Adam's DistributedOptimizer (what 0.19.2 already has)."""
-    from megatron.core import fp8_utils
-    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
-
+    fp8_utils = symbols.module("megatron.core.fp8_utils")
+    ddp = symbols.module("megatron.core.distributed.distributed_data_parallel")
     missing = [
         name
         for name, ok in (
-            ("fp8_utils.is_grouped_mxfp8tensor", hasattr(fp8_utils, "is_grouped_mxfp8tensor")),
+            ("fp8_utils.is_grouped_mxfp8tensor", fp8_utils.has("is_grouped_mxfp8tensor")),
             (
                 "fp8_utils.copy_tensor_to_quantized_param",
-                hasattr(fp8_utils, "copy_tensor_to_quantized_param"),
+                fp8_utils.has("copy_tensor_to_quantized_param"),
             ),
             (
                 "DistributedDataParallel.reset_param_sync_dispatch_state",
-                hasattr(DistributedDataParallel, "reset_param_sync_dispatch_state"),
+                ddp.has("DistributedDataParallel.reset_param_sync_dispatch_state"),
             ),
         )
         if not ok
@@ -67,11 +66,12 @@ def _detect_upstream_part() -> tuple[bool, str]:
 
 
 def _detect_native() -> tuple[bool, str]:
-    from megatron.core.optimizer import layer_wise_optimizer as lw
-    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
-
-    orth = inspect.getsource(unpatched_own_attr(TensorParallelMuon, "orthogonalize"))
-    routing = inspect.getsource(unpatched_own_attr(lw, "is_managed_by_layer_wise_optimizer"))
+    orth = symbols.module("megatron.core.optimizer.emerging_optimizers").source(
+        "TensorParallelMuon.orthogonalize"
+    )
+    routing = symbols.module("megatron.core.optimizer.layer_wise_optimizer").source(
+        "is_managed_by_layer_wise_optimizer"
+    )
     if "grouped" in orth and "grouped" in routing:
         return True, "megatron routes single grouped weights to Muon and splits them per expert"
     return False, (

@@ -26,28 +26,26 @@ itself and its bucket-group sync no longer decides ownership from ``buckets[0]``
 
 from __future__ import annotations
 
-import inspect
 import sys
 from typing import Any
 
 import torch
 
-from .. import guards
+from .. import guards, symbols
 from ..mechanics import bucket_owners, lifecycle, masters, run_settings, staging
-from .framework import Override, Patch, defines, register, unpatched_own_attr
+from .framework import Override, Patch, register
 
 FEATURE = "muon_fp8_param_gather"
 
 
 def _detect_native() -> tuple[bool, str]:
-    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer as cls
-
-    if not defines(cls, "_copy_main_params_to_param_buffer"):
+    lw = symbols.module("megatron.core.optimizer.layer_wise_optimizer")
+    cls = "LayerWiseDistributedOptimizer"
+    if not lw.has(f"{cls}._copy_main_params_to_param_buffer"):
         return False, "LayerWiseDistributedOptimizer does not stage masters into the param buffer"
-    if not defines(cls, "prepare_model_params_for_param_sync"):
+    if not lw.has(f"{cls}.prepare_model_params_for_param_sync"):
         return False, "LayerWiseDistributedOptimizer has no prepare_model_params_for_param_sync"
-    source = inspect.getsource(unpatched_own_attr(cls, "start_param_sync_for_bucket_group_subset"))
-    if "buckets[0]" in source:
+    if "buckets[0]" in lw.source(f"{cls}.start_param_sync_for_bucket_group_subset"):
         return False, "layer-wise param sync decides ownership from a group's first bucket only"
     return True, "LayerWiseDistributedOptimizer stages and gathers MXFP8 params per bucket"
 

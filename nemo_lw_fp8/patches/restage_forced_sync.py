@@ -30,36 +30,32 @@ DistributedOptimizer part of #4994 is detected on its own (:func:`_detect_distop
 
 from __future__ import annotations
 
-import inspect
-
+from .. import symbols
 from ..mechanics import staging
-from .framework import Override, Patch, defines, register
+from .framework import Override, Patch, register
 
 FEATURE = "restage_forced_sync"
 
 
 def _detect_distopt_part() -> tuple[bool, str]:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    if not defines(DistributedOptimizer, "prepare_model_params_for_param_sync"):
+    distopt = symbols.module("megatron.core.optimizer.distrib_optimizer")
+    if not distopt.has("DistributedOptimizer.prepare_model_params_for_param_sync"):
         return False, "DistributedOptimizer has no prepare_model_params_for_param_sync"
     try:
-        from megatron.training import training
-    except ImportError:
-        return True, "DistributedOptimizer re-stages; megatron.training not importable to check"
-    params = inspect.signature(training.force_param_sync).parameters
-    if "optimizer" not in params:
+        training = symbols.module("megatron.training.training")
+    except ModuleNotFoundError:
+        return True, "DistributedOptimizer re-stages; megatron.training not installed to check"
+    if "optimizer" not in training.parameters("force_param_sync"):
         return False, "megatron.training.force_param_sync does not take the optimizer"
     return True, "forced param syncs re-stage DistributedOptimizer masters first"
 
 
 def _detect_native() -> tuple[bool, str]:
-    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
-
     native_distopt, reason = _detect_distopt_part()
     if not native_distopt:
         return False, reason
-    if not defines(LayerWiseDistributedOptimizer, "prepare_model_params_for_param_sync"):
+    lw = symbols.module("megatron.core.optimizer.layer_wise_optimizer")
+    if not lw.has("LayerWiseDistributedOptimizer.prepare_model_params_for_param_sync"):
         return False, "forced syncs re-stage DistributedOptimizer only, not the layer-wise one"
     return True, "forced syncs re-stage every optimizer"
 

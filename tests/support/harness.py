@@ -55,6 +55,8 @@ class ParallelSpec:
 
     tp: int = 1
     ep: int = 1
+    #: Pipeline stages (megatron's tp-cp-ep-dp-pp order: rank r is on stage r // (world / pp)).
+    pp: int = 1
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,9 @@ def _init_parallel_state(spec: ParallelSpec) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=spec.tp, expert_model_parallel_size=spec.ep
+        tensor_model_parallel_size=spec.tp,
+        expert_model_parallel_size=spec.ep,
+        pipeline_model_parallel_size=spec.pp,
     )
     _current_spec = spec
 

@@ -257,7 +257,9 @@ def _build_moe_grouped(scenario: Scenario):
 
 
 def transformer_config(**overrides: Any):
-    """A small TransformerConfig that megatron's DDP and GPT code accept on CPU."""
+    """A small TransformerConfig that megatron's DDP and GPT code accept on CPU (for the
+    pipeline size the harness initialised: ``ParallelSpec(pp=...)``)."""
+    from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
     settings: dict[str, Any] = dict(
@@ -276,6 +278,7 @@ def transformer_config(**overrides: Any):
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
     )
     settings.update(overrides)
     return TransformerConfig(**settings)
@@ -287,7 +290,8 @@ GPT_SEQ = 16
 
 def build_gpt(config) -> torch.nn.Module:
     """A tiny GPTModel on megatron-core's local (non-TE) layer spec (MoE when the config has
-    experts)."""
+    experts); with pipeline parallelism, this rank's stage."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -297,8 +301,8 @@ def build_gpt(config) -> torch.nn.Module:
         transformer_layer_spec=spec,
         vocab_size=GPT_VOCAB,
         max_sequence_length=GPT_SEQ,
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
     )

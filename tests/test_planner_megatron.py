@@ -1,0 +1,184 @@
+"""The planner's per-rank numbers against what megatron really allocates, on 4 CPU gloo ranks.
+
+For tiny MoE GPTs at PP 2 x DP 2 and EP 2 x DP 2 (and single grouped expert weights owned in
+runs of experts), each rank builds its part of the model, wraps it in megatron DDP and builds
+the layer-wise optimizer (padded and compact layouts); the planner, given the whole model's
+parameter list (read from the same model built at PP = EP = 1), cuts the rank's share
+(:func:`nemo_lw_fp8.models.pipeline.specs_on_rank`, :meth:`ParamSpec.local`) and must predict,
+rank by rank: every DDP buffer (elements including padding, buckets, parameters), the fp32
+master and optimizer-state bytes, and the Newton-Schulz work.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from nemo_lw_fp8.emulation import te_backend
+from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
+from tests.support.scenarios import Scenario
+
+LAYOUTS = {"layerwise_padded": "stock_padded", "layerwise_compact": "compact"}
+MOE = Scenario(optimizer="muon", model="moe_gpt", plugin=True)
+needs_te = pytest.mark.skipif(
+    te_backend.te_package_dirs() is None, reason="grouped experts need TE's Python package"
+)
+
+
+# --------------------------------------------------------------------------- on the ranks
+
+
+def model_params(scenario: Scenario) -> list[dict]:
+    """The whole model's parameters in registration order, as the planner describes them."""
+    from tests.support.scenarios import build_model
+
+    module, config = build_model(scenario)  # applies the plugin's routing of grouped weights
+    from megatron.core.optimizer.layer_wise_optimizer import is_managed_by_layer_wise_optimizer
+
+    rows = []
+    for name, param in module.named_parameters():
+        # Routed experts by name: megatron marks them (allreduce=False) only at EP > 1.
+        expert = ".mlp.experts." in name
+        index = re.search(r"local_experts\.(\d+)\.", name)
+        rows.append(
+            {
+                "name": name,
+                "shape": tuple(param.shape),
+                "muon": bool(is_managed_by_layer_wise_optimizer(param)),
+                "expert_parallel": expert,
+                "embedding_or_output": bool(
+                    getattr(param, "is_embedding_or_output_parameter", False)
+                ),
+                "expert_index": int(index.group(1)) if index else None,
+                "num_experts": config.num_moe_experts if expert else 0,
+            }
+        )
+    return rows
+
+
+def allocation(scenario: Scenario) -> dict:
+    """What megatron allocated on this rank: DDP buffers, fp32 masters, Newton-Schulz work."""
+    from megatron.core import parallel_state
+
+    from nemo_lw_fp8.mechanics.compact import newton_schulz_cost
+    from nemo_lw_fp8.mechanics.expert_slices import is_slice
+    from tests.support.scenarios import build_model
+    from tests.support.training import wrap_and_build_optimizer
+
+    module, config = build_model(scenario)
+    model, optimizer = wrap_and_build_optimizer(module, config, scenario)
+    chunk = model[0]
+    buffers = {}
+    for expert, group in ((False, chunk.buffers), (True, chunk.expert_parallel_buffers)):
+        for buffer in group:
+            muon = bool(getattr(buffer.params[0], "is_managed_by_layer_wise_optimizer", False))
+            key = f"{'muon' if muon else 'adam'}/{'expert' if expert else 'dense'}/bf16"
+            assert key not in buffers, key
+            buffers[key] = (buffer.grad_data.numel(), len(buffer.buckets), len(buffer.params))
+    counts = {"muon": 0, "adam": 0, "newton_schulz": 0, "expert_runs": 0}
+
+    def walk(opt) -> None:
+        for child in getattr(opt, "chained_optimizers", []):
+            walk(child)
+        if hasattr(opt, "shard_fp32_from_float16_groups"):  # the Adam DistributedOptimizer
+            counts["adam"] += sum(m.numel() for g in opt.shard_fp32_from_float16_groups for m in g)
+        elif hasattr(opt, "fp32_from_float16_groups"):  # layer-wise Muon: owned matrices
+            pairs = zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True)
+            for model_group, main_group in pairs:
+                for param, main in zip(model_group, main_group, strict=True):
+                    counts["muon"] += main.numel()
+                    counts["newton_schulz"] += newton_schulz_cost(param)
+                    counts["expert_runs"] += is_slice(param)
+
+    walk(optimizer)
+    return {
+        "stage": parallel_state.get_pipeline_model_parallel_rank(),
+        "dp_rank": parallel_state.get_data_parallel_rank(),
+        "buffers": buffers,
+        **counts,
+    }
+
+
+# --------------------------------------------------------------------------- in the test
+
+
+def _specs(rows: list[dict]):
+    from nemo_lw_fp8.models import ParamSpec
+
+    return [ParamSpec(**row) for row in rows]
+
+
+def _assert_planned(rank: int, real: dict, planned: dict) -> None:
+    """One rank's allocation against the planner's layout (``planned``) for its stage."""
+    dp_rank = real["dp_rank"]
+    ours = {b["name"]: (b["numel"], b["buckets"], b["params"]) for b in planned["buffers"]}
+    assert real["buffers"] == ours, (rank, real["buffers"], ours)
+    by_rank = planned["bytes_by_rank"]
+    masters = 4 * (real["muon"] + real["adam"])
+    states = 4 * real["muon"] + 8 * real["adam"]
+    assert by_rank["masters"][dp_rank] == masters, (rank, by_rank["masters"], real)
+    assert by_rank["optimizer_states"][dp_rank] == states, (rank, by_rank, real)
+    ns = planned["newton_schulz"]["by_rank"][dp_rank]
+    assert ns == real["newton_schulz"], (rank, planned["newton_schulz"], real)
+
+
+def _compare(
+    scenario: Scenario, whole: Scenario, parallel: ParallelSpec, boot=BootOptions()
+) -> list[dict]:
+    """Plan every stage from the whole model and compare it with every rank, both layouts;
+    returns the compact layout's allocations."""
+    from nemo_lw_fp8.models import plan
+    from nemo_lw_fp8.models.pipeline import specs_on_rank
+
+    specs = _specs(run_on_ranks(model_params, whole, world_size=4, boot=boot)[0])
+    pp, ep = parallel.pp, parallel.ep
+    dp = 4 // pp
+    # Megatron's default split: layers evenly over the stages, embedding first, loss last.
+    layers = max(int(s.name.split(".")[2]) for s in specs if s.name.startswith("decoder.l")) + 1
+    per = layers // pp
+    stages = [(["E"] if s == 0 else []) + ["t"] * per for s in range(pp)]
+    stages[-1].append("L")
+    ownership = scenario.grouped_weight_ownership
+    for distribution, key in LAYOUTS.items():
+        case = scenario.with_(distribution=distribution)
+        reals = run_on_ranks(allocation, case, world_size=4, parallel=parallel, boot=boot)
+        plans = [
+            plan(
+                specs_on_rank(specs, stages, pp, stage),
+                dp,
+                ep,
+                fp8_param_gather=False,
+                overlap_grad_reduce=False,
+                grouped_weight_ownership=ownership,
+            )["layouts"][key]
+            for stage in range(pp)
+        ]
+        for rank, real in enumerate(reals):
+            assert real["stage"] == rank // dp
+            _assert_planned(rank, real, plans[real["stage"]])
+    return reals
+
+
+def test_planner_equals_megatron_at_pp2():
+    """PP 2 x DP 2: stage 0 holds the embedding and layer 0, stage 1 layer 1, the final norm
+    and the output layer; each stage's two data-parallel ranks split its Muon matrices."""
+    _compare(MOE, MOE, ParallelSpec(pp=2))
+
+
+def test_planner_equals_megatron_at_ep2():
+    """EP 2 x DP 2: each rank holds 2 of the 4 experts of each MoE layer, owned over an
+    expert-data-parallel group of 2 while dense matrices are owned over all 4 ranks."""
+    _compare(MOE.with_(ep=2), MOE, ParallelSpec(ep=2))
+
+
+@needs_te
+def test_planner_equals_megatron_for_grouped_expert_runs():
+    """Single grouped expert weights ``(E, m, n)`` at EP 2 x DP 2, owned in runs of experts
+    (``grouped_weight_ownership="expert"``: each grouped weight split over both ranks of its
+    expert-data-parallel group) on the compact layout; the padded layout owns them whole."""
+    grouped = MOE.with_(model="moe_grouped", single_grouped_weight=True)
+    split = grouped.with_(ep=2, grouped_weight_ownership="expert")
+    reals = _compare(split, grouped, ParallelSpec(ep=2), BootOptions(fp8_emulation=True))
+    # Every rank owns runs of experts (each grouped weight is split over its group's 2 ranks).
+    assert all(real["expert_runs"] > 0 for real in reals), reals
