@@ -14,7 +14,8 @@ Why
 
 Limits (checked, not silently ignored): tensor parallelism 1 (the adapters do no TP
 communication), linear widths multiples of 32 (MXFP8 blocks). MLA's two down projections stay
-bf16 linears: megatron accepts only its own classes in those slots.
+bf16 linears: megatron accepts only its own classes in those slots. MLA without a q LoRA gets
+TE's fused Q / KV norms (:mod:`nemo_lw_fp8.cpu.norm_linear`).
 """
 
 from __future__ import annotations
@@ -166,6 +167,12 @@ def cpu_decoder_block_spec(
     # for discrete experts (SequentialMLP), swapped below; the model keeps its own config.
     spec_config = copy.copy(config)
     spec_config.moe_grouped_gemm = False
+    if getattr(config, "multi_latent_attention", False) and config.q_lora_rank is None:
+        # TE's MLA spec: IdentityOp Q / KV norms, which the QK-norm resolver fuses into
+        # linear_q_proj / linear_kv_up_proj (the local spec's explicit Q norm has no place without
+        # a q LoRA). The fused class: nemo_lw_fp8.cpu.norm_linear, via the local_norm_linear
+        # stand-in. The model's own config keeps qk_layernorm.
+        spec_config.qk_layernorm = False
     spec = get_gpt_decoder_block_spec(
         spec_config, use_transformer_engine=False, vp_stage=vp_stage
     )

@@ -61,6 +61,16 @@ Stand-ins (each can be installed and removed on its own):
     the tensor is already on the host and stays a tensor, which gloo's binding refuses. The
     stand-in hands numpy arrays as the GPU path does. Call site:
     ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` (expert parallel > 1).
+``local_norm_linear``
+    megatron's local backend has no fused norm + linear (its
+    ``LocalSpecProvider.column_parallel_layer_norm_linear`` returns ``None``; TE's backend
+    returns ``LayerNormColumnParallelLinear``). MLA with ``qk_layernorm`` and no q LoRA
+    (DeepSeek-V2-Lite) can only be built with the fused form. The stand-in returns
+    :class:`nemo_lw_fp8.cpu.norm_linear.CPULayerNormColumnParallelLinear` (the config's norm,
+    then the CPU linear), and megatron's own ``None`` in a process where the real TE is loaded.
+    Call site: ``QKNormConfigResolver.__init__`` (``fused_norm_linear_impl``, in
+    ``megatron/core/transformer/mla_qk_norm_config.py``), which ``MLASelfAttention`` uses for
+    ``linear_q_proj`` / ``linear_q_up_proj`` / ``linear_kv_up_proj``.
 """
 
 from __future__ import annotations
@@ -397,6 +407,27 @@ def _install_moe_split_sizes() -> Callable[[], None]:
     return _swap_attrs(token_dispatcher, {"maybe_move_tensor_to_cpu": _host_values})
 
 
+# --------------------------------------------------------------------------- local_norm_linear
+
+
+def _install_local_norm_linear() -> Callable[[], None]:
+    from megatron.core.models.backends import LocalSpecProvider
+
+    from nemo_lw_fp8.cpu.norm_linear import CPULayerNormColumnParallelLinear
+    from nemo_lw_fp8.emulation import te_backend
+
+    original = LocalSpecProvider.column_parallel_layer_norm_linear
+
+    def column_parallel_layer_norm_linear(self: Any) -> type | None:
+        if te_backend.active_backend() == te_backend.BACKEND_TE:
+            return original(self)  # never shadow a working TE
+        return CPULayerNormColumnParallelLinear
+
+    return _swap_attrs(
+        LocalSpecProvider, {"column_parallel_layer_norm_linear": column_parallel_layer_norm_linear}
+    )
+
+
 STANDINS: dict[str, StandIn] = {
     standin.name: standin
     for standin in (
@@ -410,6 +441,7 @@ STANDINS: dict[str, StandIn] = {
         ),
         StandIn("cpu_fused_adam", "FusedAdam's state layout on CPU", _install_cpu_fused_adam),
         StandIn("moe_split_sizes", "all-to-all split sizes on the host", _install_moe_split_sizes),
+        StandIn("local_norm_linear", "MLA's fused Q / KV norms", _install_local_norm_linear),
     )
 }
 
