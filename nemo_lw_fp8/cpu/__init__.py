@@ -4,7 +4,8 @@ What it is
     Everything a run needs when there is no GPU: stand-ins for the few CUDA runtime call sites in
     megatron-core (:mod:`~nemo_lw_fp8.cpu.standins`) and Megatron-Bridge
     (:mod:`~nemo_lw_fp8.cpu.bridge`), megatron's local layer specs with emulated MXFP8 linears
-    (:mod:`~nemo_lw_fp8.cpu.layers`), and an expert layer that presents its weights as TE's
+    (:mod:`~nemo_lw_fp8.cpu.layers`) and a fused norm + linear where TE's spec fuses one
+    (:mod:`~nemo_lw_fp8.cpu.norm_linear`), and an expert layer that presents its weights as TE's
     ``GroupedLinear`` does (:mod:`~nemo_lw_fp8.cpu.grouped_experts`). The FP8 arithmetic itself
     is :mod:`nemo_lw_fp8.emulation`'s.
 

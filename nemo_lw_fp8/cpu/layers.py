@@ -26,7 +26,8 @@ which megatron's torch norm refuses) is :class:`ZeroCenteredRMSNorm`.
 Limits (checked, not silently ignored): tensor parallelism 1 (the adapters do no TP
 communication), MXFP8 linear widths multiples of 32 (MXFP8 blocks; blockwise tiles at the edges
 may be partial, any width works). MLA's two down projections stay bf16 linears: megatron accepts
-only its own classes in those slots.
+only its own classes in those slots. MLA without a q LoRA gets
+TE's fused Q / KV norms (:mod:`nemo_lw_fp8.cpu.norm_linear`).
 """
 
 from __future__ import annotations
@@ -349,6 +350,12 @@ def cpu_decoder_block_spec(
     # for discrete experts (SequentialMLP), swapped below; the model keeps its own config.
     spec_config = copy.copy(config)
     spec_config.moe_grouped_gemm = False
+    if getattr(config, "multi_latent_attention", False) and config.q_lora_rank is None:
+        # TE's MLA spec: IdentityOp Q / KV norms, which the QK-norm resolver fuses into
+        # linear_q_proj / linear_kv_up_proj (the local spec's explicit Q norm has no place without
+        # a q LoRA). The fused class: nemo_lw_fp8.cpu.norm_linear, via the local_norm_linear
+        # stand-in. The model's own config keeps qk_layernorm.
+        spec_config.qk_layernorm = False
     if getattr(config, "experimental_attention_variant", None) is not None:
         spec = _hybrid_block_spec(config, spec_config, vp_stage)
     else:

@@ -69,6 +69,16 @@ Stand-ins (each can be installed and removed on its own):
     take their place; CUDA inputs still go to fla. Call sites: ``GatedDeltaNet.forward`` and
     ``_setup_variant_attrs`` (``gdn.py``), ``_GDNBase._prepare_input_for_gated_delta_rule``
     and ``__init__`` (``common.py``).
+``local_norm_linear``
+    megatron's local backend has no fused norm + linear (its
+    ``LocalSpecProvider.column_parallel_layer_norm_linear`` returns ``None``; TE's backend
+    returns ``LayerNormColumnParallelLinear``). MLA with ``qk_layernorm`` and no q LoRA
+    (DeepSeek-V2-Lite) can only be built with the fused form. The stand-in returns
+    :class:`nemo_lw_fp8.cpu.norm_linear.CPULayerNormColumnParallelLinear` (the config's norm,
+    then the CPU linear), and megatron's own ``None`` in a process where the real TE is loaded.
+    Call site: ``QKNormConfigResolver.__init__`` (``fused_norm_linear_impl``, in
+    ``megatron/core/transformer/mla_qk_norm_config.py``), which ``MLASelfAttention`` uses for
+    ``linear_q_proj`` / ``linear_q_up_proj`` / ``linear_kv_up_proj``.
 """
 
 from __future__ import annotations
@@ -467,6 +477,26 @@ def _install_gated_delta_rule() -> Callable[[], None]:
 
     return install_into_megatron()
 
+# --------------------------------------------------------------------------- local_norm_linear
+
+
+def _install_local_norm_linear() -> Callable[[], None]:
+    from megatron.core.models.backends import LocalSpecProvider
+
+    from nemo_lw_fp8.cpu.norm_linear import CPULayerNormColumnParallelLinear
+    from nemo_lw_fp8.emulation import te_backend
+
+    original = LocalSpecProvider.column_parallel_layer_norm_linear
+
+    def column_parallel_layer_norm_linear(self: Any) -> type | None:
+        if te_backend.active_backend() == te_backend.BACKEND_TE:
+            return original(self)  # never shadow a working TE
+        return CPULayerNormColumnParallelLinear
+
+    return _swap_attrs(
+        LocalSpecProvider, {"column_parallel_layer_norm_linear": column_parallel_layer_norm_linear}
+    )
+
 
 STANDINS: dict[str, StandIn] = {
     standin.name: standin
@@ -486,6 +516,7 @@ STANDINS: dict[str, StandIn] = {
             _install_gated_delta_rule,
             on_demand=True,
         ),
+        StandIn("local_norm_linear", "MLA's fused Q / KV norms", _install_local_norm_linear),
     )
 }
 

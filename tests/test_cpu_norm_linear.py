@@ -1,0 +1,149 @@
+"""The CPU fused norm + linear (``nemo_lw_fp8.cpu.norm_linear``) and the ``local_norm_linear``
+stand-in: MLA without a q LoRA (DeepSeek-V2-Lite) builds on CPU with TE's structure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.harness import run_on_ranks
+
+
+def _config(**overrides: Any) -> Any:
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    settings: dict[str, Any] = dict(
+        num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+        kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=16, v_head_dim=16,
+        bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+        apply_rope_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, rope_type="rope", normalization="RMSNorm", qk_layernorm=True,
+        transformer_impl="local",  # as the CPU backend runs (nemo_lw_fp8.cpu.bridge)
+    )
+    settings.update(overrides)
+    return MLATransformerConfig(**settings)
+
+
+def fused_vs_separate(fp8: bool, normalization: str) -> dict[str, Any]:
+    """The fused module against the same norm (megatron's WrappedTorchNorm) and linear, applied
+    one after the other with equal weights: outputs and all gradients."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from nemo_lw_fp8.cpu.layers import MXFP8ColumnParallelLinear
+    from nemo_lw_fp8.cpu.norm_linear import CPULayerNormColumnParallelLinear
+
+    config = _config(normalization=normalization)
+    config.fp8 = "e4m3" if fp8 else None  # what the builder reads (set after validation)
+    config.fp8_recipe = "mxfp8"
+    kwargs = dict(config=config, init_method=torch.nn.init.normal_, bias=False,
+                  gather_output=False, skip_bias_add=False, is_expert=False)
+    torch.manual_seed(0)
+    fused = CPULayerNormColumnParallelLinear(64, 96, **kwargs)
+    with torch.no_grad():
+        fused.layer_norm_weight.copy_(torch.rand(64) + 0.5)
+        if fused.layer_norm_bias is not None:
+            fused.layer_norm_bias.copy_(torch.randn(64) * 0.1)
+    norm = WrappedTorchNorm(config, hidden_size=64, eps=config.layernorm_epsilon).bfloat16()
+    linear = (MXFP8ColumnParallelLinear if fp8 else ColumnParallelLinear)(64, 96, **kwargs)
+    with torch.no_grad():
+        norm.weight.copy_(fused.layer_norm_weight)
+        if fused.layer_norm_bias is not None:
+            norm.bias.copy_(fused.layer_norm_bias)
+        linear.weight.copy_(fused.weight)
+
+    x = torch.randn(32, 2, 64, dtype=torch.bfloat16)
+    x_fused, x_sep = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_fused, _ = fused(x_fused)
+    out_sep, _ = linear(norm(x_sep))
+    grad = torch.randn_like(out_sep)
+    out_fused.backward(grad)
+    out_sep.backward(grad)
+    pairs = {
+        "out": (out_fused, out_sep),
+        "dx": (x_fused.grad, x_sep.grad),
+        "dgamma": (fused.layer_norm_weight.grad, norm.weight.grad),
+        "dW": (fused.weight.grad, linear.weight.grad),
+    }
+    if fused.layer_norm_bias is not None:
+        pairs["dbeta"] = (fused.layer_norm_bias.grad, norm.bias.grad)
+    return {
+        "cls": type(fused).__name__,
+        "linear_is": isinstance(fused, MXFP8ColumnParallelLinear if fp8 else ColumnParallelLinear),
+        "equal": {k: bool(torch.equal(a, b)) for k, (a, b) in pairs.items()},
+        "out_changed": not torch.equal(out_sep, linear(x)[0]),  # the norm does something
+    }
+
+
+@pytest.mark.parametrize(
+    "fp8, normalization",
+    [(True, "RMSNorm"), (False, "RMSNorm"), (False, "LayerNorm")],
+    ids=["mxfp8-rmsnorm", "bf16-rmsnorm", "bf16-layernorm"],
+)
+def test_fused_norm_linear_is_norm_then_linear_bitwise(fp8, normalization):
+    r = run_on_ranks(fused_vs_separate, fp8, normalization, world_size=1)[0]
+    assert r["linear_is"], r["cls"]
+    assert r["out_changed"]
+    assert all(r["equal"].values()), r["equal"]
+
+
+def mla_structure(q_lora_rank: int | None, standin: bool) -> dict[str, Any]:
+    """Build one MLA layer through the CPU spec (bf16) and describe what was built."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    import nemo_lw_fp8
+    from nemo_lw_fp8.cpu import standins
+    from nemo_lw_fp8.cpu.layers import cpu_decoder_block_spec
+
+    config = _config(q_lora_rank=q_lora_rank, multi_latent_attention=True)
+    nemo_lw_fp8.apply(["mla_local_attention"])
+    if not standin:
+        standins.STANDINS["local_norm_linear"].uninstall()
+    try:
+        spec = cpu_decoder_block_spec(config, fp8=False)
+        block = TransformerBlock(config, spec)
+    except (ValueError, RuntimeError) as error:
+        return {"built": False, "error": str(error)}
+    finally:
+        standins.install(("local_norm_linear",))
+        nemo_lw_fp8.revert(["mla_local_attention"])
+    attention = block.layers[0].self_attention
+    slots = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "q_layernorm",
+             "kv_layernorm")
+    return {
+        "built": True,
+        "classes": {s: type(getattr(attention, s)).__name__ for s in slots if
+                    hasattr(attention, s)},
+        "norm_weights": sorted(n for n, _ in attention.named_parameters() if "norm" in n),
+    }
+
+
+def test_mla_without_q_lora_builds_with_tes_fused_norms():
+    r = run_on_ranks(mla_structure, None, True, world_size=1)[0]
+    assert r["built"], r
+    assert r["classes"] == {
+        "linear_q_proj": "NormColumnParallelLinear",
+        "linear_kv_up_proj": "NormColumnParallelLinear",
+        "kv_layernorm": "IdentityOp",
+    }
+    assert r["norm_weights"] == [
+        "linear_kv_up_proj.layer_norm_weight", "linear_q_proj.layer_norm_weight"
+    ]
+    # Control: without the stand-in megatron's local backend has no fused form to offer.
+    control = run_on_ranks(mla_structure, None, False, world_size=1)[0]
+    assert control["built"] is False and "linear_q_proj" in control["error"], control
+
+
+def test_mla_with_q_lora_keeps_standalone_norms():
+    """DeepSeek-V3's shape (q LoRA) builds as before: the local spec's explicit Q / KV norms."""
+    r = run_on_ranks(mla_structure, 32, True, world_size=1)[0]
+    assert r["built"], r
+    assert r["classes"] == {
+        "linear_q_up_proj": "ColumnParallelLinear",
+        "linear_kv_up_proj": "ColumnParallelLinear",
+        "q_layernorm": "RMSNorm",
+        "kv_layernorm": "RMSNorm",
+    }
