@@ -11,21 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_lw_fp8 import twins
+from nemo_lw_fp8 import recipes, twins
 from tests.support import bridge_runs as br
 
 pytestmark = pytest.mark.usefixtures("bridge_installed")
 
-#: Twins that train on CPU. Two iterations with an evaluation after each: the second step's
-#: forward and both evals read the weights the plugin's FP8 gather delivered.
-TWINS = (
-    "deepseek_v3_mxfp8",
-    "deepseek_v2_lite_mxfp8",
-    "qwen3_30b_a3b_mxfp8",
-    "qwen3_235b_a22b_mxfp8",
-    "qwen3_next_80b_a3b_mxfp8",
-    "qwen3_5_35b_a3b_mxfp8",
-)
+#: Every full recipe's twin. Two iterations with an evaluation after each: the second step's
+#: forward and the evals read the weights the plugin's FP8 gather delivered.
+TWINS = tuple(name for name in sorted(recipes.RECIPES) if not name.startswith(("tiny_", "twin_")))
 SHORT = ("train.train_iters=2", "validation.eval_interval=1", "validation.eval_iters=1")
 
 
