@@ -21,27 +21,20 @@ the FP8 recipe itself (its source mentions ``fp8_recipe``).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import sys
 from typing import Any
 
 from ..mechanics import checkpointing
-from .framework import Override, Patch, register, unpatched_own_attr
+from .framework import Override, Patch, bridge_module, register, unpatched_own_attr
 
 FEATURE = "bridge_checkpoint_compat"
-_BRIDGE_CONFIG = "megatron.bridge.training.config"
 _CHECKPOINTING = "megatron.bridge.training.checkpointing"
 
 
-def _module() -> Any | None:
-    if _BRIDGE_CONFIG not in sys.modules:
-        return None
-    return importlib.import_module(_CHECKPOINTING)
-
 
 def _detect_native() -> tuple[bool, str]:
-    module = _module()
+    module = bridge_module(_CHECKPOINTING)
     if module is None:
         return True, "Megatron-Bridge not imported: nothing to patch"
     if "fp8_recipe" in inspect.getsource(unpatched_own_attr(module, "_load_checkpoint_from_path")):

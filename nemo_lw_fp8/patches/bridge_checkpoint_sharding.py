@@ -24,28 +24,20 @@ optimizer.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import sys
 from typing import Any
 
 from ..mechanics import checkpointing
-from .framework import Override, Patch, register, unpatched_own_attr
+from .framework import Override, Patch, bridge_module, register, unpatched_own_attr
 
 FEATURE = "bridge_checkpoint_sharding"
-_BRIDGE_CONFIG = "megatron.bridge.training.config"
 _CHECKPOINTING = "megatron.bridge.training.checkpointing"
 
 
-def _module() -> Any | None:
-    """Bridge's checkpointing module, once Bridge is in use (then importing it is cheap)."""
-    if _BRIDGE_CONFIG not in sys.modules:
-        return None
-    return importlib.import_module(_CHECKPOINTING)
-
 
 def _detect_native() -> tuple[bool, str]:
-    module = _module()
+    module = bridge_module(_CHECKPOINTING)
     if module is None:
         return True, "Megatron-Bridge not imported: nothing to patch"
     source = inspect.getsource(unpatched_own_attr(module, "_build_sharded_state_dict_metadata"))

@@ -24,28 +24,20 @@ mentions the layer-wise optimizer.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import sys
 from typing import Any
 
 from ..mechanics import checkpointing
-from .framework import Override, Patch, register, unpatched_own_attr
+from .framework import Override, Patch, bridge_module, register, unpatched_own_attr
 
 FEATURE = "bridge_save_param_sync"
-_BRIDGE_CONFIG = "megatron.bridge.training.config"
 _TRAIN = "megatron.bridge.training.train"
 
 
-def _module() -> Any | None:
-    """Bridge's train module, once Bridge is in use (then importing it is cheap)."""
-    if _BRIDGE_CONFIG not in sys.modules:
-        return None
-    return importlib.import_module(_TRAIN)
-
 
 def _detect_native() -> tuple[bool, str]:
-    module = _module()
+    module = bridge_module(_TRAIN)
     if module is None:
         return True, "Megatron-Bridge not imported: nothing to patch"
     for name in ("save_checkpoint_and_time", "should_disable_forward_pre_hook"):

@@ -283,3 +283,18 @@ def original(owner: Any, attr: str) -> Any:
                     raise AttributeError(f"{owner!r} had no attribute {attr!r} before patching")
                 return value
     return getattr(owner, attr)
+
+
+#: Imported by every Megatron-Bridge run; the Bridge patches wait for it.
+BRIDGE_IN_USE_MODULE = "megatron.bridge.training.config"
+
+
+def bridge_module(name: str) -> Any | None:
+    """Megatron-Bridge's module ``name`` once Bridge is in use (importing it is then cheap),
+    else ``None``: the Bridge patches never import Bridge themselves."""
+    import importlib
+    import sys
+
+    if BRIDGE_IN_USE_MODULE not in sys.modules:
+        return None
+    return importlib.import_module(name)
