@@ -237,7 +237,12 @@ def _make_twin(full: str) -> Callable[..., Any]:
         return build_twin(full, **overrides)
 
     recipe.__name__ = f"twin_{full}"
-    recipe.__doc__ = f"{full}'s parallelism structure at CPU size (PP/VPP/EP 2, as shipped)."
+    from .twins import twin_world_size
+
+    recipe.__doc__ = (
+        f"{full}'s parallelism structure at CPU size (PP / VPP / EP 2 where it has them): "
+        f"torchrun --nproc-per-node {twin_world_size(full)} ... --cpu."
+    )
     return recipe
 
 
