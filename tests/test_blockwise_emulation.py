@@ -753,6 +753,30 @@ for world, api in ((2, quantize_master_weights), (4, cast_master_weights_to_fp8)
                           full[i].columnwise_scale_inv[:w, :h])
     dist.append([world, api.__name__, bool(ok), errors])
 R["distributed"] = dist
+
+# --- megatron's attributes on a quantized weight survive a module-wide cast (Float16Module's
+# module.bfloat16()), as TE's TransformerEngineBaseModule._apply keeps them; the control puts
+# torch's own Module._apply back, whose swap_tensors drops them
+from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
+from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear, QuantizedParamModule
+from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+kept = {}
+for cls in (BlockwiseFP8Linear, MXFP8Linear):
+    for cast in ("module", "torch"):
+        layer = cls(128, 64, bias=False, fp8_params=True)
+        param = layer.weight
+        param.allreduce = False
+        keeping = QuantizedParamModule._apply
+        if cast == "torch":
+            QuantizedParamModule._apply = torch.nn.Module._apply
+        try:
+            layer.bfloat16()
+        finally:
+            QuantizedParamModule._apply = keeping
+        kept[f"{cls.__name__} {cast}"] = [layer.weight is param,
+                                          getattr(layer.weight, "allreduce", None)]
+R["cast_keeps_attributes"] = kept
+R["te_module_has_apply"] = "_apply" in vars(TransformerEngineBaseModule)
 print("RESULT " + json.dumps(R))
 """
 
@@ -791,6 +815,17 @@ def test_megatron_recognises_blockwise_parameter(te_results):
     assert have_te and have_class and is_fp8 and is_blockwise
     assert is_mxfp8 is False
     assert te_results["megatron_fsdp_blockwise"] is True
+
+
+@needs_te
+def test_module_cast_keeps_megatron_attributes_of_quantized_weights(te_results):
+    """Issue 14: expert weights that lost ``allreduce=False`` in the Float16Module cast were
+    reduced and sharded as dense ones (Hopper twins, FP8 param gather on != off)."""
+    assert te_results["te_module_has_apply"]  # the TE behaviour emulated
+    kept = te_results["cast_keeps_attributes"]
+    for name in ("BlockwiseFP8Linear", "MXFP8Linear"):
+        assert kept[f"{name} module"] == [True, False]
+        assert kept[f"{name} torch"] == [True, None]  # control: torch's swap drops it
 
 
 @needs_te

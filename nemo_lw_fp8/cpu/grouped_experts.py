@@ -52,6 +52,7 @@ import torch
 
 from nemo_lw_fp8.emulation import mxfp8 as mx
 from nemo_lw_fp8.emulation.fp8_linear import (
+    QuantizedParamModule,
     grad_fp8_dtype,
     mxfp8_backward,
     quantize_dequantize,
@@ -144,7 +145,7 @@ class _GroupedGemm(torch.autograd.Function):
         return (torch.cat(grad_x, dim=0), None, None, *weight_grads)
 
 
-class GroupedExpertLinear(torch.nn.Module):
+class GroupedExpertLinear(QuantizedParamModule):
     """E expert matrices ``(out, in)``: one TE ``GroupedTensor`` parameter or E parameters."""
 
     def __init__(

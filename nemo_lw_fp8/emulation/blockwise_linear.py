@@ -41,7 +41,13 @@ from typing import Any
 import torch
 
 from . import blockwise as bw
-from .fp8_linear import _attach_init_value, _te_state, fp8_params_requested, grad_fp8_dtype
+from .fp8_linear import (
+    QuantizedParamModule,
+    _attach_init_value,
+    _te_state,
+    fp8_params_requested,
+    grad_fp8_dtype,
+)
 
 __all__ = [
     "BlockwiseFP8Linear",
@@ -159,7 +165,7 @@ class _BlockwiseLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-class BlockwiseFP8Linear(torch.nn.Module):
+class BlockwiseFP8Linear(QuantizedParamModule):
     """``y = x W^T + b`` with blockwise FP8 GEMM operands (see module doc).
 
     ``fp8_params``: ``None`` follows TE's ``quantized_model_init`` (when TE is imported),

@@ -57,12 +57,49 @@ from .mxfp8_format import BLOCK_SIZE
 
 __all__ = [
     "MXFP8Linear",
+    "QuantizedParamModule",
     "fp8_params_requested",
     "grad_fp8_dtype",
     "mxfp8_backward",
     "quantize_dequantize",
     "weight_columnwise",
 ]
+
+
+class QuantizedParamModule(torch.nn.Module):
+    """Base of the emulated TE modules: keeps what is attached to a quantized parameter across
+    module-wide casts, as TE 2.20.2's ``TransformerEngineBaseModule._apply`` does.
+
+    ``Module._apply`` (megatron's ``Float16Module`` ``module.bfloat16()``, Bridge's ``.cuda()``)
+    moves a tensor-subclass parameter with ``torch.utils.swap_tensors``, which exchanges its
+    ``__dict__`` with that of the cast result: the parameter object survives, but the attributes
+    megatron set on it (``allreduce``, ``tensor_model_parallel``, ...) would be gone -- expert
+    weights would then be reduced and sharded as dense ones. TE re-attaches every attribute the
+    cast result lacks; so do these modules.
+    """
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        try:
+            from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage
+        except ImportError:  # no TE (nor its emulation): no quantized parameters either
+            return super()._apply(fn, recurse)
+        before = {
+            name: (param, dict(param.__dict__))
+            for name, param in self._parameters.items()
+            if isinstance(param, QuantizedTensorStorage)
+        }
+        result = super()._apply(fn, recurse)
+        for name, (old, attributes) in before.items():
+            param = self._parameters.get(name)
+            if param is None:
+                raise RuntimeError(f"{type(self).__name__}.{name} was dropped by a module cast")
+            for key, value in attributes.items():
+                if key in param.__dict__:
+                    continue  # the quantized tensor's own state: the cast's value is current
+                if isinstance(value, MethodType) and value.__self__ is old:
+                    value = MethodType(value.__func__, param)
+                setattr(param, key, value)
+        return result
 
 
 def quantize_dequantize(
@@ -230,7 +267,7 @@ class _MXFP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-class MXFP8Linear(torch.nn.Module):
+class MXFP8Linear(QuantizedParamModule):
     """``y = x W^T + b`` with MXFP8 GEMM operands as TE's ``Linear`` (see module doc).
 
     ``fp8_params``: ``None`` follows TE's ``quantized_model_init`` (when TE is imported),
