@@ -13,15 +13,11 @@ import sys
 
 MUTATION = os.environ.get("NEMO_LW_FP8_TEST_MUTATION", "")
 
-if MUTATION == "init_value_table":
-    # TE's init values only as the tensor attribute (dropped by Module._apply): stock behaviour.
+if MUTATION == "masters_from_fp8":
+    # Masters from the dequantized FP8 weights (stock layer-wise behaviour), not TE's init values.
     import nemo_lw_fp8.mechanics.masters as masters
 
-    def attribute_only(param):
-        getter = getattr(param, "get_high_precision_init_val", None)
-        return getter() if getter is not None else None
-
-    masters.preserved_init_value = attribute_only
+    masters.init_masters_from_high_precision = lambda optimizer: None
 elif MUTATION == "stage_before_hook_gather":
     # No staging before the gathers of an eval run with the pre-hooks on (stock behaviour).
     import nemo_lw_fp8.mechanics.staging as staging

@@ -65,13 +65,13 @@ def test_twin_controls_catch_each_broken_fix(twin_run):
     """The comparison above can fail, on the flagship twin (PP 2 x VPP 2 x EP 2, MTP, single
     grouped MXFP8 experts), once per fix:
 
-    * without the init-value table (TE's attribute dropped by ``Module._apply``) the masters
-      start from dequantized FP8: the masters, the state and the evals part from gather off;
+    * with masters built from the dequantized FP8 weights instead of TE's init values, the
+      masters, the state and the evals part from gather off;
     * without staging before the gathers of an eval run with the pre-hooks on, evals read stale
       Adam params while training (its loop stages before every forward) stays equal.
     """
     off = twin_run("deepseek_v3_mxfp8", "off", *br.GATHER_OFF)
-    broken = twin_run("deepseek_v3_mxfp8", "broken", mutation="init_value_table")
+    broken = twin_run("deepseek_v3_mxfp8", "broken", mutation="masters_from_fp8")
     assert broken["ranks"] != off["ranks"]
     assert br.eval_losses(broken) != br.eval_losses(off)
     stale = twin_run("deepseek_v3_mxfp8", "stale", mutation="stage_before_hook_gather")

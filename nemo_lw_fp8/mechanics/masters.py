@@ -4,16 +4,17 @@ Two fixes, both from Megatron-LM PR #4987 (area 1), needed for FP8 param gather 
 bitwise like FP8 param gather off:
 
 * a master starts from the high-precision init value TE keeps for a quantized weight, not from
-  the dequantized FP8 bytes (:func:`init_masters_from_high_precision`); TE's attribute is lost
-  in the module-wide casts every run does after building, so the values are also kept in a
-  table keyed by the parameter (:func:`remember_init_values`);
+  the dequantized FP8 bytes (:func:`init_masters_from_high_precision`). TE 2.20's modules keep
+  that attribute through the module-wide casts every run does after building (their ``_apply``
+  re-attaches what ``swap_tensors`` moves off a quantized parameter; the emulated modules do the
+  same), so the attribute is read where the masters are built;
 * the inner step does not re-quantize FP8 weights (the gather that follows writes them from the
   staged or shipped bf16 bytes anyway): :func:`skip_requantize_on_inner_step`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,50 +41,17 @@ def model_main_pairs(child: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 
 # --------------------------------------------------------------------------- init values
 
-#: TE's preserved init values kept outside the tensor: ``id(param) -> value``. No reference to the
-#: parameter is held (torch's ``swap_tensors``, which ``Module._apply`` uses for tensor
-#: subclasses, refuses tensors with weak references), so a lookup also checks the shape; entries
-#: are dropped once the masters are built.
-_INIT_VALUES: dict[int, torch.Tensor] = {}
-
-
-def remember_init_values(original: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable:
-    """Wrap TE's ``_attach_high_precision_init_val`` so each value also goes into the table.
-
-    TE keeps the value as a Python attribute of the parameter; the module-wide casts after
-    building (megatron's ``Float16Module`` ``module.bfloat16()``, Bridge's ``.cuda()``) go
-    through ``Module._apply``, which swaps a quantized parameter's contents with the cast result
-    (``torch.utils.swap_tensors``, ``__dict__`` included), and the attribute is gone: masters
-    would silently start from the dequantized FP8 weights. The parameter object survives.
-    """
-
-    def attach(parameter: torch.Tensor, value: torch.Tensor) -> None:
-        original(parameter, value)
-        _INIT_VALUES[id(parameter)] = value
-
-    attach.__wrapped__ = original  # type: ignore[attr-defined]
-    return attach
-
-
 def preserved_init_value(param: torch.Tensor) -> torch.Tensor | None:
-    """TE's high-precision init value of ``param``, from the tensor or the plugin's table."""
+    """TE's high-precision init value of ``param`` (``None`` when TE kept none)."""
     getter = getattr(param, "get_high_precision_init_val", None)
-    value = getter() if getter is not None else None
-    if value is None:
-        stored = _INIT_VALUES.get(id(param))
-        if stored is not None and stored.shape == param.shape:
-            value = stored
-    return value
-
-
-def forget_init_value(param: torch.Tensor) -> None:
-    _INIT_VALUES.pop(id(param), None)
+    return getter() if getter is not None else None
 
 
 def init_masters_from_high_precision(optimizer: Any) -> None:
     """Masters of quantized params take TE's preserved init values (an expert slice takes its
-    experts' part of its grouped weight's value)."""
-    used = []
+    experts' part of its grouped weight's value). TE's copy is then released, as megatron's
+    DistributedOptimizer releases it once its masters are built."""
+    used: dict[int, torch.Tensor] = {}
     for child in float16_children(optimizer):
         for model_param, main_param in model_main_pairs(child):
             if not expert_slices.uses_quantized_storage(model_param):
@@ -95,9 +63,9 @@ def init_masters_from_high_precision(optimizer: Any) -> None:
             if expert_slices.is_slice(model_param):
                 value = expert_slices.slice_init_value(model_param, value)
             main_param.data.copy_(value.to(main_param.device).view(main_param.shape))
-            used.append(parent)
-    for param in used:
-        forget_init_value(param)
+            used[id(parent)] = parent
+    for param in used.values():
+        param.clear_high_precision_init_val()
 
 
 # --------------------------------------------------------------------------- the inner step

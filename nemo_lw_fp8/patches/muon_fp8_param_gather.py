@@ -26,7 +26,6 @@ itself and its bucket-group sync no longer decides ownership from ``buckets[0]``
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -123,19 +122,6 @@ def _make_validate_args(original_validate_args):
     return validate_args
 
 
-def _te_attach_overrides() -> list[Override]:
-    """Keep TE's init values where TE is already imported (never imports TE itself)."""
-    if "transformer_engine.pytorch" not in sys.modules:
-        return []
-    from transformer_engine.pytorch.module import base, grouped_linear
-
-    attach = masters.remember_init_values(base.__dict__["_attach_high_precision_init_val"])
-    overrides = [Override(base, "_attach_high_precision_init_val", attach)]
-    if "_attach_high_precision_init_val" in grouped_linear.__dict__:
-        overrides.append(Override(grouped_linear, "_attach_high_precision_init_val", attach))
-    return overrides
-
-
 def _training_overrides() -> list[Override]:
     """Hook megatron-training's argument validation when megatron.training is importable."""
     try:
@@ -152,7 +138,6 @@ def _build_overrides() -> list[Override]:
 
     lw = LayerWiseDistributedOptimizer
     return [
-        *_te_attach_overrides(),
         Override(lifecycle.AFTER_INIT, FEATURE, set_up),
         Override(lw, "step_with_ready_grads", _make_step(lw.__dict__["step_with_ready_grads"])),
         Override(
