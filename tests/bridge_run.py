@@ -3,8 +3,7 @@ optional mutation (env ``NEMO_LW_FP8_TEST_MUTATION``) switching one plugin fix o
 shows its parity check fails without that fix (also the target of
 tests/test_bridge_checkpointing.py and tests/test_bridge_hopper.py; env
 ``NEMO_LW_FP8_TEST_PROBE``: a path prefix where each rank records what the layer-wise optimizer
-was built over; env ``NEMO_LW_FP8_DEBUG_GRADS``: a path prefix where each rank dumps, per
-grad-norm call, each parameter's main-grad norm and hash and the grads the norm counts)."""
+was built over)."""
 
 from __future__ import annotations
 
@@ -68,55 +67,6 @@ if PROBE:
     blockwise.set_up, blockwise.attach_groups = _probe_set_up, _probe_attach
 
 from nemo_lw_fp8 import cli  # noqa: E402
-
-GRAD_DUMP = os.environ.get("NEMO_LW_FP8_DEBUG_GRADS", "")
-if GRAD_DUMP:
-    # Debug only: each rank's per-parameter main grads and the grads of the norm, per step.
-    import hashlib
-    import json
-
-    import nemo_lw_fp8.launch.pretrain as _pretrain
-
-    _train = _pretrain.train
-
-    def _install_dump():
-        from megatron.core.optimizer import layer_wise_optimizer as _lwo
-
-        orig = _lwo.LayerWiseDistributedOptimizer.get_grad_norm
-        calls = {"n": 0}
-
-        def digest(t):
-            t = t.detach().float().contiguous()
-            return [float(t.double().norm()), hashlib.sha256(t.numpy().tobytes()).hexdigest()[:12]]
-
-        def dump_norm(self):
-            calls["n"] += 1
-            out = {"model": {}, "norm_grads": []}
-            for i, chunk in enumerate(self.model_chunks):
-                for name, p in chunk.module.named_parameters():
-                    g = getattr(p, "main_grad", None)
-                    out["model"][f"{i}.{name}"] = {
-                        "cls": type(p.data).__name__,
-                        "dtype": str(p.dtype),
-                        "main_grad": None if g is None else digest(g),
-                    }
-            for opt in self.chained_optimizers:
-                for g in opt.get_grads_for_grad_norm():
-                    out["norm_grads"].append([list(g.shape)] + digest(g))
-            norm = orig(self)
-            out["norm"] = float(norm)
-            rank = os.environ.get("RANK", "0")
-            with open(f"{GRAD_DUMP}.call{calls['n']}.rank{rank}", "w") as handle:
-                json.dump(out, handle, indent=0)
-            return norm
-
-        _lwo.LayerWiseDistributedOptimizer.get_grad_norm = dump_norm
-
-    def _train_with_dump(*args, **kwargs):
-        _install_dump()
-        return _train(*args, **kwargs)
-
-    _pretrain.train = _train_with_dump
 
 # Guarded: a checkpoint save starts a multiprocessing manager with the "spawn" method, whose
 # child imports this file as __main__ again (unguarded, it re-ran the whole pretrain and hung).
