@@ -18,14 +18,7 @@ pytestmark = pytest.mark.usefixtures("bridge_installed")
 
 #: Every full recipe's twin. Two iterations with an evaluation after each: the second step's
 #: forward and the evals read the weights the plugin's FP8 gather delivered.
-#: The Hopper twins (blockwise FP8) train, but are not ON = OFF: the grad norm differs from
-#: step 1 and the evals after a step differ (an open bug of issue 14, docs/recipes.md); they
-#: are left out of this parity claim until it is fixed, not marked as passing.
-TWINS = tuple(
-    name
-    for name in sorted(recipes.RECIPES)
-    if not name.startswith(("tiny_", "twin_")) and not name.endswith("_hopper")
-)
+TWINS = tuple(name for name in sorted(recipes.RECIPES) if not name.startswith(("tiny_", "twin_")))
 SHORT = ("train.train_iters=2", "validation.eval_interval=1", "validation.eval_iters=1")
 
 
