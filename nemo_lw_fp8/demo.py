@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,12 +32,15 @@ OFF_OVERRIDES = (
 )
 
 
+_PORT_OFFSET = {"on": 0, "off": 1, "resumed": 2}
+
+
 def _train(out: Path, tag: str, steps: int, world_size: int, extra: tuple[str, ...]) -> dict:
     losses = out / f"losses-{tag}.json"
     log = out / f"train-{tag}.log"
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}",
-        "--master-port", str(29500 + os.getpid() % 1000 + (1 if tag == "off" else 0)),
+        "--master-port", str(29500 + os.getpid() % 1000 + _PORT_OFFSET[tag]),
         "-m", "nemo_lw_fp8.cli", "pretrain", "--recipe", RECIPE, "--cpu",
         "--losses-json", str(losses),
         f"train.train_iters={steps}",
@@ -60,7 +64,7 @@ def _train(out: Path, tag: str, steps: int, world_size: int, extra: tuple[str, .
     if done.returncode != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"training ({tag}) failed, see {log}:\n{tail}")
-    print(f"  FP8 param gather {tag.upper():3s}: {steps} steps in {time.time() - start:.0f} s")
+    print(f"  {tag:>7s}: {steps} steps in {time.time() - start:.0f} s")
     return json.loads(losses.read_text())
 
 
@@ -89,7 +93,11 @@ def run(steps: int = 12, world_size: int = 2, out: str = "demo-output") -> int:
     print(f"nemo_lw_fp8 demo: {RECIPE}, Megatron-Bridge's pretrain on {world_size} CPU ranks")
     print("  every feature on: layer-wise Muon, compact layout, overlapped param gather, MXFP8,")
     print("  single grouped expert weights, MLA + MoE + MTP; eval every", max(1, steps // 2))
-    on = _train(folder, "on", steps, world_size, ())
+    half = max(1, steps // 2)
+    checkpoint = (folder / "checkpoint").resolve()
+    shutil.rmtree(checkpoint, ignore_errors=True)  # a new run, not one resumed from an old demo
+    saving = (f"checkpoint.save={checkpoint}", f"checkpoint.save_interval={half}")
+    on = _train(folder, "on", steps, world_size, saving)
     off = _train(folder, "off", steps, world_size, OFF_OVERRIDES)
     on_loss = [row["lm loss"] for row in on["train"]]
     off_loss = [row["lm loss"] for row in off["train"]]
@@ -100,11 +108,35 @@ def run(steps: int = 12, world_size: int = 2, out: str = "demo-output") -> int:
     off_eval = [row["lm loss"] for row in off["eval"]]
     print(f"  eval  {on_eval}  vs  {off_eval}")
     same = on_loss == off_loss and len(on_loss) == steps and on_eval == off_eval
-    (folder / "losses.json").write_text(json.dumps({"on": on, "off": off}, indent=1))
+
+    print(f"\n  resume: the ON run saved at iteration {half}; fresh processes load it and go on")
+    loading = (f"checkpoint.load={checkpoint}", f"checkpoint.ckpt_step={half}")
+    resumed = _train(folder, "resumed", steps, world_size, loading)
+    resumed_loss = [row["lm loss"] for row in resumed["train"]]
+    print(f"\n  {'iter':>4}  {'loss, uninterrupted':>20}  {'loss, resumed':>18}  bitwise")
+    for step, (a, b) in enumerate(zip(on_loss[half:], resumed_loss, strict=False), start=half + 1):
+        print(f"  {step:>4}  {a:>20.10f}  {b:>18.10f}  {'yes' if a == b else 'NO'}")
+    resumed_eval = [row["lm loss"] for row in resumed["eval"]]
+    later_evals = on_eval[len(on_eval) - len(resumed_eval) :] if resumed_eval else []
+    print(f"  eval  {later_evals}  vs  {resumed_eval}")
+    resumes = (
+        len(resumed_loss) == steps - half
+        and resumed_loss == on_loss[half:]
+        and bool(resumed_eval)
+        and resumed_eval == later_evals
+    )
+
+    record = {"on": on, "off": off, "resumed": resumed}
+    (folder / "losses.json").write_text(json.dumps(record, indent=1))
     _plot(on_loss, off_loss, folder / "loss.png")
     print(f"\n  wrote {folder / 'losses.json'} and {folder / 'loss.png'}")
     if same:
         print("  ON == OFF, bitwise: every training iteration and every evaluation.")
-        return 0
-    print("  ON != OFF: the FP8 param gather changed training or evaluation (docs/recipes.md).")
-    return 1
+    else:
+        print("  ON != OFF: the FP8 param gather changed training or evaluation (docs/recipes.md).")
+    if resumes:
+        print(f"  resumed == uninterrupted, bitwise: iterations {half + 1}-{steps}, their evals.")
+    else:
+        print("  resumed != uninterrupted: the checkpoint did not restore the run")
+        print("  (docs/checkpointing.md).")
+    return 0 if same and resumes else 1

@@ -271,7 +271,10 @@ class _LossRecorder:
                     losses["grad norm"] = float(context.grad_norm)
                 recorder.train.append(losses)
                 if recorder.progress is not None:
-                    recorder.progress.report(len(recorder.train), losses.get("lm loss"))
+                    # The run's iteration (a resumed run starts after the checkpoint's);
+                    # Bridge counts the step after this callback.
+                    iteration = int(context.state.train_state.step) + 1
+                    recorder.progress.report(iteration, losses.get("lm loss"))
                 if recorder.expert_slices is None:
                     recorder.expert_slices = _count_expert_slices(context.optimizer)
                     recorder.reports = _reports_losses()
