@@ -1,4 +1,6 @@
-"""Save and resume through Megatron-Bridge's own ``pretrain`` loop (2 CPU ranks, torchrun).
+"""Save and resume through Megatron-Bridge's own ``pretrain`` loop (2 CPU ranks, torchrun),
+launched as ``nemo llm pretrain`` (nemo-run's CLI; the control runs ``nemo-lw-fp8 pretrain``
+through tests/bridge_run.py, which can switch a fix off).
 
 tiny DeepSeek-V3 with every plugin feature on (layer-wise Muon, compact layout, overlapped
 gathers, MXFP8 param gather): a run saves a ``torch_dist`` checkpoint at iteration 2 and goes
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +28,26 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.usefixtures("bridge_installed")
 
 
+COMMON = ("validation.eval_interval=3", "train.global_batch_size=4")
+
+
+def _nemo_llm_pretrain(tmp: Path, tag: str, *extra: str) -> dict:
+    """``torchrun ... nemo llm pretrain --factory tiny_deepseek_v3 --yes cpu=True ...``."""
+    out = tmp / f"{tag}.json"
+    nemo = shutil.which("nemo", path=str(Path(sys.executable).parent))
+    assert nemo is not None, "the `nemo` executable (nemo-run) is not installed next to Python"
+    overrides = "overrides=[" + ",".join(f'"{item}"' for item in (*COMMON, *extra)) + "]"
+    port = str(29700 + (os.getpid() + sum(map(ord, tag))) % 200)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port",
+         port, nemo, "llm", "pretrain", "--factory", "tiny_deepseek_v3", "--yes", "cpu=True",
+         f"losses_json={out}", overrides],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return json.loads(out.read_text())
+
+
 def _pretrain(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
     out = tmp / f"{tag}.json"
     env = dict(os.environ, NEMO_LW_FP8_TEST_MUTATION=mutation)
@@ -32,8 +55,7 @@ def _pretrain(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
          "--master-port", port, str(HERE / "bridge_run.py"), "pretrain", "--recipe",
-         "tiny_deepseek_v3", "--cpu", "--losses-json", str(out), "validation.eval_interval=3",
-         "train.global_batch_size=4", *extra],
+         "tiny_deepseek_v3", "--cpu", "--losses-json", str(out), *COMMON, *extra],
         capture_output=True, text=True, env=env, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -60,12 +82,12 @@ def _eval(run: dict) -> list[float]:
 def test_save_and_resume_in_fresh_processes_is_bitwise(tmp_path):
     ckpt = tmp_path / "ckpt"
     save = ("train.train_iters=4", f"checkpoint.save={ckpt}", "checkpoint.save_interval=2")
-    full = _pretrain(tmp_path, "full", *save)
+    full = _nemo_llm_pretrain(tmp_path, "full", *save)
     checked = _saved_weights_vs_masters(ckpt / "iter_0000002")
     assert checked["stale"] == [] and len(checked["matched"]) > 10, checked
 
     # The full run also saved at its end (iteration 4): load the iteration-2 checkpoint.
-    resumed = _pretrain(
+    resumed = _nemo_llm_pretrain(
         tmp_path, "resumed", "train.train_iters=4", f"checkpoint.load={ckpt}",
         "checkpoint.ckpt_step=2",
     )  # fmt: skip

@@ -16,6 +16,8 @@ and says so: two packages must not both answer ``nemo llm``; use ``nemo-lw-fp8 p
 
 # No ``from __future__ import annotations``: nemo-run's help reads real annotation objects.
 import importlib.util
+import os
+import sys
 import warnings
 from typing import Optional
 
@@ -50,9 +52,35 @@ else:
         losses_json: Optional[str] = None,  # noqa: UP045
     ) -> None:
         """Build ``recipe``, apply the YAML file and ``key=value`` overrides, check, train."""
+        if cpu and _megatron_imported_without_te():
+            _train_in_fresh_process(recipe, config_file, overrides, losses_json)
         from nemo_lw_fp8.launch.pretrain import run as run_pretrain
 
         run_pretrain(recipe, config_file, list(overrides or ()), cpu, losses_json)
+
+    def _megatron_imported_without_te() -> bool:
+        """Whether another ``nemo_run.cli`` entry point (Bridge declares ``lm``) imported
+        megatron-core before any Transformer Engine: megatron fixes its TE flags at import, so
+        the CPU backend can no longer be booted in this process."""
+        return "megatron.core" in sys.modules and "transformer_engine" not in sys.modules
+
+    def _train_in_fresh_process(
+        recipe: str,
+        config_file: Optional[str],  # noqa: UP045
+        overrides: Optional[list[str]],  # noqa: UP045
+        losses_json: Optional[str],  # noqa: UP045
+    ) -> None:
+        """Replace this process by ``nemo-lw-fp8 pretrain --cpu`` with the same run (the same
+        code path; torchrun's rank environment is kept, so every rank does the same)."""
+        command = [sys.executable, "-m", "nemo_lw_fp8.cli", "pretrain", "--recipe", recipe, "--cpu"]
+        if config_file:
+            command += ["--config-file", config_file]
+        if losses_json:
+            command += ["--losses-json", losses_json]
+        command += list(overrides or ())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, command)
 
     def _register(name: str) -> None:
         def factory() -> run.Partial:
