@@ -1,5 +1,6 @@
-"""Recipe-faithful twins (nemo_lw_fp8/twins.py) trained by ``nemo-lw-fp8 pretrain --cpu`` under
-torchrun, as a user launches them: each full recipe's parallelism structure (PP 2 with its
+"""Recipe-faithful twins (nemo_lw_fp8/twins.py) trained by ``nemo-lw-fp8 pretrain --cpu`` (ranks
+forked from one warmed-up process, tests/fork_run.py; the flagship resume test launches with
+torchrun too): each full recipe's parallelism structure (PP 2 with its
 layout or accounting, VPP 2, EP 2 on DP 2), FP8 recipe, single grouped weights, MTP, gradient
 clipping, dropout and auxiliary loss as shipped.
 
@@ -22,6 +23,10 @@ TWINS = tuple(name for name in sorted(recipes.RECIPES) if not name.startswith(("
 SHORT = ("train.train_iters=2", "validation.eval_interval=1", "validation.eval_iters=1")
 
 
+def _blockwise(recipe: str) -> bool:
+    return recipe.endswith("_hopper")
+
+
 @pytest.fixture(scope="module")
 def twin_run(tmp_path_factory):
     """``twin_run(recipe, tag, *overrides, mutation="")``: one short run of a twin, kept for the
@@ -34,8 +39,9 @@ def twin_run(tmp_path_factory):
             tmp = tmp_path_factory.mktemp(f"{recipe}-{tag}")
             nproc = twins.twin_world_size(recipe)
             done[key] = br.pretrain(
-                tmp, tag, f"twin_{recipe}", *SHORT, *overrides, nproc=nproc, mutation=mutation
-            )
+                tmp, tag, f"twin_{recipe}", *SHORT, *overrides, nproc=nproc, mutation=mutation,
+                probe=_blockwise(recipe),
+            )  # fmt: skip
         return done[key]
 
     return run
@@ -52,6 +58,15 @@ def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
     assert on["ranks"] == off["ranks"]
     # Ranks hold different pieces of the model: the digests say something.
     assert len(set(on["ranks"])) == twins.twin_world_size(recipe)
+    if _blockwise(recipe):
+        # Blockwise FP8 compute in both runs (the CPU blockwise linears), and ON gathers
+        # persistent Float8BlockwiseQTensor weights as FP8 codes + scales; OFF has none.
+        for rank in on["probe"] + off["probe"]:
+            assert rank["linears"].get("BlockwiseColumnParallelLinear", 0) > 0, rank
+            assert rank["linears"].get("BlockwiseRowParallelLinear", 0) > 0, rank
+            assert not any(name.startswith("MXFP8") for name in rank["linears"]), rank
+        assert all(r["blockwise_weights"] > 0 and r["blockwise_groups"] > 0 for r in on["probe"])
+        assert all(r["blockwise_weights"] == 0 == r["blockwise_groups"] for r in off["probe"])
 
 
 def test_twin_controls_catch_each_broken_fix(twin_run):
@@ -72,6 +87,18 @@ def test_twin_controls_catch_each_broken_fix(twin_run):
     assert br.eval_losses(stale) != br.eval_losses(off)
 
 
+def test_blockwise_twin_control_stale_columnwise_copy(twin_run):
+    """Receivers that keep the columnwise copy of gathered blockwise weights stale (TE's dgrad
+    GEMM reads that copy) part from gather off: the second step's gradients come from the first
+    step's weights, so its grad norm and the ranks' masters differ."""
+    recipe = "qwen3_30b_a3b_hopper"
+    off = twin_run(recipe, "off", *br.GATHER_OFF)
+    stale = twin_run(recipe, "stale", mutation="blockwise_columnwise")
+    assert all(rank["blockwise_groups"] > 0 for rank in stale["probe"])
+    assert br.grad_norms(stale)[1] != br.grad_norms(off)[1]
+    assert stale["ranks"] != off["ranks"]
+
+
 def test_flagship_twin_resumes_bitwise(tmp_path):
     """The DeepSeek-V3 MXFP8 twin as shipped (PP 2 x VPP 2 x EP 2, MTP, single grouped MXFP8
     experts, clipping, dropout) saves a torch_dist checkpoint at iteration 2 and goes on to 4;
@@ -81,8 +108,11 @@ def test_flagship_twin_resumes_bitwise(tmp_path):
     nproc = twins.twin_world_size(recipe)
     ckpt = tmp_path / "ckpt"
     common = ("train.train_iters=4", "validation.eval_interval=3", "validation.eval_iters=1")
+    # The run that goes on is launched by torchrun, as users launch it; the resumed one by the
+    # forking launcher of the matrix (tests/fork_run.py): equal bits also say the launcher
+    # changes nothing.
     full = br.pretrain(tmp_path, "full", recipe, *common, f"checkpoint.save={ckpt}",
-                       "checkpoint.save_interval=2", nproc=nproc)  # fmt: skip
+                       "checkpoint.save_interval=2", nproc=nproc, launcher="torchrun")  # fmt: skip
     resumed = br.pretrain(tmp_path, "resumed", recipe, *common, f"checkpoint.load={ckpt}",
                           "checkpoint.ckpt_step=2", nproc=nproc)  # fmt: skip
     assert len(br.losses(full)) == 4 and len(br.losses(resumed)) == 2

@@ -1,5 +1,8 @@
-"""Runs of ``nemo-lw-fp8 pretrain --cpu`` under ``torchrun`` for the Bridge tests, as a user
-launches them (tests/bridge_run.py adds an optional mutation that switches one fix off).
+"""Runs of ``nemo-lw-fp8 pretrain --cpu`` for the Bridge tests, in ranks launched by ``torchrun``
+as a user launches them, or forked from one process that imported the stack already
+(``launcher="fork"``, tests/fork_run.py: the same entry point and rank environment, without
+~20 s of imports per rank). tests/bridge_run.py adds an optional mutation that switches one fix
+off.
 
 :func:`pretrain` returns the run's record: ``train`` (per iteration: reduced ``lm loss`` and
 ``grad norm``), ``eval`` (per evaluation), ``ranks`` (each rank's digest of its fp32 masters
@@ -22,18 +25,25 @@ GATHER_OFF = (
 )
 
 
+LAUNCHERS = ("torchrun", "fork")
+
+
 def _launch(
     tmp: Path, tag: str, recipe: str, overrides: tuple[str, ...], nproc: int, mutation: str,
-    timeout: int,
+    timeout: int, launcher: str = "torchrun", probe: str = "",
 ) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NEMO_LW_FP8_TEST_MUTATION=mutation)
+    env = dict(os.environ, NEMO_LW_FP8_TEST_MUTATION=mutation, NEMO_LW_FP8_TEST_PROBE=probe)
     port = str(29500 + (os.getpid() * 7 + sum(map(ord, tag))) % 400)
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-         "--master-port", port, str(HERE / "bridge_run.py"), "pretrain", "--recipe", recipe,
-         "--cpu", "--losses-json", str(tmp / f"{tag}.json"), *overrides],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )  # fmt: skip
+    words = ["pretrain", "--recipe", recipe, "--cpu", "--losses-json", str(tmp / f"{tag}.json"),
+             *overrides]  # fmt: skip
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                   "--master-port", port, str(HERE / "bridge_run.py"), *words]  # fmt: skip
+    elif launcher == "fork":
+        command = [sys.executable, str(HERE / "fork_run.py"), str(nproc), port, *words]
+    else:
+        raise ValueError(f"launcher {launcher!r}: one of {LAUNCHERS}")
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def pretrain(
@@ -44,16 +54,25 @@ def pretrain(
     nproc: int = 2,
     mutation: str = "",
     timeout: int = 900,
+    launcher: str = "fork",
+    probe: bool = False,
 ) -> dict:
     """Train ``recipe`` on ``nproc`` CPU ranks; a failing run fails the test with its log tail
-    (a control that crashes is a failure, not a divergence)."""
-    done = _launch(tmp, tag, recipe, overrides, nproc, mutation, timeout)
+    (a control that crashes is a failure, not a divergence). ``probe``: also record, per rank,
+    what the layer-wise optimizer of a blockwise run was built over (``run["probe"]``, see
+    tests/bridge_run.py)."""
+    prefix = str(tmp / f"{tag}-probe") if probe else ""
+    done = _launch(tmp, tag, recipe, overrides, nproc, mutation, timeout, launcher, prefix)
     assert done.returncode == 0, f"{tag} failed:\n" + (done.stdout + done.stderr)[-4000:]
     run = json.loads((tmp / f"{tag}.json").read_text())
     run["ranks"] = [
         json.loads((tmp / f"{tag}.json.rank{rank}").read_text())["optimizer_state"]
         for rank in range(nproc)
     ]
+    if probe:
+        run["probe"] = [
+            json.loads(Path(f"{prefix}.rank{rank}.json").read_text()) for rank in range(nproc)
+        ]
     return run
 
 
