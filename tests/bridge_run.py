@@ -1,7 +1,7 @@
 """``torchrun`` target for tests/test_bridge_training.py: ``nemo-lw-fp8 pretrain`` with an
 optional mutation (env ``NEMO_LW_FP8_TEST_MUTATION``) switching one plugin fix off, so the test
 shows its parity check fails without that fix (also the target of
-tests/test_bridge_checkpointing.py and tests/test_recipe_twins.py; env
+tests/test_bridge_checkpointing.py, tests/test_bridge_hopper.py and tests/test_recipe_twins.py; env
 ``NEMO_LW_FP8_TEST_PROBE``: a path prefix where each rank records what the layer-wise optimizer
 was built over)."""
 
@@ -38,8 +38,8 @@ elif MUTATION:
 
 PROBE = os.environ.get("NEMO_LW_FP8_TEST_PROBE", "")
 if PROBE:
-    # What the layer-wise optimizer was built over, per rank (the Hopper twins):
-    # the emulated FP8 linears, persistent blockwise weights, blockwise gather plans.
+    # What the layer-wise optimizer was built over, per rank (tests/test_bridge_hopper.py, the
+    # Hopper twins): the emulated FP8 linears, persistent blockwise weights, blockwise plans.
     import json
 
     import nemo_lw_fp8.mechanics.blockwise as blockwise

@@ -80,6 +80,11 @@ def main(argv: list[str]) -> int:
 
                 traceback.print_exc()
             finally:
+                # The exit handlers a rank's interpreter would run (multiprocessing shuts down
+                # the manager a checkpoint save started, which holds the output pipes).
+                import atexit
+
+                atexit._run_exitfuncs()
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(status)
