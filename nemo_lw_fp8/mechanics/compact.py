@@ -1,8 +1,8 @@
 """The compact layer-wise layout: no padding, balanced ownership, one gather per bucket group.
 
 * Muon-managed (layer-wise) buffers are laid out without any padding and act as plain-DDP
-  buffers: an *effective* per-buffer config with ``use_distributed_optimizer=False`` (gradients
-  are all-reduced, parameters keep their own storage). Sibling non-Muon buffers (embeddings,
+  buffers: an *effective* per-buffer config with ``use_distributed_optimizer=False``
+  (parameters keep their own storage). Sibling non-Muon buffers (embeddings,
   biases, norms) keep the standard DistributedOptimizer layout; bucket groups never mix the two.
 * Whole-parameter ownership minimises the largest per-rank Newton-Schulz cost
   (:func:`nemo_lw_fp8.layout.choose_pieces`), deterministic on every rank and after a resume.
@@ -15,6 +15,11 @@
   config's ``gather_padding_tolerance``, else one uneven ``all_gather`` of the same segments.
   Every rank copies the gathered values into its weights (quantizing into MXFP8 weights from the
   same bf16 bytes), which also serves MXFP8 param gather without staging in the grad buffer.
+
+* Gradients: per bucket group, packed in the gather plan's owner order into a transient buffer
+  and reduced segment by segment to each owner only (:mod:`.owner_reduce`); each owner copies
+  its reduced segment back into its gradients (``grad_sync="all_reduce"``: megatron's
+  all-reduce instead).
 
 Settings come from :class:`nemo_lw_fp8.config.LayerWiseConfig` on the DDP config.
 """
@@ -364,7 +369,9 @@ def dispatch_grads(group: Any, op: Any, async_op: bool) -> owner_reduce.ReduceWo
     plan: CompactGroup = group_state(group).compact
     process_group = group.data_parallel_group
     if process_group.size() == 1:
-        return None  # the local gradients are the reduced ones
+        # The local gradients are the reduced ones; an overlapped sync still hands megatron a
+        # handle to wait on, as its own one-rank all-reduce does.
+        return owner_reduce.ReduceWork([], lambda: None) if async_op else None
     rank = process_group.rank()
     grad_data = group.buckets[0].grad_data
     packed = torch.empty(sum(plan.segment_numel), dtype=grad_data.dtype, device=grad_data.device)

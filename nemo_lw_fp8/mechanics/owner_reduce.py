@@ -101,10 +101,10 @@ class ReduceWork:
             done()
 
 
-def coalesces(process_group: Any) -> bool:
-    """Whether the backend runs a coalescing manager's reduces as one launch (NCCL does; gloo
-    has no coalescing)."""
-    return torch.distributed.get_backend(process_group) == "nccl"
+def coalesces(process_group: Any, device: torch.device) -> bool:
+    """Whether the backend runs a coalescing manager's reduces on ``device`` as one launch
+    (NCCL does for CUDA tensors; gloo has no coalescing)."""
+    return device.type == "cuda" and "nccl" in str(torch.distributed.get_backend(process_group))
 
 
 def reduce_segments(
@@ -124,7 +124,7 @@ def reduce_segments(
         if size:
             spans.append((owner, packed[offset : offset + size]))
         offset += size
-    if coalesces(process_group):
+    if coalesces(process_group, packed.device):
         with _coalescing_manager(process_group, device=packed.device, async_ops=async_op) as cm:
             for owner, span in spans:
                 torch.distributed.reduce(
