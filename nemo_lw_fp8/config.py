@@ -17,7 +17,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .layout import DEFAULT_GATHER_PADDING_TOLERANCE, GROUPED_WEIGHT_OWNERSHIP, LAYER_WISE_LAYOUTS
+from .layout import (
+    DEFAULT_GATHER_PADDING_TOLERANCE,
+    GRAD_SYNC_MODES,
+    GROUPED_WEIGHT_OWNERSHIP,
+    LAYER_WISE_LAYOUTS,
+)
 
 #: Attribute of megatron's ``DistributedDataParallelConfig`` that holds the plugin's config.
 CONFIG_ATTR = "nemo_lw_fp8"
@@ -25,6 +30,7 @@ CONFIG_ATTR = "nemo_lw_fp8"
 __all__ = [
     "CONFIG_ATTR",
     "DEFAULT_GATHER_PADDING_TOLERANCE",
+    "GRAD_SYNC_MODES",
     "GROUPED_WEIGHT_OWNERSHIP",
     "LAYER_WISE_LAYOUTS",
     "LayerWiseConfig",
@@ -51,11 +57,17 @@ class LayerWiseConfig:
     by one rank, in runs of experts by several ranks (``"expert"``), or in runs only where that
     lowers the busiest rank's Newton-Schulz work by more than 2 % (``"auto"``). The arithmetic is
     the same in all three.
+
+    ``grad_sync`` (compact): ``"reduce_to_owner"`` (the default) reduces each Muon gradient to
+    the rank that owns the matrix only, one reduce per owner's segment of a bucket group;
+    ``"all_reduce"`` all-reduces them to every rank as upstream #5388 does (twice the bytes).
+    The padded and legacy layouts reduce-scatter or all-reduce as megatron does either way.
     """
 
     layout: str = "compact"
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     grouped_weight_ownership: str = "whole"
+    grad_sync: str = "reduce_to_owner"
 
     def __post_init__(self) -> None:
         from . import guards
@@ -68,6 +80,7 @@ class LayerWiseConfig:
             "layer_wise_layout": self.layout,
             "gather_padding_tolerance": self.gather_padding_tolerance,
             "grouped_weight_ownership": self.grouped_weight_ownership,
+            "layer_wise_grad_sync": self.grad_sync,
         }
 
     @property
@@ -104,3 +117,9 @@ def gather_padding_tolerance(ddp_config: Any) -> float:
 def grouped_weight_ownership(ddp_config: Any) -> str:
     found = read(ddp_config)
     return "whole" if found is None else found.grouped_weight_ownership
+
+
+def grad_sync(ddp_config: Any) -> str:
+    """How compact Muon gradients are synced (megatron's all-reduce when no config is attached)."""
+    found = read(ddp_config)
+    return "all_reduce" if found is None else found.grad_sync

@@ -16,7 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .layout import DEFAULT_GATHER_PADDING_TOLERANCE, GROUPED_WEIGHT_OWNERSHIP, LAYER_WISE_LAYOUTS
+from .layout import (
+    DEFAULT_GATHER_PADDING_TOLERANCE,
+    GRAD_SYNC_MODES,
+    GROUPED_WEIGHT_OWNERSHIP,
+    LAYER_WISE_LAYOUTS,
+)
 
 
 class ConfigError(ValueError):
@@ -70,6 +75,10 @@ class Settings:
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     #: Compact layout: how a single grouped weight is owned ("whole", "expert", "auto").
     grouped_weight_ownership: str = "whole"
+    #: Compact layout: how Muon gradients are synced ("reduce_to_owner", "all_reduce").
+    layer_wise_grad_sync: str = "reduce_to_owner"
+    #: Bridge's ``logger.log_l2_norm_grad_to_tensorboard``: logs every parameter's main_grad.
+    log_l2_norm_grad_to_tensorboard: bool = False
     #: ``OptimizerConfig.fp8_recipe`` when the recipe itself was read elsewhere (the parameters'
     #: types, ``TransformerConfig``); None: not set or not known at this call site.
     optimizer_fp8_recipe: str | None = None
@@ -523,6 +532,29 @@ def _split_ownership_needs_compact(s: Settings) -> str | None:
     return None
 
 
+def _grad_sync_value(s: Settings) -> str | None:
+    if s.layer_wise and s.layer_wise_grad_sync not in GRAD_SYNC_MODES:
+        return (
+            f"layer_wise_grad_sync={s.layer_wise_grad_sync!r} is not a gradient sync. Fix: use "
+            "'reduce_to_owner' (each Muon gradient to its owner) or 'all_reduce'."
+        )
+    return None
+
+
+def _owner_grads_logged(s: Settings) -> str | None:
+    to_owner = s.layer_wise_layout == "compact" and s.layer_wise_grad_sync == "reduce_to_owner"
+    if s.layer_wise and to_owner and s.log_l2_norm_grad_to_tensorboard:
+        return (
+            "logger.log_l2_norm_grad_to_tensorboard logs every parameter's main_grad, but with "
+            "layer_wise_grad_sync='reduce_to_owner' only a Muon matrix's owner holds its reduced "
+            "gradient (other ranks keep their local one), so the logged norms would be wrong. "
+            "Fix: optimizer.layer_wise_grad_sync=all_reduce, or "
+            "logger.log_l2_norm_grad_to_tensorboard=false (the optimizer's grad norm is right "
+            "either way)."
+        )
+    return None
+
+
 INTEGRATION_RULES: tuple[Rule, ...] = (
     Rule("grouped-weight-needs-grouped-gemm", "one grouped weight = TE grouped GEMM experts",
          _grouped_needs_grouped_gemm),
@@ -543,6 +575,10 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
     Rule("layer-wise-layout-name", "layout is padded, compact or legacy", _layout_value),
     Rule("compact-gather-padding-tolerance", "tolerance is a non-negative fraction",
          _padding_tolerance),
+    Rule("compact-grad-sync-name", "grad sync is reduce_to_owner or all_reduce",
+         _grad_sync_value),
+    Rule("compact-owner-grads-not-logged", "per-parameter grad norms need all-reduced grads",
+         _owner_grads_logged),
     Rule("grouped-weight-ownership-name", "ownership is whole, expert or auto",
          _ownership_value),
     Rule("grouped-weight-split-ownership-needs-compact", "expert runs need the compact gather",

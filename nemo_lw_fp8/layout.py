@@ -164,6 +164,11 @@ def assign_owners_joint(
 #: and no layout at all (flatten + all_gather).
 LAYER_WISE_LAYOUTS = ("padded", "compact", "legacy")
 
+#: How the compact layout syncs Muon gradients: each reduced to its owner only
+#: (``"reduce_to_owner"``, one reduce per owner's segment of a bucket group), or all-reduced to
+#: every rank (``"all_reduce"``, upstream #5388's choice).
+GRAD_SYNC_MODES = ("reduce_to_owner", "all_reduce")
+
 #: How a single grouped expert weight is owned: ``"whole"`` (one rank, like any parameter),
 #: ``"expert"`` (runs of its experts, each owned by one rank), ``"auto"`` (per ownership group:
 #: expert runs when that lowers the busiest rank's Newton-Schulz work by more than

@@ -63,6 +63,8 @@ GUARD_CASES = {
         "mixed_precision.fp8=null", "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false"]),
     "fp16": ("tiny_qwen3_30b_a3b", ["mixed_precision.bf16=false", "mixed_precision.fp16=true"]),
     "bad-ownership": ("tiny_deepseek_v3", ["optimizer.grouped_weight_ownership=per-expert"]),
+    "bad-grad-sync": ("tiny_deepseek_v3", ["optimizer.layer_wise_grad_sync=reduce_scatter"]),
+    "grad-norms-logged": ("tiny_deepseek_v3", ["logger.log_l2_norm_grad_to_tensorboard=true"]),
     "expert-runs-padded": ("tiny_deepseek_v3", [
         "optimizer.layer_wise_layout=padded", "optimizer.grouped_weight_ownership=expert"]),
 }

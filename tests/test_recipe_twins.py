@@ -69,6 +69,23 @@ def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
         assert all(r["blockwise_weights"] == 0 == r["blockwise_groups"] for r in off["probe"])
 
 
+def test_flagship_twin_owner_reduce_equals_all_reduce(twin_run):
+    """PP 2 x VPP 2 x EP 2 on DP 2, single grouped MXFP8 experts, MTP, clipping, as shipped: the
+    default gradient sync (each Muon gradient reduced to its owner) trains as the all-reduce
+    one, bit for bit: every loss, grad norm (the clipping input), eval, and every rank's fp32
+    masters and optimizer state."""
+    owner = twin_run("deepseek_v3_mxfp8", "on")
+    reduced = twin_run(
+        "deepseek_v3_mxfp8", "all-reduce", "optimizer.layer_wise_grad_sync=all_reduce"
+    )
+    assert owner["layer_wise_grad_sync"] == "reduce_to_owner"
+    assert reduced["layer_wise_grad_sync"] == "all_reduce"
+    assert br.losses(owner) == br.losses(reduced)
+    assert br.grad_norms(owner) == br.grad_norms(reduced)
+    assert br.eval_losses(owner) == br.eval_losses(reduced)
+    assert owner["ranks"] == reduced["ranks"]
+
+
 def test_twin_controls_catch_each_broken_fix(twin_run):
     """The comparison above can fail, on the flagship twin (PP 2 x VPP 2 x EP 2, MTP, single
     grouped MXFP8 experts), once per fix:

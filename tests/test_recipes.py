@@ -154,6 +154,8 @@ EXPECTED_RULES = {
     "gather-without-fp8": "fp8-gather-without-fp8",
     "fp16": "fp8-gather-bf16",
     "bad-ownership": "grouped-weight-ownership-name",
+    "bad-grad-sync": "compact-grad-sync-name",
+    "grad-norms-logged": "compact-owner-grads-not-logged",
     "expert-runs-padded": "grouped-weight-split-ownership-needs-compact",
 }
 

@@ -57,15 +57,17 @@ LAYOUTS = LAYER_WISE_LAYOUTS
 class LayerWiseMuonConfig(_BridgeOptimizerConfig):
     """Bridge's ``OptimizerConfig`` for layer-wise Muon, plus the plugin's settings.
 
-    The three fields are :class:`nemo_lw_fp8.LayerWiseConfig`'s, flat so that YAML and
+    The four fields are :class:`nemo_lw_fp8.LayerWiseConfig`'s, flat so that YAML and
     ``key=value`` overrides reach them (``optimizer.layer_wise_layout=padded``):
-    ``layer_wise_layout`` (its ``layout``), ``gather_padding_tolerance`` and
-    ``grouped_weight_ownership``; :meth:`plugin_config` builds and checks the object.
+    ``layer_wise_layout`` (its ``layout``), ``gather_padding_tolerance``,
+    ``grouped_weight_ownership`` and ``layer_wise_grad_sync`` (its ``grad_sync``);
+    :meth:`plugin_config` builds and checks the object.
     """
 
     layer_wise_layout: str = LayerWiseConfig.layout
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     grouped_weight_ownership: str = LayerWiseConfig.grouped_weight_ownership
+    layer_wise_grad_sync: str = LayerWiseConfig.grad_sync
 
     def plugin_config(self) -> LayerWiseConfig:
         """The plugin's settings as one checked object (raises ``ConfigError`` when bad)."""
@@ -73,6 +75,7 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
             layout=self.layer_wise_layout,
             gather_padding_tolerance=self.gather_padding_tolerance,
             grouped_weight_ownership=self.grouped_weight_ownership,
+            grad_sync=self.layer_wise_grad_sync,
         )
 
     def provide(
@@ -106,6 +109,7 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
             "use_layer_wise_param_layout": self.layer_wise_layout != "legacy",
             "gather_padding_tolerance": self.gather_padding_tolerance,
             "grouped_weight_ownership": self.grouped_weight_ownership,
+            "layer_wise_grad_sync": self.layer_wise_grad_sync,
         }
 
 
@@ -126,6 +130,7 @@ def layer_wise_muon_fp8_with_cosine_annealing(
     layer_wise_layout: str = LayerWiseConfig.layout,
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE,
     grouped_weight_ownership: str = LayerWiseConfig.grouped_weight_ownership,
+    layer_wise_grad_sync: str = LayerWiseConfig.grad_sync,
     overlap_param_gather: bool = True,
     start_weight_decay: float = 0.033,
     end_weight_decay: float = 0.033,
@@ -158,6 +163,7 @@ def layer_wise_muon_fp8_with_cosine_annealing(
         layer_wise_layout=layer_wise_layout,
         gather_padding_tolerance=gather_padding_tolerance,
         grouped_weight_ownership=grouped_weight_ownership,
+        layer_wise_grad_sync=layer_wise_grad_sync,
     )
     optimizer.plugin_config()  # a bad layout / tolerance / ownership fails here, naming the fix
     scheduler = SchedulerConfig(
@@ -187,7 +193,7 @@ def settings_from_config(cfg: Any) -> Any:
     mixed = cfg.mixed_precision if not isinstance(cfg.mixed_precision, str) else None
     # Bridge copies the mixed-precision preset onto model, DDP and optimizer configs before it
     # validates, so the preset wins over their own (default) FP8 fields.
-    for source in (cfg.model, cfg.ddp, cfg.optimizer, mixed):
+    for source in (cfg.model, cfg.ddp, cfg.optimizer, mixed, getattr(cfg, "logger", None)):
         if source is None:
             continue
         for name in names:

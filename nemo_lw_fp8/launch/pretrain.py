@@ -329,6 +329,7 @@ def train(cfg: Any, cpu: bool = False, losses_json: str | None = None) -> _LossR
                     "grouped_weight_ownership": getattr(
                         cfg.optimizer, "grouped_weight_ownership", None
                     ),
+                    "layer_wise_grad_sync": getattr(cfg.optimizer, "layer_wise_grad_sync", None),
                     "expert_slices": recorder.expert_slices,
                 },
                 handle,

@@ -10,7 +10,9 @@ follow one parameter through a step without reading the wiring:
                         whenever that buffer is zeroed or a gather finds it stale;
 * :mod:`.bucket_owners` which optimizer gathers which bucket of a (mixed) bucket group;
 * :mod:`.owner_gather`  megatron's start/finish contract for one owner-packed collective;
-* :mod:`.compact`       the compact layout: no padding, balanced ownership, one gather per group;
+* :mod:`.owner_reduce`  megatron's grad-sync contract for reducing each gradient to its owner;
+* :mod:`.compact`       the compact layout: no padding, balanced ownership, one gather and one
+                        owner reduce per group;
 * :mod:`.blockwise`     blockwise FP8 gather: owner-quantized codes + tile scales on the wire;
 * :mod:`.grouped`       single grouped expert weights as E matrices for Muon;
 * :mod:`.expert_slices` a run of experts of a grouped weight as an optimizer parameter;

@@ -1,8 +1,8 @@
 """The compact layer-wise layout: no padding, balanced ownership, one gather per bucket group.
 
 * Muon-managed (layer-wise) buffers are laid out without any padding and act as plain-DDP
-  buffers: an *effective* per-buffer config with ``use_distributed_optimizer=False`` (gradients
-  are all-reduced, parameters keep their own storage). Sibling non-Muon buffers (embeddings,
+  buffers: an *effective* per-buffer config with ``use_distributed_optimizer=False``
+  (parameters keep their own storage). Sibling non-Muon buffers (embeddings,
   biases, norms) keep the standard DistributedOptimizer layout; bucket groups never mix the two.
 * Whole-parameter ownership minimises the largest per-rank Newton-Schulz cost
   (:func:`nemo_lw_fp8.layout.choose_pieces`), deterministic on every rank and after a resume.
@@ -15,6 +15,11 @@
   config's ``gather_padding_tolerance``, else one uneven ``all_gather`` of the same segments.
   Every rank copies the gathered values into its weights (quantizing into MXFP8 weights from the
   same bf16 bytes), which also serves MXFP8 param gather without staging in the grad buffer.
+
+* Gradients: per bucket group, packed in the gather plan's owner order into a transient buffer
+  and reduced segment by segment to each owner only (:mod:`.owner_reduce`); each owner copies
+  its reduced segment back into its gradients (``grad_sync="all_reduce"``: megatron's
+  all-reduce instead).
 
 Settings come from :class:`nemo_lw_fp8.config.LayerWiseConfig` on the DDP config.
 """
@@ -30,7 +35,7 @@ import torch
 from .. import config as plugin_config
 from .. import layout as layout_math
 from ..state import group_state, optimizer_state, peek
-from . import expert_slices, grouped, owner_gather
+from . import expert_slices, grouped, owner_gather, owner_reduce
 
 # --------------------------------------------------------------------------- buffers
 
@@ -315,3 +320,70 @@ SYNC = owner_gather.OwnerPackedSync(
     unpack=lambda group: unpack_pending(group),
     empty=lambda group: group_state(group).compact.gather_numel == 0,
 )
+
+
+# --------------------------------------------------------------------------- the gradient sync
+
+
+def _grad_slot(piece: torch.nn.Parameter) -> torch.Tensor:
+    """A piece's gradient in the bucket's grad buffer (what the collective reduces), flat.
+
+    A param with a separate fp32 ``main_grad`` has its slot in ``main_grad_copy_in_grad_buffer``;
+    an expert slice's is its rows of its grouped weight's slot."""
+    param = expert_slices.parent_of(piece)
+    slot = getattr(param, "main_grad_copy_in_grad_buffer", None)
+    flat = (slot if slot is not None else param.main_grad).reshape(-1)
+    if expert_slices.is_slice(piece):
+        start, end = piece.flat_range
+        return flat[start:end]
+    return flat
+
+
+def grads_to_owners(group: Any) -> bool:
+    """Whether ``group``'s gradients are reduced to their owners (else megatron all-reduces)."""
+    record = peek(group)
+    if record is None or record.compact is None:
+        return False
+    return plugin_config.grad_sync(group.ddp_config) == "reduce_to_owner"
+
+
+def pack_grads(plan: CompactGroup, packed: torch.Tensor) -> None:
+    """Copy every piece's local gradient into ``packed``, segment by segment in owner order."""
+    offset = 0
+    for segment in plan.segments:
+        for piece in segment:
+            packed[offset : offset + piece.numel()].copy_(_grad_slot(piece))
+            offset += piece.numel()
+
+
+def unpack_grads(plan: CompactGroup, packed: torch.Tensor, rank: int) -> None:
+    """The owner's reduced segment back into the gradients of the pieces it owns."""
+    offset = sum(plan.segment_numel[:rank])
+    for piece in plan.segments[rank]:
+        _grad_slot(piece).copy_(packed[offset : offset + piece.numel()])
+        offset += piece.numel()
+
+
+def dispatch_grads(group: Any, op: Any, async_op: bool) -> owner_reduce.ReduceWork | None:
+    """Pack the group's gradients in owner order and reduce each segment to its owner."""
+    plan: CompactGroup = group_state(group).compact
+    process_group = group.data_parallel_group
+    if process_group.size() == 1:
+        # The local gradients are the reduced ones; an overlapped sync still hands megatron a
+        # handle to wait on, as its own one-rank all-reduce does.
+        return owner_reduce.ReduceWork([], lambda: None) if async_op else None
+    rank = process_group.rank()
+    grad_data = group.buckets[0].grad_data
+    packed = torch.empty(sum(plan.segment_numel), dtype=grad_data.dtype, device=grad_data.device)
+    with torch.no_grad():
+        pack_grads(plan, packed)
+    works = owner_reduce.reduce_segments(packed, plan.segment_numel, op, process_group, async_op)
+
+    def copy_back() -> None:
+        with torch.no_grad():
+            unpack_grads(plan, packed, rank)
+
+    if not async_op:
+        copy_back()
+        return None
+    return owner_reduce.ReduceWork(works, copy_back)

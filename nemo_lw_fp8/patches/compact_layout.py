@@ -4,7 +4,9 @@ Behaviour (selected with ``LayerWiseConfig(layout="compact").attach(ddp_config)`
 buffers are laid out without padding and act as plain-DDP buffers; ownership minimises the
 largest per-rank Newton-Schulz cost (single grouped expert weights whole or in runs of experts);
 each layer-wise bucket group is gathered with one collective of owner-packed bf16 values, which
-also serves MXFP8 param gather bitwise without staging in the grad buffer. The mechanics:
+also serves MXFP8 param gather bitwise without staging in the grad buffer; its gradients are
+reduced to their owners only (one reduce per owner's segment, ``grad_sync="reduce_to_owner"``,
+the default) or all-reduced (``"all_reduce"``, #5388's choice). The mechanics:
 :mod:`nemo_lw_fp8.mechanics.compact`.
 
 Mirrors Megatron-LM PR #5388 (compact decoupled layer-wise layout), with an explicit setting
@@ -16,7 +18,8 @@ supported (upstream rejected that combination).
 Patches: ``LayerWiseDistributedOptimizer.compute_full_param_layout``, ``.shard_params`` and
 ``.sharded_state_dict`` (entries for the expert runs this rank owns);
 ``_ParamAndGradBuffer.__init__`` (effective config), ``partition_buckets`` as DDP calls it,
-``_ParamAndGradBucketGroup.start_param_sync`` / ``.finish_param_sync`` (compact groups only).
+``_ParamAndGradBucketGroup.start_param_sync`` / ``.finish_param_sync`` and ``.start_grad_sync``
+(compact groups only; megatron's ``finish_grad_sync`` waits on the owner reduce's handle).
 
 Detection: upstream has it when ``DistributedDataParallelConfig`` carries a per-buffer layer-wise
 layout field (``use_layer_wise_param_layout``) - #5388's design.
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 from .. import config as plugin_config
 from .. import symbols
-from ..mechanics import compact, grouped_checkpoint
+from ..mechanics import compact, grouped_checkpoint, owner_reduce
 from ..state import optimizer_state
 from .framework import Override, Patch, register
 
@@ -143,6 +146,19 @@ def _make_finish(original):
     return finish_param_sync
 
 
+def _make_start_grad_sync(original):
+    def start_grad_sync(self, force_all_reduce: bool = False):
+        """Compact groups reduce each gradient to its owner; a forced all-reduce (megatron's
+        ``force_all_reduce``: every rank wants every gradient) and the ``all_reduce`` setting
+        keep megatron's all-reduce."""
+        if force_all_reduce or not compact.grads_to_owners(self):
+            return original(self, force_all_reduce)
+        return owner_reduce.start_grad_sync(self, compact.dispatch_grads)
+
+    start_grad_sync.__wrapped__ = original
+    return start_grad_sync
+
+
 def _build_overrides() -> list[Override]:
     from megatron.core.distributed import distributed_data_parallel as ddp_module
     from megatron.core.distributed import param_and_grad_buffer as buffer_module
@@ -173,6 +189,11 @@ def _build_overrides() -> list[Override]:
         ),
         Override(
             group_cls, "finish_param_sync", _make_finish(group_cls.__dict__["finish_param_sync"])
+        ),
+        Override(
+            group_cls,
+            "start_grad_sync",
+            _make_start_grad_sync(group_cls.__dict__["start_grad_sync"]),
         ),
     ]
 

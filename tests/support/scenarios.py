@@ -86,6 +86,9 @@ class Scenario:
     grad_accum_fusion: bool = False
     #: Compact layout: how single grouped expert weights are owned ("whole", "expert", "auto").
     grouped_weight_ownership: str = "whole"
+    #: Compact layout: how Muon gradients are synced ("reduce_to_owner", "all_reduce"; None:
+    #: ``LayerWiseConfig``'s default).
+    grad_sync: str | None = None
     #: ``OptimizerConfig`` carries the FP8 settings too (``fp8_recipe``,
     #: ``reuse_grad_buf_for_mxfp8_param_ag``), as megatron-training and Bridge set them. False:
     #: only the DDP config and the parameters do, as megatron-core's own helpers build a run.

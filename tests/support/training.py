@@ -53,12 +53,14 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
         from nemo_lw_fp8.config import DEFAULT_GATHER_PADDING_TOLERANCE, LayerWiseConfig
 
         tolerance = scenario.gather_padding_tolerance
+        chosen = {} if scenario.grad_sync is None else {"grad_sync": scenario.grad_sync}
         LayerWiseConfig(
             layout="compact",
             gather_padding_tolerance=DEFAULT_GATHER_PADDING_TOLERANCE
             if tolerance is None
             else tolerance,
             grouped_weight_ownership=scenario.grouped_weight_ownership,
+            **chosen,
         ).attach(ddp_config)
     model = wrap_model_chunks_with_ddp(
         [module],

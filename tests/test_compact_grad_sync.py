@@ -1,0 +1,400 @@
+"""The compact layout's gradient sync: each Muon gradient reduced to its owner only.
+
+Bitwise the same training as the all-reduce compact path and as plain Muon (masters, Muon
+momentum, losses, parameters, with clipping on so the global grad norm is read), the wire
+traffic the plan predicts counted through the process group, a control that breaks the routing,
+and a checkpoint resume on the new path.
+
+Gloo sums in an order that depends on where an element sits in the buffer (its ring
+reduce-scatter splits the buffer into one chunk per rank; each chunk's sum starts at a different
+rank), and owner packing moves elements. Two addends commute, so DP 2 is bitwise on gloo as it
+runs. For DP 4 both runs of a comparison sum the grad sync's collectives in rank order
+(:func:`ordered_grad_sync`), so what is compared is which values reach whom, scaled how, not
+gloo's chunking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from nemo_lw_fp8.emulation import te_backend
+from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.parity import assert_diverges
+from tests.support.scenarios import Scenario
+from tests.support.training import train
+
+FP8 = BootOptions(fp8_emulation=True)
+#: Clipping on: the global grad norm reads the owners' reduced gradients.
+COMPACT = Scenario(
+    optimizer="muon",
+    distribution="layerwise_compact",
+    plugin=True,
+    clip_grad=0.05,
+    snapshots=True,
+    bucket_size=2000,
+)
+needs_te = pytest.mark.skipif(
+    te_backend.te_package_dirs() is None, reason="the MXFP8 emulation needs TE's Python package"
+)
+
+
+# --------------------------------------------------------------------------- rank functions
+
+
+@contextlib.contextmanager
+def ordered_grad_sync():
+    """Inside every bucket group's ``start_grad_sync``: all_reduce, reduce and reduce-scatter
+    sum the ranks' tensors in rank order (gathered, then added 0, 1, 2, ...), the same order
+    for every element wherever it sits in the buffer. Elsewhere (grad norm, ...) gloo's own."""
+    import torch.distributed as dist
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    group_cls = pgb._ParamAndGradBucketGroup
+    originals = {
+        "all_reduce": dist.all_reduce,
+        "reduce": dist.reduce,
+        "reduce_scatter": pgb.dist_reduce_scatter_func,
+        "start": group_cls.start_grad_sync,
+    }
+    depth = {"n": 0}
+
+    def summed(tensor, group):
+        parts = [torch.empty_like(tensor) for _ in range(group.size())]
+        group.allgather([parts], [tensor.contiguous()]).wait()
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total
+
+    def all_reduce(tensor, *args, **kwargs):
+        if not depth["n"]:
+            return originals["all_reduce"](tensor, *args, **kwargs)
+        tensor.copy_(summed(tensor, kwargs["group"]))
+
+    def reduce(tensor, *args, **kwargs):
+        if not depth["n"]:
+            return originals["reduce"](tensor, *args, **kwargs)
+        group = kwargs["group"]
+        total = summed(tensor, group)
+        if group.rank() == kwargs["group_dst"]:
+            tensor.copy_(total)
+
+    def reduce_scatter(output, input, *args, **kwargs):
+        if not depth["n"]:
+            return originals["reduce_scatter"](output, input, *args, **kwargs)
+        group = kwargs["group"]
+        output.copy_(summed(input, group).view(group.size(), -1)[group.rank()])
+
+    def start_grad_sync(self, *args, **kwargs):
+        depth["n"] += 1
+        try:
+            return originals["start"](self, *args, **kwargs)
+        finally:
+            depth["n"] -= 1
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dist, "all_reduce", all_reduce)
+        mp.setattr(dist, "reduce", reduce)
+        mp.setattr(pgb, "dist_reduce_scatter_func", reduce_scatter)
+        mp.setattr(group_cls, "start_grad_sync", start_grad_sync)
+        yield
+
+
+def train_recorded(scenario: Scenario, ordered: bool = False) -> dict:
+    """:func:`train`, plus every optimizer state tensor (Muon momentum) of this rank; with
+    ``ordered``, grad syncs sum in rank order (:func:`ordered_grad_sync`)."""
+    from tests.support import training
+    from tests.support.dist_checkpoints import optimizer_snapshot
+
+    seen: dict = {}
+    build = training.wrap_and_build_optimizer
+
+    norms: list[float] = []
+
+    def keep(module, config, scenario):
+        model, optimizer = build(module, config, scenario)
+        seen.update(optimizer=optimizer, module=module)
+        step = optimizer.step
+
+        def recorded_step(*args, **kwargs):
+            result = step(*args, **kwargs)
+            norms.append(float(result[1]) if result[1] is not None else None)
+            return result
+
+        optimizer.step = recorded_step
+        return model, optimizer
+
+    with contextlib.ExitStack() as stack:
+        mp = stack.enter_context(pytest.MonkeyPatch.context())
+        mp.setattr(training, "wrap_and_build_optimizer", keep)
+        if ordered:
+            stack.enter_context(ordered_grad_sync())
+        result = train(scenario)
+    state = optimizer_snapshot(seen["optimizer"], seen["module"])
+    result["state"] = {k: v for k, v in state.items() if k.startswith("layerwise:")}
+    result["grad_norms"] = norms
+    return result
+
+
+def train_to_wrong_owner(scenario: Scenario) -> dict:
+    """Mutation: each segment is reduced to the next rank instead of its owner (the owner then
+    copies back what its buffer holds after another rank's reduce)."""
+    import torch.distributed as dist
+
+    reduce = dist.reduce
+
+    def shifted(tensor, *args, group=None, group_dst=None, **kwargs):
+        return reduce(
+            tensor, *args, group=group, group_dst=(group_dst + 1) % group.size(), **kwargs
+        )
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dist, "reduce", shifted)
+        return train_recorded(scenario)
+
+
+# --------------------------------------------------------------------------- comparisons
+
+
+def _equal(a, b) -> bool:
+    """Tensors bit for bit, anything else (the param groups' step counts) by ``==``."""
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+def _same_training(reference: list[dict], candidate: list[dict]) -> None:
+    """Losses and every parameter on every rank, bit for bit."""
+    for rank, (a, b) in enumerate(zip(reference, candidate, strict=True)):
+        assert a["losses"] == b["losses"], f"rank {rank}: losses {a['losses']} != {b['losses']}"
+        for name, value in a["params"].items():
+            assert torch.equal(value, b["params"][name]), f"rank {rank}: param {name}"
+
+
+def _same_masters_and_momentum(reference: list[dict], candidate: list[dict]) -> None:
+    """Two compact runs (same owners): every rank's fp32 masters and Muon state, and the global
+    grad norm of every step (clipping's input), bit for bit."""
+    _same_training(reference, candidate)
+    for rank, (a, b) in enumerate(zip(reference, candidate, strict=True)):
+        assert a["grad_norms"] == b["grad_norms"], f"rank {rank}: grad norms"
+    for rank, (a, b) in enumerate(zip(reference, candidate, strict=True)):
+        assert a["masters"].keys() == b["masters"].keys()
+        for name, master in a["masters"].items():
+            assert torch.equal(master, b["masters"][name]), f"rank {rank}: master of {name}"
+        assert a["state"].keys() == b["state"].keys() and a["state"]
+        for key, value in a["state"].items():
+            assert _equal(value, b["state"][key]), f"rank {rank}: {key}"
+
+
+def _same_as_plain_muon(plain: list[dict], compact: list[dict]) -> None:
+    """Plain (DDP) Muon holds every master on every rank; each compact Muon master (a matrix,
+    held by its owner) equals it, and together the owners hold all of them."""
+    _same_training(plain, compact)
+    owned = set()
+    for rank, (a, b) in enumerate(zip(plain, compact, strict=True)):
+        for name, master in b["masters"].items():
+            if master.dim() >= 2:
+                assert torch.equal(master, a["masters"][name]), f"rank {rank}: master of {name}"
+                owned.add(name)
+    assert owned == {n for n, m in plain[0]["masters"].items() if m.dim() >= 2}
+
+
+# --------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_owner_reduce_equals_all_reduce_and_plain_muon(world_size):
+    """Against the all-reduce path with clipping on (the same owners sum the global grad norm
+    in the same order: it must be the same bits), overlap on; against plain Muon, overlap off,
+    clipping off (plain Muon sums the norm over other groupings, so clipping would part them in
+    the last bits for reasons unrelated to the sync). DP 4 sums in rank order (module doc)."""
+    ordered = world_size > 2
+
+    def run(scenario):
+        return run_on_ranks(train_recorded, scenario, ordered, world_size=world_size)
+
+    clipped = COMPACT.with_(overlap=True)
+    all_reduce = run(clipped.with_(grad_sync="all_reduce"))
+    owner = run(clipped)
+    # Clipping acts: every step's norm is above the threshold.
+    assert all(min(r["grad_norms"]) > clipped.clip_grad for r in owner), owner[0]["grad_norms"]
+    _same_masters_and_momentum(all_reduce, owner)
+    plain = run(Scenario(optimizer="muon", snapshots=True))
+    _same_as_plain_muon(plain, run(COMPACT.with_(clip_grad=0.0)))
+
+
+@needs_te
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_owner_reduce_with_fp8_param_gather_equals_all_reduce(recipe):
+    """FP8 param gather on (MXFP8, or blockwise FP8 codes + scales), overlap on, clipping on."""
+    base = COMPACT.with_(
+        model="fp8mlp",
+        fp8=True,
+        fp8_recipe=recipe,
+        fp8_param_gather=True,
+        micro_batch=32,
+        overlap=True,
+        bucket_size=None,
+    )
+    all_reduce = run_on_ranks(train_recorded, base.with_(grad_sync="all_reduce"), boot=FP8)
+    owner = run_on_ranks(train_recorded, base, boot=FP8)
+    _same_masters_and_momentum(all_reduce, owner)
+
+
+def test_reduce_to_the_wrong_rank_diverges():
+    """Control: with each segment reduced to the next rank, the comparison above fails (by the
+    numbers: every run completes)."""
+    scenario = COMPACT.with_(overlap=True)
+    reference = run_on_ranks(train_recorded, scenario.with_(grad_sync="all_reduce"))
+    broken = run_on_ranks(train_to_wrong_owner, scenario)
+    assert_diverges(reference, broken, compare=_same_masters_and_momentum)
+
+
+# --------------------------------------------------------------------------- the wire
+
+
+def count_grad_sync(scenario: Scenario) -> dict:
+    """Per rank, during steps 1 and 2: the grad-sync collectives the compact bucket groups
+    issue (elements this rank sends under the ring model, reduce / all-reduce calls, groups that
+    issued any) and the largest transient gradient buffer alive, with the plan's numbers."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from nemo_lw_fp8.mechanics import compact, owner_reduce
+    from tests.support.scenarios import build_model
+    from tests.support.training import train_step, wrap_and_build_optimizer
+
+    module, config = build_model(scenario)
+    model, optimizer = wrap_and_build_optimizer(module, config, scenario)
+    groups = compact.compact_groups(model[0])
+    plans = [compact.group_state(g).compact for g in groups]
+    process_group = groups[0].data_parallel_group
+    rank, world = process_group.rank(), process_group.size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    train_step(scenario, model, optimizer, 0, dp_rank)
+
+    counts = {"sent": 0.0, "reduces": 0, "all_reduces": 0, "launching_groups": 0}
+    live = {"now": 0, "peak": 0}
+    active: dict = {"group": None, "issued": False}
+    reduce, all_reduce = dist.reduce, dist.all_reduce
+
+    def counted_reduce(tensor, *args, group=None, group_dst=None, **kwargs):
+        if active["group"] is not None:
+            counts["reduces"] += 1
+            counts["sent"] += tensor.numel() if group_dst != rank else 0
+            active["issued"] = True
+        return reduce(tensor, *args, group=group, group_dst=group_dst, **kwargs)
+
+    def counted_all_reduce(tensor, *args, **kwargs):
+        if active["group"] is not None:
+            counts["all_reduces"] += 1
+            counts["sent"] += owner_reduce.all_reduce_sent(tensor.numel(), world)
+            active["issued"] = True
+        return all_reduce(tensor, *args, **kwargs)
+
+    dispatch = compact.dispatch_grads
+
+    def tracked_dispatch(group, op, async_op):
+        """A group's transient buffer is needed from its packing to the owner's copy-back
+        (synchronous: inside the dispatch; overlapped: until megatron waits on the handle)."""
+        size = sum(compact.group_state(group).compact.segment_numel)
+        live["now"] += size
+        live["peak"] = max(live["peak"], live["now"])
+        work = dispatch(group, op, async_op)
+        if work is None:
+            live["now"] -= size
+            return None
+        wait = work.wait
+
+        def waited():
+            wait()
+            live["now"] -= size
+
+        work.wait = waited
+        return work
+
+    def marked(group, method):
+        def start_grad_sync(*args, **kwargs):
+            active.update(group=group, issued=False)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                counts["launching_groups"] += int(active["issued"])
+                active["group"] = None
+
+        return start_grad_sync
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dist, "reduce", counted_reduce)
+        mp.setattr(dist, "all_reduce", counted_all_reduce)
+        mp.setattr(compact, "dispatch_grads", tracked_dispatch)
+        for group in groups:
+            mp.setattr(group, "start_grad_sync", marked(group, group.start_grad_sync))
+        for step in (1, 2):
+            train_step(scenario, model, optimizer, step, dp_rank)
+    planned = [owner_reduce.owner_reduce_traffic(p.segment_numel, rank) for p in plans]
+    sizes = [sum(p.segment_numel) for p in plans]
+    return {
+        **counts,
+        "steps": 2,
+        "world": world,
+        "groups": len(groups),
+        "total": sum(sizes),
+        "transient_peak": live["peak"],
+        "planned_sent": sum(t.sent for t in planned),
+        "planned_reduces": sum(t.reduces for t in planned),
+        "planned_launches": sum(t.launches for t in planned),
+        "planned_peak": owner_reduce.transient_peak(sizes, scenario.overlap),
+    }
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_wire_traffic_equals_the_plan(overlap):
+    """Per rank and step: elements sent, reduce calls and launches (one per bucket group), and
+    the transient peak, as planned; control: the all-reduce path sends twice an exact
+    reduce-scatter, and over all ranks exactly twice the owner reduce."""
+    scenario = COMPACT.with_(overlap=overlap, snapshots=False)
+    owner = run_on_ranks(count_grad_sync, scenario, world_size=4)
+    for counts in owner:
+        steps = counts["steps"]
+        assert counts["groups"] >= 2 and counts["all_reduces"] == 0, counts
+        assert counts["sent"] == counts["planned_sent"] * steps, counts
+        assert counts["reduces"] == counts["planned_reduces"] * steps, counts
+        assert (
+            counts["launching_groups"]
+            == counts["planned_launches"] * steps
+            == (counts["groups"] * steps)
+        ), counts
+        assert counts["transient_peak"] == counts["planned_peak"], counts
+    world, total = owner[0]["world"], owner[0]["total"]
+    # Every rank sends what is not its own: (world - 1) x total over the ranks, the exact
+    # reduce-scatter's total.
+    assert sum(c["planned_sent"] for c in owner) == (world - 1) * total
+    reduced = run_on_ranks(count_grad_sync, scenario.with_(grad_sync="all_reduce"), world_size=4)
+    for counts in reduced:
+        assert counts["reduces"] == 0 and counts["transient_peak"] == 0, counts
+        assert counts["sent"] == 2 * (world - 1) / world * total * counts["steps"], counts
+    assert sum(c["sent"] for c in reduced) == 2 * sum(c["sent"] for c in owner)
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+
+def test_checkpoint_resume_is_bitwise(tmp_path):
+    """Save after 3 steps on the owner-reduce path, load in fresh processes, run steps 3-4:
+    the same losses, parameters, masters and Muon momentum as 5 uninterrupted steps."""
+    from tests.support.harness import get_pool
+
+    scenario = COMPACT.with_(overlap=True, steps=5)
+    uninterrupted = run_on_ranks(train_recorded, scenario)
+    run_on_ranks(train_recorded, scenario.with_(steps=3, save_dir=str(tmp_path)))
+    get_pool(2, BootOptions()).shutdown()
+    resumed = run_on_ranks(train_recorded, scenario.with_(first_step=3, load_dir=str(tmp_path)))
+    for full, after in zip(uninterrupted, resumed, strict=True):
+        assert full["losses"][3:] == after["losses"]
+        assert full["digest"] == after["digest"]
+        for name, master in full["masters"].items():
+            assert torch.equal(master, after["masters"][name]), name
+        for key, value in full["state"].items():
+            assert _equal(value, after["state"][key]), key
