@@ -1,0 +1,68 @@
+"""The flagship MXFP8 twin (DeepSeek-V3: PP 2 x VPP 2 x EP 2, MTP, single grouped MXFP8 experts,
+clipping, dropout) resumes through Megatron-Bridge at another data-parallel size and another
+grouped-weight ownership, as a user launches it (``nemo-lw-fp8 pretrain --cpu`` under torchrun).
+
+Three runs: A (DP 2, 4 ranks, whole ownership) trains 2 iterations and saves; B (DP 4, 8 ranks,
+expert-run ownership: each grouped weight's experts split over the 2 ranks of its
+expert-data-parallel group, which DP 2 does not have) loads it, trains iteration 3 and saves;
+C (DP 2, whole ownership again) loads B's checkpoint. After each load the fp32 masters, Muon
+momentum and Adam moments, per parameter and expert (:mod:`nemo_lw_fp8.launch.state_by_name`,
+which does not depend on who owns what), equal the state the saving run ended with, bit for bit.
+
+Control: C again with each rank's first layer-wise master moved by one ulp right after the load
+(mutation ``nudge_loaded_master``): exactly those masters differ.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.support import bridge_runs as br
+
+pytestmark = pytest.mark.usefixtures("bridge_installed")
+
+RECIPE = "twin_deepseek_v3_mxfp8"
+#: Model-space Adam state (``fully_reshardable``): a DP 2 rank's byte range is not a DP 4 one's.
+COMMON = ("checkpoint.dist_ckpt_optim_fully_reshardable=true", "validation.eval_interval=100",
+          "validation.eval_iters=1")  # fmt: skip
+
+
+def _differences(a: dict, b: dict) -> list[str]:
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def test_flagship_twin_resumes_at_another_dp_size_and_ownership(tmp_path):
+    at2, at4 = tmp_path / "dp2", tmp_path / "dp4"
+    a = br.pretrain(tmp_path, "a", RECIPE, *COMMON, "train.train_iters=2",
+                    f"checkpoint.save={at2}", "checkpoint.save_interval=2",
+                    "optimizer.grouped_weight_ownership=whole", nproc=4)  # fmt: skip
+    b = br.pretrain(tmp_path, "b", RECIPE, *COMMON, "train.train_iters=3",
+                    f"checkpoint.load={at2}", "checkpoint.ckpt_step=2",
+                    f"checkpoint.save={at4}", "checkpoint.save_interval=1",
+                    "optimizer.grouped_weight_ownership=expert", nproc=8, timeout=1500)  # fmt: skip
+    load_b = (*COMMON, "train.train_iters=3", f"checkpoint.load={at4}", "checkpoint.ckpt_step=3",
+              "optimizer.grouped_weight_ownership=whole")  # fmt: skip
+    c = br.pretrain(tmp_path, "c", RECIPE, *load_b, nproc=4)
+
+    saved = a["state"]["end"]
+    kinds = {kind for entry in saved.values() for kind in entry}
+    assert {"master", "momentum_buffer", "exp_avg", "exp_avg_sq"} <= kinds, kinds
+    assert any("/expert" in name for name in saved)  # grouped weights, one entry per expert
+    # B owns runs of experts where A owned whole grouped weights.
+    assert b["grouped_weight_ownership"] == "expert" and b["expert_slices"] > 0
+    assert a["expert_slices"] == 0
+    assert _differences(saved, b["state"]["start"]) == []  # DP 2 whole -> DP 4 expert
+    assert len(br.losses(b)) == 1 and all(math.isfinite(x) for x in br.losses(b))
+    assert b["state"]["end"] != b["state"]["start"]  # it trained
+    assert _differences(b["state"]["end"], c["state"]["start"]) == []  # DP 4 -> DP 2
+
+    # Control: one ulp on the first master of each rank that owns one shows, and only there.
+    nudged = br.pretrain(tmp_path, "nudged", RECIPE, *load_b, nproc=4,
+                         mutation="nudge_loaded_master")  # fmt: skip
+    moved = _differences(b["state"]["end"], nudged["state"]["start"])
+    assert moved, "a nudged master went unnoticed"
+    for name in moved:
+        before, after = b["state"]["end"][name], nudged["state"]["start"][name]
+        assert [k for k in before if before[k] != after[k]] == ["master"], name
