@@ -20,8 +20,7 @@ import math
 import pytest
 
 from tests.support import bridge_runs as br
-
-pytestmark = pytest.mark.usefixtures("bridge_installed")
+from tests.support.harness import run_on_ranks
 
 RECIPE = "twin_deepseek_v3_mxfp8"
 #: Model-space Adam state (``fully_reshardable``): a DP 2 rank's byte range is not a DP 4 one's.
@@ -33,6 +32,35 @@ def _differences(a: dict, b: dict) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
+def rng_entries_at_load(directory: str) -> list:
+    """What :func:`rng_state_for_load` makes of Bridge's RNG entries (PP 2, TP 1, DP 4) when
+    loading a checkpoint saved at DP 2, at DP 4, and outside a load."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from nemo_lw_fp8.mechanics import checkpointing
+
+    saved = {f"rng_state/shard_{pp}.0.{dp}_2.1.2": torch.zeros(1) for pp in (0, 1) for dp in (0, 1)}
+    dcp.save(saved, checkpoint_id=directory, no_dist=True)
+    entry = ShardedObject("rng_state", [{}], (2, 1, 4), (1, 0, 3), replica_id=0)
+    out = [checkpointing.rng_state_for_load(entry)]  # no load in progress
+    with checkpointing.loading_into(cfg=None):
+        checkpointing._LOADING_INTO.get().iteration_dir = directory
+        out.append(checkpointing.rng_state_for_load(entry))
+        same = ShardedObject("rng_state", [{}], (2, 1, 2), (1, 0, 1), replica_id=0)
+        out.append(checkpointing.rng_state_for_load(same))
+    return [(e.global_shape, e.global_offset) for e in out]
+
+
+def test_rng_state_of_another_data_parallel_size_maps_to_the_same_expert_rank(tmp_path):
+    """Bridge shards the RNG state by DP with EP > 1; at DP 4 from a DP 2 checkpoint, DP rank 3
+    (EP rank 1) reads saved DP rank 1 (EP rank 1); same-size loads and saves keep theirs."""
+    [out] = run_on_ranks(rng_entries_at_load, str(tmp_path / "ckpt"), world_size=1)
+    assert out == [((2, 1, 4), (1, 0, 3)), ((2, 1, 2), (1, 0, 1)), ((2, 1, 2), (1, 0, 1))]
+
+
+@pytest.mark.usefixtures("bridge_installed")
 def test_flagship_twin_resumes_at_another_dp_size_and_ownership(tmp_path):
     at2, at4 = tmp_path / "dp2", tmp_path / "dp4"
     a = br.pretrain(tmp_path, "a", RECIPE, *COMMON, "train.train_iters=2",
