@@ -50,14 +50,15 @@ def rng_entries_at_load(directory: str) -> list:
         out.append(checkpointing.rng_state_for_load(entry))
         same = ShardedObject("rng_state", [{}], (2, 1, 2), (1, 0, 1), replica_id=0)
         out.append(checkpointing.rng_state_for_load(same))
-    return [(e.global_shape, e.global_offset) for e in out]
+    return [(e.global_shape, e.global_offset, e.replica_id) for e in out]
 
 
 def test_rng_state_of_another_data_parallel_size_maps_to_the_same_expert_rank(tmp_path):
     """Bridge shards the RNG state by DP with EP > 1; at DP 4 from a DP 2 checkpoint, DP rank 3
     (EP rank 1) reads saved DP rank 1 (EP rank 1); same-size loads and saves keep theirs."""
     [out] = run_on_ranks(rng_entries_at_load, str(tmp_path / "ckpt"), world_size=1)
-    assert out == [((2, 1, 4), (1, 0, 3)), ((2, 1, 2), (1, 0, 1)), ((2, 1, 2), (1, 0, 1))]
+    # DP rank 3 reads saved DP rank 1 as its replica (DP rank 1 is the main one).
+    assert out == [((2, 1, 4), (1, 0, 3), 0), ((2, 1, 2), (1, 0, 1), 1), ((2, 1, 2), (1, 0, 1), 0)]
 
 
 @pytest.mark.usefixtures("bridge_installed")

@@ -152,8 +152,9 @@ def rng_state_for_load(sharded: Any) -> Any:
     load stops (``Missing key in checkpoint state_dict: rng_state/shard_0.0.3_2.1.4``).
     megatron-training shards it by (PP, TP) only and loads at any DP size. Here a DP rank
     reads the saved DP rank ``dp % saved_dp``: the same EP rank (megatron orders EP inside
-    DP, and EP divides both sizes), whose expert RNG streams it would have had. Other calls,
-    saves and loads at the saved size are untouched.
+    DP, and EP divides both sizes), whose expert RNG streams it would have had; the ranks that
+    read one saved entry are its replicas. Other calls, saves and loads at the saved size are
+    untouched.
     """
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -170,4 +171,7 @@ def rng_state_for_load(sharded: Any) -> Any:
         sharded,
         global_shape=(*sharded.global_shape[:2], saved),
         global_offset=(pp, tp, dp % saved),
+        # Ranks reading the same saved entry are its replicas (the load's validation wants
+        # one main replica per entry).
+        replica_id=dp // saved,
     )
