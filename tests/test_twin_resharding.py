@@ -33,32 +33,50 @@ def _differences(a: dict, b: dict) -> list[str]:
 
 
 def rng_entries_at_load(directory: str) -> list:
-    """What :func:`rng_state_for_load` makes of Bridge's RNG entries (PP 2, TP 1, DP 4) when
-    loading a checkpoint saved at DP 2, at DP 4, and outside a load."""
+    """The entries :func:`rng_state_for_load` makes of Bridge's RNG entry for (PP 1, TP 0, DP 3
+    of 4), and for (PP 1, TP 0, DP 1 of 2), when loading a checkpoint saved at DP 2, at DP 4,
+    and outside a load: ``(global shape, offset, replica)`` of each entry read."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
     from nemo_lw_fp8.mechanics import checkpointing
 
-    saved = {f"rng_state/shard_{pp}.0.{dp}_2.1.2": torch.zeros(1) for pp in (0, 1) for dp in (0, 1)}
-    dcp.save(saved, checkpoint_id=directory, no_dist=True)
+    def read(entry) -> list:
+        if isinstance(entry, ShardedTensorFactory):
+            built = entry.build()
+            assert entry.merge_fn(dict.fromkeys(built, "x") | {min(built): "own"}) == "own"
+            return [(e.global_shape, e.global_offset, e.replica_id) for e in built.values()]
+        return [(entry.global_shape, entry.global_offset, entry.replica_id)]
+
+    out = []
+    for saved_dp in (2, 4):
+        directory_dp = f"{directory}/dp{saved_dp}"
+        dcp.save({f"rng_state/shard_{pp}.0.{dp}_2.1.{saved_dp}": torch.zeros(1)
+                  for pp in (0, 1) for dp in range(saved_dp)},
+                 checkpoint_id=directory_dp, no_dist=True)  # fmt: skip
+        with checkpointing.loading_into(cfg=None):
+            checkpointing._LOADING_INTO.get().iteration_dir = directory_dp
+            for size, dp in ((4, 3), (2, 1)):
+                entry = ShardedObject("rng_state", [{}], (2, 1, size), (1, 0, dp), replica_id=0)
+                out.append(read(checkpointing.rng_state_for_load(entry)))
     entry = ShardedObject("rng_state", [{}], (2, 1, 4), (1, 0, 3), replica_id=0)
-    out = [checkpointing.rng_state_for_load(entry)]  # no load in progress
-    with checkpointing.loading_into(cfg=None):
-        checkpointing._LOADING_INTO.get().iteration_dir = directory
-        out.append(checkpointing.rng_state_for_load(entry))
-        same = ShardedObject("rng_state", [{}], (2, 1, 2), (1, 0, 1), replica_id=0)
-        out.append(checkpointing.rng_state_for_load(same))
-    return [(e.global_shape, e.global_offset, e.replica_id) for e in out]
+    out.append(read(checkpointing.rng_state_for_load(entry)))  # no load in progress
+    return out
 
 
 def test_rng_state_of_another_data_parallel_size_maps_to_the_same_expert_rank(tmp_path):
-    """Bridge shards the RNG state by DP with EP > 1; at DP 4 from a DP 2 checkpoint, DP rank 3
-    (EP rank 1) reads saved DP rank 1 (EP rank 1); same-size loads and saves keep theirs."""
-    [out] = run_on_ranks(rng_entries_at_load, str(tmp_path / "ckpt"), world_size=1)
-    # DP rank 3 reads saved DP rank 1 as its replica (DP rank 1 is the main one).
-    assert out == [((2, 1, 4), (1, 0, 3), 0), ((2, 1, 2), (1, 0, 1), 1), ((2, 1, 2), (1, 0, 1), 0)]
+    """Bridge shards the RNG state by DP with EP > 1. From a DP 2 checkpoint, DP rank 3 of 4
+    (EP rank 1) reads saved DP rank 1 (EP rank 1) as a replica; from a DP 4 checkpoint, DP rank
+    1 of 2 reads saved DP ranks 1 (its own) and 3; same-size loads and saves keep theirs."""
+    [out] = run_on_ranks(rng_entries_at_load, str(tmp_path), world_size=1)
+    assert out == [
+        [((2, 1, 2), (1, 0, 1), 1)],  # saved at DP 2, loaded at DP 4
+        [((2, 1, 2), (1, 0, 1), 0)],  # same size
+        [((2, 1, 4), (1, 0, 3), 0)],  # same size
+        [((2, 1, 4), (1, 0, 1), 0), ((2, 1, 4), (1, 0, 3), 0)],  # saved at DP 4, loaded at DP 2
+        [((2, 1, 4), (1, 0, 3), 0)],  # not a load
+    ]
 
 
 @pytest.mark.usefixtures("bridge_installed")

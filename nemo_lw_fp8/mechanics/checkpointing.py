@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -144,19 +145,36 @@ def saved_rng_data_parallel_size(iteration_dir: str, key: str) -> int | None:
     return None
 
 
+def _rng_shards(sharded: Any, saved: int, build_key, data, replica_id, flattened_range) -> dict:
+    """The saved entries one DP rank reads (see :func:`rng_state_for_load`)."""
+    pp, tp, dp = sharded.global_offset
+    size = sharded.global_shape[2]
+    shape = (*sharded.global_shape[:2], saved)
+    # Smaller: every saved entry read once (this rank's and those it stands for); larger: the
+    # ranks that read one saved entry are its replicas.
+    reads = {j: 0 for j in range(dp, saved, size)} if saved > size else {dp % saved: dp // saved}
+    return {
+        j: dataclasses.replace(sharded, data=data, global_shape=shape,
+                               global_offset=(pp, tp, j), replica_id=replica)
+        for j, replica in reads.items()
+    }  # fmt: skip
+
+
 def rng_state_for_load(sharded: Any) -> Any:
     """The RNG entry a load at another data-parallel size can find.
 
     Bridge 0.6.2 shards the RNG state by (PP, TP, DP) when EP > 1 (each EP rank draws its own
     expert dropout), so a checkpoint saved at DP 2 has no entry for DP rank 3 of 4 and the
-    load stops (``Missing key in checkpoint state_dict: rng_state/shard_0.0.3_2.1.4``).
-    megatron-training shards it by (PP, TP) only and loads at any DP size. Here a DP rank
-    reads the saved DP rank ``dp % saved_dp``: the same EP rank (megatron orders EP inside
-    DP, and EP divides both sizes), whose expert RNG streams it would have had; the ranks that
-    read one saved entry are its replicas. Other calls, saves and loads at the saved size are
-    untouched.
+    load stops (``Missing key in checkpoint state_dict: rng_state/shard_0.0.3_2.1.4``); saved
+    at DP 4 and loaded at DP 2, the validation of the load stops at the entries no rank reads.
+    megatron-training shards it by (PP, TP) only and loads at any DP size. Here DP rank ``d``
+    takes the state of saved DP rank ``d % saved``, of the same EP rank (megatron orders EP
+    inside DP, and EP divides both sizes), whose expert RNG streams it would have had. At a
+    larger size, the ranks that read one saved entry are its replicas; at a smaller one, rank
+    ``d`` also reads the saved entries ``d + k * size`` and drops them (a factory whose merge
+    keeps its own). Other calls, saves and loads at the saved size are untouched.
     """
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
     load = _LOADING_INTO.get()
     if load is None or load.iteration_dir is None or not isinstance(sharded, ShardedObject):
@@ -166,12 +184,11 @@ def rng_state_for_load(sharded: Any) -> Any:
     saved = saved_rng_data_parallel_size(load.iteration_dir, sharded.key)
     if saved is None or saved == sharded.global_shape[2]:
         return sharded
-    pp, tp, dp = sharded.global_offset
-    return dataclasses.replace(
-        sharded,
-        global_shape=(*sharded.global_shape[:2], saved),
-        global_offset=(pp, tp, dp % saved),
-        # Ranks reading the same saved entry are its replicas (the load's validation wants
-        # one main replica per entry).
-        replica_id=dp // saved,
+    own = sharded.global_offset[2] % saved
+    return ShardedTensorFactory(
+        key=sharded.key,
+        data=sharded.data,
+        build_fn=functools.partial(_rng_shards, sharded, saved),
+        merge_fn=lambda loaded: loaded[own],
+        replica_id=sharded.replica_id,
     )
