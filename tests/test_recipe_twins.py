@@ -5,6 +5,9 @@ clipping, dropout and auxiliary loss as shipped.
 
 FP8 param gather ON = OFF bitwise: every iteration's reduced loss and global grad norm (the
 clipping input), every evaluation, and every rank's fp32 masters and optimizer state at the end.
+The flagship twins resume bitwise in fresh processes (the DeepSeek-V3 MXFP8 twin from a run of
+its own, the Hopper and Qwen3-235B MXFP8 twins from their parity ON run); resuming at another
+data-parallel size and ownership: tests/test_twin_resharding.py.
 """
 
 from __future__ import annotations
