@@ -33,6 +33,41 @@ elif MUTATION == "blockwise_columnwise":
     import nemo_lw_fp8.mechanics.blockwise as blockwise
 
     blockwise.derive_columnwise = lambda params: None
+elif MUTATION == "nudge_loaded_master":
+    # After a checkpoint load, each rank's first layer-wise fp32 master moves up by one ulp:
+    # the state the run goes on from is then not the state that was saved.
+    import math
+
+    import torch
+
+    import nemo_lw_fp8.patches.bridge_checkpoint_compat as compat
+
+    def _leaves(optimizer):
+        children = getattr(optimizer, "chained_optimizers", None)
+        if children is None:
+            yield optimizer
+        for child in children or ():
+            yield from _leaves(child)
+
+    def _nudge_first_master(optimizer) -> None:
+        for leaf in _leaves(optimizer):  # the layer-wise Muon wrappers hold these groups
+            for group in getattr(leaf, "fp32_from_float16_groups", None) or []:
+                if group:
+                    flat = group[0].data.view(-1)
+                    flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf))
+                    return
+
+    _make_load = compat._make_load
+
+    def _nudging_make_load(original):
+        def load(load_dir, state, model, optimizer, *args, **kwargs):
+            loaded = original(load_dir, state, model, optimizer, *args, **kwargs)
+            _nudge_first_master(optimizer)
+            return loaded
+
+        return _make_load(load)
+
+    compat._make_load = _nudging_make_load
 elif MUTATION:
     raise SystemExit(f"unknown mutation {MUTATION!r}")
 

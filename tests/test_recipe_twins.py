@@ -6,6 +6,9 @@ clipping, dropout and auxiliary loss as shipped.
 
 FP8 param gather ON = OFF bitwise: every iteration's reduced loss and global grad norm (the
 clipping input), every evaluation, and every rank's fp32 masters and optimizer state at the end.
+The flagship twins resume bitwise in fresh processes (the DeepSeek-V3 MXFP8 twin from a run of
+its own, the Hopper and Qwen3-235B MXFP8 twins from their parity ON run); resuming at another
+data-parallel size and ownership: tests/test_twin_resharding.py.
 """
 
 from __future__ import annotations
@@ -27,21 +30,31 @@ def _blockwise(recipe: str) -> bool:
     return recipe.endswith("_hopper")
 
 
+#: Flagship twins whose parity ON run also saves at iteration 1, and which fresh processes
+#: resume from there (the DeepSeek-V3 MXFP8 twin has a resume test of its own, below).
+RESUMED = ("deepseek_v3_hopper", "qwen3_235b_a22b_mxfp8")
+
+
 @pytest.fixture(scope="module")
 def twin_run(tmp_path_factory):
-    """``twin_run(recipe, tag, *overrides, mutation="")``: one short run of a twin, kept for the
-    module (the control reuses a parity test's reference run)."""
+    """``twin_run(recipe, tag, *overrides, mutation="", save=False)``: one short run of a twin,
+    kept for the module (the control reuses a parity test's reference run, the resume test a
+    parity test's ON run). ``save``: a checkpoint after each iteration, its directory in the
+    record's ``checkpoint``."""
     done: dict[tuple, dict] = {}
 
-    def run(recipe: str, tag: str, *overrides: str, mutation: str = "") -> dict:
-        key = (recipe, overrides, mutation)
+    def run(recipe: str, tag: str, *overrides: str, mutation: str = "", save: bool = False):
+        key = (recipe, overrides, mutation, save)
         if key not in done:
             tmp = tmp_path_factory.mktemp(f"{recipe}-{tag}")
             nproc = twins.twin_world_size(recipe)
+            saving = (f"checkpoint.save={tmp / 'ckpt'}", "checkpoint.save_interval=1")
+            saving = saving if save else ()
             done[key] = br.pretrain(
-                tmp, tag, f"twin_{recipe}", *SHORT, *overrides, nproc=nproc, mutation=mutation,
-                probe=_blockwise(recipe),
+                tmp, tag, f"twin_{recipe}", *SHORT, *overrides, *saving, nproc=nproc,
+                mutation=mutation, probe=_blockwise(recipe),
             )  # fmt: skip
+            done[key]["checkpoint"] = str(tmp / "ckpt") if save else None
         return done[key]
 
     return run
@@ -49,7 +62,7 @@ def twin_run(tmp_path_factory):
 
 @pytest.mark.parametrize("recipe", TWINS)
 def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
-    on = twin_run(recipe, "on")
+    on = twin_run(recipe, "on", save=recipe in RESUMED)
     off = twin_run(recipe, "off", *br.GATHER_OFF)
     assert len(br.losses(on)) == 2 and len(br.eval_losses(on)) == 3, on
     assert br.losses(on) == br.losses(off)  # exact float equality
@@ -84,6 +97,23 @@ def test_flagship_twin_owner_reduce_equals_all_reduce(twin_run):
     assert br.grad_norms(owner) == br.grad_norms(reduced)
     assert br.eval_losses(owner) == br.eval_losses(reduced)
     assert owner["ranks"] == reduced["ranks"]
+
+
+@pytest.mark.parametrize("recipe", RESUMED)
+def test_flagship_twin_resumes_from_the_parity_run(twin_run, tmp_path, recipe):
+    """The Hopper (blockwise FP8, PP 2 x EP 2) and Qwen3-235B MXFP8 (PP 2 x VPP 2 x EP 2) twins:
+    fresh processes load the parity ON run's iteration-1 checkpoint and train iteration 2; its
+    loss, grad norm, the evaluations (iteration 2, final) and every rank's masters and
+    optimizer state equal the ON run's, bit for bit."""
+    on = twin_run(recipe, "on", save=True)
+    resumed = br.pretrain(tmp_path, "resumed", f"twin_{recipe}", *SHORT,
+                          f"checkpoint.load={on['checkpoint']}", "checkpoint.ckpt_step=1",
+                          nproc=twins.twin_world_size(recipe))  # fmt: skip
+    assert len(br.losses(resumed)) == 1 and br.losses(resumed) == br.losses(on)[1:]
+    assert br.grad_norms(resumed) == br.grad_norms(on)[1:]
+    assert len(br.eval_losses(resumed)) == 2 and br.eval_losses(resumed) == br.eval_losses(on)[1:]
+    assert resumed["ranks"] == on["ranks"]
+    assert resumed["state"]["end"] == on["state"]["end"]
 
 
 def test_twin_controls_catch_each_broken_fix(twin_run):

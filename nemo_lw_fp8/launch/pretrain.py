@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--losses-json",
-        help="write per-iteration losses (and grad norms) to this file, and each rank's digest "
-        "of its fp32 masters and optimizer state to FILE.rank<N>",
+        help="write per-iteration losses (and grad norms) to this file, and to FILE.rank<N> "
+        "each rank's digest of its fp32 masters and optimizer state and their SHA-256 per "
+        "parameter, at the start of training (after a load) and at the end",
     )
     parser.add_argument("overrides", nargs="*", help="Hydra-style key=value overrides")
 
@@ -248,9 +249,11 @@ class _LossRecorder:
         #: Whether this rank reports the run: the first rank of the last pipeline stage, where
         #: megatron reduces the losses (rank 0 unless pipeline parallel).
         self.reports: bool | None = None
-        #: Whether to take :func:`optimizer_state_digest` at the end (``--losses-json``).
+        #: Whether to take :func:`optimizer_state_digest` at the end and
+        #: :func:`~.state_by_name.state_by_name` at the start and end (``--losses-json``).
         self.digest_wanted = False
         self.state_digest: str | None = None
+        self.by_name: dict[str, Any] = {}
 
     @staticmethod
     def _floats(losses: dict[str, Any] | None) -> dict[str, float]:
@@ -261,6 +264,8 @@ class _LossRecorder:
 
     def as_callback(self) -> Any:
         from megatron.bridge.training.callbacks import Callback
+
+        from .state_by_name import state_by_name
 
         recorder = self
 
@@ -279,12 +284,17 @@ class _LossRecorder:
                     recorder.expert_slices = _count_expert_slices(context.optimizer)
                     recorder.reports = _reports_losses()
 
+            def on_train_start(self, context: Any) -> None:
+                if recorder.digest_wanted:  # after a checkpoint load, before any step
+                    recorder.by_name["start"] = state_by_name(context.optimizer, context.model)
+
             def on_eval_end(self, context: Any) -> None:
                 recorder.eval.append(recorder._floats(context.total_loss_dict))
 
             def on_train_end(self, context: Any) -> None:
                 if recorder.digest_wanted:
                     recorder.state_digest = optimizer_state_digest(context.optimizer)
+                    recorder.by_name["end"] = state_by_name(context.optimizer, context.model)
 
         return Recorder()
 
@@ -319,7 +329,10 @@ def train(cfg: Any, cpu: bool = False, losses_json: str | None = None) -> _LossR
     if losses_json and recorder.state_digest is not None:
         # Every rank: its own masters and optimizer state (the losses are reduced ones).
         with open(f"{losses_json}.rank{os.environ.get('RANK', '0')}", "w") as handle:
-            json.dump({"optimizer_state": recorder.state_digest}, handle)
+            json.dump(
+                {"optimizer_state": recorder.state_digest, "state_by_name": recorder.by_name},
+                handle,
+            )
     if losses_json and reports:
         with open(losses_json, "w") as handle:
             json.dump(

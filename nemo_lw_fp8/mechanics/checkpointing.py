@@ -9,12 +9,17 @@ Two decisions, each read from the run's configuration as megatron-training 0.19.
   :func:`saving_config`;
 * a save with overlapped param gathers first forces the gather, so the weights written are the
   masters of the last step: :func:`save_needs_param_sync`.
+
+And what a load needs: the checkpoint's fit to the run (:func:`check_loadable`), and its RNG
+states at another data-parallel size (:func:`rng_state_for_load`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,7 +63,16 @@ def save_needs_param_sync(cfg: Any) -> bool:
     return layer_wise_run(cfg) and bool(getattr(ddp, "overlap_param_gather", False))
 
 
-_LOADING_INTO: contextvars.ContextVar[Any] = contextvars.ContextVar(
+@dataclasses.dataclass
+class _Load:
+    """A checkpoint load in progress: the run's config, and the iteration directory once
+    Bridge has read its ``run_config.yaml`` (:func:`check_loadable`)."""
+
+    cfg: Any
+    iteration_dir: str | None = None
+
+
+_LOADING_INTO: contextvars.ContextVar[_Load | None] = contextvars.ContextVar(
     "nemo_lw_fp8_loading_into", default=None
 )
 
@@ -66,7 +80,7 @@ _LOADING_INTO: contextvars.ContextVar[Any] = contextvars.ContextVar(
 @contextlib.contextmanager
 def loading_into(cfg: Any) -> Iterator[None]:
     """While Bridge loads a checkpoint into the run configured by ``cfg``."""
-    token = _LOADING_INTO.set(cfg)
+    token = _LOADING_INTO.set(_Load(cfg))
     try:
         yield
     finally:
@@ -103,10 +117,12 @@ def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
 
     from ..guards import ConfigError, checkpoint_mismatch, checkpoint_missing_files
 
-    cfg = _LOADING_INTO.get()
-    if cfg is None:
+    load = _LOADING_INTO.get()
+    if load is None:
         return
+    cfg = load.cfg
     iteration_dir = os.path.dirname(run_config_file)
+    load.iteration_dir = iteration_dir
     message = checkpoint_mismatch(run_config, _current_fields(cfg), iteration_dir)
     if message:
         raise ConfigError("checkpoint-mismatch", message)
@@ -114,3 +130,65 @@ def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
         message = checkpoint_missing_files(missing_files(iteration_dir), iteration_dir)
         if message:
             raise ConfigError("checkpoint-missing-shard", message)
+
+
+def saved_rng_data_parallel_size(iteration_dir: str, key: str) -> int | None:
+    """The data-parallel size a ``torch_dist`` checkpoint's RNG states ``key`` were sharded
+    over (Bridge shards them by (PP, TP, DP) with expert parallelism), or ``None``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    prefix = f"{key}/shard_"
+    for name in FileSystemReader(iteration_dir).read_metadata().state_dict_metadata:
+        if name.startswith(prefix):  # "rng_state/shard_<offsets>_<shape>", dot-separated
+            shape = name[len(prefix) :].rsplit("_", 1)[-1].split(".")
+            return int(shape[2]) if len(shape) == 3 else None
+    return None
+
+
+def _rng_shards(sharded: Any, saved: int, build_key, data, replica_id, flattened_range) -> dict:
+    """The saved entries one DP rank reads (see :func:`rng_state_for_load`)."""
+    pp, tp, dp = sharded.global_offset
+    size = sharded.global_shape[2]
+    shape = (*sharded.global_shape[:2], saved)
+    # Smaller: every saved entry read once (this rank's and those it stands for); larger: the
+    # ranks that read one saved entry are its replicas.
+    reads = {j: 0 for j in range(dp, saved, size)} if saved > size else {dp % saved: dp // saved}
+    return {
+        j: dataclasses.replace(sharded, data=data, global_shape=shape,
+                               global_offset=(pp, tp, j), replica_id=replica)
+        for j, replica in reads.items()
+    }  # fmt: skip
+
+
+def rng_state_for_load(sharded: Any) -> Any:
+    """The RNG entry a load at another data-parallel size can find.
+
+    Bridge 0.6.2 shards the RNG state by (PP, TP, DP) when EP > 1 (each EP rank draws its own
+    expert dropout), so a checkpoint saved at DP 2 has no entry for DP rank 3 of 4 and the
+    load stops (``Missing key in checkpoint state_dict: rng_state/shard_0.0.3_2.1.4``); saved
+    at DP 4 and loaded at DP 2, the validation of the load stops at the entries no rank reads.
+    megatron-training shards it by (PP, TP) only and loads at any DP size. Here DP rank ``d``
+    takes the state of saved DP rank ``d % saved``, of the same EP rank (megatron orders EP
+    inside DP, and EP divides both sizes), whose expert RNG streams it would have had. At a
+    larger size, the ranks that read one saved entry are its replicas; at a smaller one, rank
+    ``d`` also reads the saved entries ``d + k * size`` and drops them (a factory whose merge
+    keeps its own). Other calls, saves and loads at the saved size are untouched.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+
+    load = _LOADING_INTO.get()
+    if load is None or load.iteration_dir is None or not isinstance(sharded, ShardedObject):
+        return sharded
+    if len(sharded.global_shape) != 3:
+        return sharded
+    saved = saved_rng_data_parallel_size(load.iteration_dir, sharded.key)
+    if saved is None or saved == sharded.global_shape[2]:
+        return sharded
+    own = sharded.global_offset[2] % saved
+    return ShardedTensorFactory(
+        key=sharded.key,
+        data=sharded.data,
+        build_fn=functools.partial(_rng_shards, sharded, saved),
+        merge_fn=lambda loaded: loaded[own],
+        replica_id=sharded.replica_id,
+    )

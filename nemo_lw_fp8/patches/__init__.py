@@ -40,6 +40,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "bridge_checkpoint_sharding",
     "bridge_save_param_sync",
     "bridge_checkpoint_compat",
+    "bridge_checkpoint_rng",
 )
 
 

@@ -6,7 +6,10 @@ off.
 
 :func:`pretrain` returns the run's record: ``train`` (per iteration: reduced ``lm loss`` and
 ``grad norm``), ``eval`` (per evaluation), ``ranks`` (each rank's digest of its fp32 masters
-and optimizer state at the end), and the grouped-weight ownership facts.
+and optimizer state at the end), ``state`` (``{"start" | "end": {parameter: {kind: sha}}}``:
+the per-parameter record of :mod:`nemo_lw_fp8.launch.state_by_name`, the union over ranks,
+which must agree where several hold an entry; ``start`` is taken after a load), and the
+grouped-weight ownership facts.
 """
 
 from __future__ import annotations
@@ -65,10 +68,14 @@ def pretrain(
     done = _launch(tmp, tag, recipe, overrides, nproc, mutation, timeout, launcher, prefix)
     assert done.returncode == 0, f"{tag} failed:\n" + (done.stdout + done.stderr)[-4000:]
     run = json.loads((tmp / f"{tag}.json").read_text())
-    run["ranks"] = [
-        json.loads((tmp / f"{tag}.json.rank{rank}").read_text())["optimizer_state"]
-        for rank in range(nproc)
-    ]
+    from nemo_lw_fp8.launch.state_by_name import union
+
+    per_rank = [json.loads((tmp / f"{tag}.json.rank{rank}").read_text()) for rank in range(nproc)]
+    run["ranks"] = [record["optimizer_state"] for record in per_rank]
+    run["state"] = {
+        when: union([record["state_by_name"][when] for record in per_rank])
+        for when in ("start", "end")
+    }
     if probe:
         run["probe"] = [
             json.loads(Path(f"{prefix}.rank{rank}.json").read_text()) for rank in range(nproc)

@@ -1,0 +1,68 @@
+"""Megatron-Bridge resumes an expert-parallel run at another data-parallel size.
+
+Behaviour: Bridge 0.6.2's ``get_rng_state`` shards a ``torch_dist`` checkpoint's RNG states by
+(PP, TP, DP) when EP > 1, so a run saved at DP 2 and loaded at DP 4 stops in the load
+(``Missing key in checkpoint state_dict: rng_state/shard_0.0.3_2.1.4``), whatever the
+optimizer. With this patch, at a load whose checkpoint was sharded over another DP size, each
+DP rank reads the saved rank of its expert-parallel rank
+(:func:`nemo_lw_fp8.mechanics.checkpointing.rng_state_for_load`); saves and same-size loads are
+untouched. megatron-training 0.19.2 shards the RNG state by (PP, TP) only, so it loads at any
+DP size.
+
+Mirrors: no Megatron-LM PR (a Bridge-side issue).
+
+Patches: ``megatron.bridge.training.checkpointing.get_rng_state`` (the entry it builds for a
+load). The checkpoint's iteration directory comes from ``bridge_checkpoint_compat``, which sees
+Bridge read the checkpoint's ``run_config.yaml`` first (hence ``requires``).
+
+Detection: only when Megatron-Bridge has been imported; native when Bridge's
+``get_rng_state`` no longer shards by the data-parallel size.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+from ..mechanics import checkpointing
+from .framework import Override, Patch, bridge_module, register, unpatched_own_attr
+
+FEATURE = "bridge_checkpoint_rng"
+_CHECKPOINTING = "megatron.bridge.training.checkpointing"
+
+
+def _detect_native() -> tuple[bool, str]:
+    module = bridge_module(_CHECKPOINTING)
+    if module is None:
+        return True, "Megatron-Bridge not imported: nothing to patch"
+    if "dp_size" not in inspect.getsource(unpatched_own_attr(module, "get_rng_state")):
+        return True, "Bridge's RNG state does not depend on the data-parallel size"
+    return False, "Bridge shards the RNG state by the data-parallel size with EP > 1"
+
+
+def _make_get_rng_state(original):
+    def get_rng_state(*args: Any, **kwargs: Any) -> Any:
+        return checkpointing.rng_state_for_load(original(*args, **kwargs))
+
+    get_rng_state.__wrapped__ = original  # type: ignore[attr-defined]
+    return get_rng_state
+
+
+def _build_overrides() -> list[Override]:
+    module = sys.modules[_CHECKPOINTING]
+    original = module.__dict__["get_rng_state"]
+    return [Override(module, "get_rng_state", _make_get_rng_state(original))]
+
+
+PATCH = register(
+    Patch(
+        name=FEATURE,
+        upstream_pr=0,
+        summary="Megatron-Bridge loads an EP run's RNG state at another data-parallel size",
+        detect_native=_detect_native,
+        build_overrides=_build_overrides,
+        target="megatron-bridge",
+        requires=("bridge_checkpoint_compat",),
+    )
+)
