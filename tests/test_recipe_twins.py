@@ -72,12 +72,15 @@ def test_twin_controls_catch_each_broken_fix(twin_run):
     assert br.eval_losses(stale) != br.eval_losses(off)
 
 
-def test_flagship_twin_resumes_bitwise(tmp_path):
-    """The DeepSeek-V3 MXFP8 twin as shipped (PP 2 x VPP 2 x EP 2, MTP, single grouped MXFP8
-    experts, clipping, dropout) saves a torch_dist checkpoint at iteration 2 and goes on to 4;
-    fresh processes load it and train 3-4: losses, grad norms, evals and every rank's masters and
-    optimizer state equal the run that went on, bit for bit."""
-    recipe = "twin_deepseek_v3_mxfp8"
+@pytest.mark.parametrize("recipe", ["twin_deepseek_v3_mxfp8", "twin_qwen3_5_35b_a3b_mxfp8"])
+def test_twin_resumes_bitwise(tmp_path, recipe):
+    """A twin as shipped saves a torch_dist checkpoint at iteration 2 and goes on to 4; fresh
+    processes load it and train 3-4: losses, grad norms, evals and every rank's masters and
+    optimizer state equal the run that went on, bit for bit. The flagship DeepSeek-V3 MXFP8 twin
+    (PP 2 x VPP 2 x EP 2, MTP, single grouped MXFP8 experts, clipping, dropout) and the hybrid
+    Qwen3.5 twin (Gated DeltaNet layers, whose checkpoint megatron splits by name: in_proj into
+    query / key / value / z / beta / alpha, conv1d into query / key / value; MoE, MTP, zero-
+    centred norms)."""
     nproc = twins.twin_world_size(recipe)
     ckpt = tmp_path / "ckpt"
     common = ("train.train_iters=4", "validation.eval_interval=3", "validation.eval_iters=1")
