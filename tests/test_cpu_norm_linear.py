@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.harness import run_on_ranks
+from tests.support.harness import BootOptions, run_on_ranks
 
 
 def _config(**overrides: Any) -> Any:
@@ -147,3 +147,88 @@ def test_mla_with_q_lora_keeps_standalone_norms():
         "q_layernorm": "RMSNorm",
         "kv_layernorm": "RMSNorm",
     }
+
+
+def gated_delta_net_checkpoint(te: bool, recipe: str) -> dict[str, Any]:
+    """One Gated DeltaNet layer (Qwen3.5's shape, FP8 weights of ``recipe``) built from megatron's
+    TE spec (TE's own Python over the emulation) or from the CPU hybrid spec: its ``torch_dist``
+    entries (key, global shape, dtype; TE's ``_extra_state`` objects by key) and parameters."""
+    import unittest.mock
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.fp8_utils import get_fp8_context
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_gated_delta_net_module_spec,
+    )
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=256,
+        bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=True,
+        gradient_accumulation_fusion=False, normalization="RMSNorm",
+        layernorm_zero_centered_gamma=True, experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=2, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_num_key_heads=8, linear_num_value_heads=16,
+        fp8="e4m3", fp8_recipe=recipe, fp8_param=True,
+        transformer_impl="transformer_engine" if te else "local",
+    )
+    if te:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        spec = get_gated_delta_net_module_spec(config, backend=TESpecProvider())
+    else:
+        from nemo_lw_fp8.cpu.layers import cpu_decoder_block_spec
+
+        block = cpu_decoder_block_spec(config, fp8=True, fp8_recipe=recipe)
+        spec = block.layer_specs[0].submodules.self_attention  # layer 0: linear attention
+    model_parallel_cuda_manual_seed(1234)
+    # TE's module base refuses to start without CUDA; with use_cpu_initialization its
+    # construction and state dict do no CUDA work (the emulation serves its quantizers).
+    with (
+        unittest.mock.patch("torch.cuda.is_available", lambda: te),
+        get_fp8_context(config, is_init=True),
+    ):
+        layer = build_module(
+            spec, config=config, layer_number=1,
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        )
+    entries: dict[str, Any] = {}
+    for value in layer.sharded_state_dict(prefix="self_attention.").values():
+        built = value.build() if isinstance(value, ShardedTensorFactory) else [value]
+        for item in built.values() if isinstance(built, dict) else built:
+            if isinstance(item, ShardedTensor):
+                entries[item.key] = (tuple(item.global_shape), str(item.dtype))
+            else:
+                entries[item.key] = type(item).__name__
+    return {
+        "entries": entries,
+        "params": [name for name, _ in layer.named_parameters()],
+        "in_proj": type(layer.in_proj).__name__,
+    }
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_gated_delta_net_checkpoints_as_tes_layer(recipe):
+    """The CPU Gated DeltaNet layer writes the tensors megatron writes for its TE layer on a GPU:
+    the same keys (``in_proj.weight`` split into query / key / value / z / beta / alpha,
+    ``in_proj.layer_norm_weight``, ``conv1d`` split, ``out_proj.weight``, ...), global shapes and
+    dtypes, and the same parameters in the same order (the layer-wise optimizer assigns matrices
+    in that order). TE adds its FP8 metadata (``_extra_state``), which the CPU layers keep none
+    of; the fused in_proj is the emulated linear of the run's recipe."""
+    boot = BootOptions(fp8_emulation=True)
+    te, cpu = (
+        run_on_ranks(gated_delta_net_checkpoint, on_te, recipe, world_size=1, boot=boot)[0]
+        for on_te in (True, False)
+    )
+    extra = {key for key, value in te["entries"].items() if key.endswith("._extra_state")}
+    assert extra == {f"self_attention.{m}._extra_state" for m in ("in_proj", "out_norm",
+                                                                   "out_proj")}
+    tensors = {key: value for key, value in te["entries"].items() if key not in extra}
+    assert "self_attention.in_proj.weight.z" in tensors
+    assert cpu["entries"] == tensors
+    assert cpu["params"] == te["params"]
+    assert cpu["in_proj"] == {"mxfp8": "NormMXFP8ColumnParallelLinear",
+                              "blockwise": "NormBlockwiseColumnParallelLinear"}[recipe]

@@ -32,7 +32,7 @@ def _blockwise(recipe: str) -> bool:
 
 #: Flagship twins whose parity ON run also saves at iteration 1, and which fresh processes
 #: resume from there (the DeepSeek-V3 MXFP8 twin has a resume test of its own, below).
-RESUMED = ("deepseek_v3_hopper", "qwen3_235b_a22b_mxfp8")
+RESUMED = ("deepseek_v3_hopper", "qwen3_235b_a22b_mxfp8", "qwen3_5_35b_a3b_mxfp8")
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +101,10 @@ def test_flagship_twin_owner_reduce_equals_all_reduce(twin_run):
 
 @pytest.mark.parametrize("recipe", RESUMED)
 def test_flagship_twin_resumes_from_the_parity_run(twin_run, tmp_path, recipe):
-    """The Hopper (blockwise FP8, PP 2 x EP 2) and Qwen3-235B MXFP8 (PP 2 x VPP 2 x EP 2) twins:
-    fresh processes load the parity ON run's iteration-1 checkpoint and train iteration 2; its
+    """The Hopper (blockwise FP8, PP 2 x EP 2), Qwen3-235B MXFP8 (PP 2 x VPP 2 x EP 2) and hybrid
+    Qwen3.5 MXFP8 twins (Gated DeltaNet layers, whose checkpoint megatron splits by name:
+    in_proj into query / key / value / z / beta / alpha, conv1d into query / key / value): fresh
+    processes load the parity ON run's iteration-1 checkpoint and train iteration 2; its
     loss, grad norm, the evaluations (iteration 2, final) and every rank's masters and
     optimizer state equal the ON run's, bit for bit."""
     on = twin_run(recipe, "on", save=True)
@@ -137,8 +139,8 @@ def test_twin_controls_catch_each_broken_fix(twin_run):
 def test_flagship_twin_resumes_bitwise(tmp_path):
     """The DeepSeek-V3 MXFP8 twin as shipped (PP 2 x VPP 2 x EP 2, MTP, single grouped MXFP8
     experts, clipping, dropout) saves a torch_dist checkpoint at iteration 2 and goes on to 4;
-    fresh processes load it and train 3-4: losses, grad norms, evals and every rank's masters and
-    optimizer state equal the run that went on, bit for bit."""
+    fresh processes load it and train 3-4: losses, grad norms, evals and every rank's masters
+    and optimizer state equal the run that went on, bit for bit."""
     recipe = "twin_deepseek_v3_mxfp8"
     nproc = twins.twin_world_size(recipe)
     ckpt = tmp_path / "ckpt"

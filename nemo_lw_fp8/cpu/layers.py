@@ -19,7 +19,8 @@ Hybrid models (``experimental_attention_variant='gated_delta_net'``: Qwen3-Next,
 built layer by layer as megatron's own ``experimental_attention_variant_module_specs`` builds them
 (TE-only upstream): megatron's local layers, with its ``GatedDeltaNet`` spec on the linear-attention
 layers, whose fused input norm + ``in_proj`` (TE's ``LayerNormColumnParallelLinear``) is
-:class:`NormColumnParallelLinear` here; fla's kernels are the references of
+:class:`~nemo_lw_fp8.cpu.norm_linear.CPULayerNormColumnParallelLinear` here (as MLA's fused
+Q / KV norms); fla's kernels are the references of
 :mod:`nemo_lw_fp8.cpu.gated_delta_rule`. Zero-centred RMSNorm (``layernorm_zero_centered_gamma``,
 which megatron's torch norm refuses) is :class:`ZeroCenteredRMSNorm`.
 
@@ -48,12 +49,15 @@ def _tp_size(config: Any) -> int:
 
 
 class _FP8ParallelLinear(torch.nn.Module):
-    """Megatron ``Column/RowParallelLinear`` interface over an emulated FP8 linear (TP = 1)."""
+    """Megatron ``Column/RowParallelLinear`` interface over an emulated FP8 linear (TP = 1).
+
+    A mixin ahead of the emulated linear (``MXFP8Linear`` or ``BlockwiseFP8Linear``) in the
+    concrete classes below, not a wrapper around one: the parameters are the module's own
+    ``weight`` / ``bias``, as on TE's and megatron's linears, so state dicts and ``torch_dist``
+    checkpoints carry megatron's names (``linear_fc1.weight``, not ``linear_fc1.linear.weight``;
+    megatron's ``GatedDeltaNet.sharded_state_dict`` looks ``in_proj.weight`` up by name)."""
 
     partition_dim = 0
-    #: The emulated linear (``MXFP8Linear`` or ``BlockwiseFP8Linear``); its constructor takes
-    #: ``(in, out, bias=, params_dtype=, init_method=)`` and follows TE's quantized_model_init.
-    linear_class: Any = MXFP8Linear
 
     def __init__(
         self,
@@ -67,51 +71,48 @@ class _FP8ParallelLinear(torch.nn.Module):
         is_expert: bool = False,
         **_: Any,
     ) -> None:
-        super().__init__()
         if _tp_size(config) != 1:
             raise ValueError("CPU FP8 linears support tensor_model_parallel_size=1 only")
-        self.skip_bias_add = skip_bias_add
-        self.linear = self.linear_class(
+        # The emulated linear's constructor: (in, out, bias=, params_dtype=, init_method=),
+        # following TE's quantized_model_init.
+        super().__init__(
             input_size,
             output_size,
             bias=bias,
             params_dtype=config.params_dtype,
             init_method=init_method,
         )
+        self.skip_bias_add = skip_bias_add
         expert_parallel = is_expert and config.expert_model_parallel_size > 1
-        for param in self.linear.parameters():
+        for param in (self.weight, self.bias):
+            if param is None:
+                continue
             param.tensor_model_parallel = param.dim() == 2
             param.partition_dim = self.partition_dim if param.dim() == 2 else -1
             param.partition_stride = 1
             param.allreduce = not expert_parallel
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.linear.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.linear.bias
-
     def forward(self, x: torch.Tensor, *_: Any, **__: Any) -> tuple[torch.Tensor, Any]:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if self.skip_bias_add and self.linear.bias is not None:
-            bias = self.linear.bias
-            self.linear.bias = None
+        if self.skip_bias_add and self.bias is not None:
+            bias = self.bias
+            self.bias = None
             try:
-                out = self.linear(flat)
+                out = super().forward(flat)
             finally:
-                self.linear.bias = bias
-            return out.reshape(*shape[:-1], self.linear.out_features), bias
-        return self.linear(flat).reshape(*shape[:-1], self.linear.out_features), None
+                self.bias = bias
+            return out.reshape(*shape[:-1], self.out_features), bias
+        return super().forward(flat).reshape(*shape[:-1], self.out_features), None
 
 
-class MXFP8ColumnParallelLinear(_FP8ParallelLinear):
+class MXFP8ColumnParallelLinear(_FP8ParallelLinear, MXFP8Linear):
+    """TE ``Linear``'s MXFP8 arithmetic (Blackwell recipes) as a column-parallel linear."""
+
     partition_dim = 0
 
 
-class MXFP8RowParallelLinear(_FP8ParallelLinear):
+class MXFP8RowParallelLinear(_FP8ParallelLinear, MXFP8Linear):
     partition_dim = 1
 
 
@@ -137,49 +138,11 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         return (xf * rstd * (1 + self.weight.float())).to(x.dtype)
 
 
-class NormColumnParallelLinear(torch.nn.Module):
-    """Norm then column-parallel linear: the CPU counterpart of TE's
-    ``LayerNormColumnParallelLinear``, in the slot megatron's Gated DeltaNet spec fuses its input
-    norm into (``in_proj``). ``norm_class`` / ``linear_class``: megatron's local norm and linear
-    here, swapped like every other spec class (MXFP8 linear, zero-centred norm)."""
-
-    norm_class: Any = None  # set below: megatron's WrappedTorchNorm
-    linear_class: Any = None  # set below: megatron's ColumnParallelLinear
-
-    def __init__(self, input_size: int, output_size: int, *, config: Any, **kwargs: Any) -> None:
-        super().__init__()
-        self.norm = self.norm_class(
-            config=config, hidden_size=input_size, eps=config.layernorm_epsilon
-        )
-        self.linear = self.linear_class(input_size, output_size, config=config, **kwargs)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.linear.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.linear.bias
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return self.linear(self.norm(x))
-
-
-def _norm_linear_class(norm: Any, linear: Any) -> type:
-    """A :class:`NormColumnParallelLinear` with the given norm and linear classes."""
-    return type(
-        f"{norm.__name__}{linear.__name__}",
-        (NormColumnParallelLinear,),
-        {"norm_class": norm, "linear_class": linear, "__module__": __name__},
-    )
-
-
-class BlockwiseColumnParallelLinear(_FP8ParallelLinear):
+class BlockwiseColumnParallelLinear(_FP8ParallelLinear, BlockwiseFP8Linear):
     """Hopper's blockwise FP8 (TE ``Float8BlockScaling``): 1x128 input blocks, 128x128 weight
     tiles; persistent ``Float8BlockwiseQTensor`` weights under quantized_model_init."""
 
     partition_dim = 0
-    linear_class = BlockwiseFP8Linear
 
 
 class BlockwiseRowParallelLinear(BlockwiseColumnParallelLinear):
@@ -207,11 +170,6 @@ def _swap_tree(node: Any, table: dict[type, Any], whole: dict[type, Any]) -> Any
         return _swap_tree(node, table, whole)
 
     if isinstance(node, type):
-        if issubclass(node, NormColumnParallelLinear):
-            norm, linear = _swap(node.norm_class), _swap(node.linear_class)
-            if (norm, linear) == (node.norm_class, node.linear_class):
-                return node
-            return _norm_linear_class(norm, linear)
         return table.get(node, node)
     if isinstance(node, ModuleSpec):
         if node.module in whole:
@@ -253,10 +211,8 @@ def _hybrid_block_spec(config: Any, spec_config: Any, vp_stage: int | None) -> A
         get_linear_attention_pattern,
     )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
@@ -264,6 +220,7 @@ def _hybrid_block_spec(config: Any, spec_config: Any, vp_stage: int | None) -> A
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from nemo_lw_fp8.cpu import standins
+    from nemo_lw_fp8.cpu.norm_linear import CPULayerNormColumnParallelLinear
 
     if config.experimental_attention_variant != "gated_delta_net":
         raise ValueError(
@@ -274,7 +231,7 @@ def _hybrid_block_spec(config: Any, spec_config: Any, vp_stage: int | None) -> A
 
     class _Backend(LocalSpecProvider):
         def column_parallel_layer_norm_linear(self) -> type:
-            return _norm_linear_class(WrappedTorchNorm, ColumnParallelLinear)
+            return CPULayerNormColumnParallelLinear  # follows config.fp8 / fp8_recipe
 
     standard_config = copy.copy(spec_config)
     standard_config.experimental_attention_variant = None

@@ -1,7 +1,9 @@
 """A CPU norm + column-parallel linear in one module, as TE's ``LayerNormColumnParallelLinear``.
 
-Part of the CPU backend (:mod:`nemo_lw_fp8.cpu`): built only through the ``local_norm_linear``
-stand-in (:mod:`nemo_lw_fp8.cpu.standins`), which makes megatron's local backend offer it.
+Part of the CPU backend (:mod:`nemo_lw_fp8.cpu`). The one CPU class for TE's fused norm +
+linear: the ``local_norm_linear`` stand-in (:mod:`nemo_lw_fp8.cpu.standins`) makes megatron's
+local backend offer it (MLA's fused Q / KV norms), and the CPU hybrid block spec
+(:mod:`nemo_lw_fp8.cpu.layers`) puts it in Gated DeltaNet's ``in_proj`` slot.
 
 Why
     megatron-core 0.19.2 resolves MLA's Q / KV norms in ``QKNormConfigResolver``
@@ -12,8 +14,10 @@ Why
     without one. Without a q LoRA there is no standalone place for the Q norm, so the fused form
     is the only one: megatron's local backend answers ``None`` there and a model such as
     DeepSeek-V2-Lite (``q_lora_rank=None``, ``qk_layernorm=True``) cannot be built on CPU. This
-    module is the CPU answer, with TE's parameter names (``layer_norm_weight``,
-    ``layer_norm_bias``) so the CPU model has the GPU model's structure.
+    module is the CPU answer, with TE's parameter names and order (``layer_norm_weight``,
+    ``layer_norm_bias``, ``weight``, ``bias``, all the module's own) so the CPU model has the GPU
+    model's structure and its ``torch_dist`` checkpoints the GPU's keys (megatron's
+    ``GatedDeltaNet.sharded_state_dict`` looks ``in_proj.weight`` up by that name).
 
 What it computes
     The config's norm (``normalization``, ``layernorm_epsilon``, ``layernorm_zero_centered_gamma``)
@@ -61,6 +65,11 @@ class _NormBeforeLinear:
         for param in (self.layer_norm_weight, self.layer_norm_bias):
             if param is not None:
                 param.sequence_parallel = bool(config.sequence_parallel)  # as TE marks them
+        # TE's LayerNormLinear registers its norm parameters before the linear's: the same
+        # order here (the layer-wise optimizer assigns matrices to ranks in parameter order).
+        for name in ("weight", "bias"):
+            if name in self._parameters:
+                self._parameters[name] = self._parameters.pop(name)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.layer_norm_weight

@@ -1,0 +1,62 @@
+"""The checkpoint-load rules, listed from :mod:`nemo_lw_fp8.guards` (which imports them).
+
+A checkpoint another run wrote (read from its Bridge ``run_config.yaml`` and its DCP metadata) is
+refused before anything of it is loaded into the model or the optimizer: ``checkpoint-mismatch``
+(:func:`checkpoint_mismatch`) and ``checkpoint-missing-shard`` (:func:`checkpoint_missing_files`),
+checked by :mod:`nemo_lw_fp8.mechanics.checkpointing`. They read a saved config and files, not the
+:class:`~nemo_lw_fp8.guards.Settings` the other rules read, hence a module of their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Fields of a Bridge ``run_config.yaml`` that a resume cannot change: the model's shapes, its
+#: FP8 recipe (the weights' quantized form) and the optimizer (its state's meaning).
+CHECKPOINT_FIXED_FIELDS: tuple[tuple[str, str], ...] = tuple(
+    ("model", name)
+    for name in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+        "num_query_groups", "kv_channels", "multi_latent_attention", "q_lora_rank",
+        "kv_lora_rank", "num_moe_experts", "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size", "mtp_num_layers", "vocab_size",
+        "experimental_attention_variant", "fp8", "fp8_recipe",
+    )
+) + (("optimizer", "optimizer"),)  # fmt: skip
+
+
+def checkpoint_mismatch(saved: dict[str, Any], current: dict[str, Any], where: str) -> str | None:
+    """Rule ``checkpoint-mismatch``: the fields of :data:`CHECKPOINT_FIXED_FIELDS` that differ
+    between a checkpoint's saved config and this run's (both as ``{section: {field: value}}``)."""
+    differences = []
+    for section, name in CHECKPOINT_FIXED_FIELDS:
+        old = (saved.get(section) or {}).get(name)
+        new = (current.get(section) or {}).get(name)
+        if old != new:
+            differences.append(f"{section}.{name}: {old!r} in the checkpoint, {new!r} here")
+    if not differences:
+        return None
+    return (
+        f"the checkpoint {where} was written by another model, FP8 recipe or optimizer: "
+        + "; ".join(differences)
+        + ". Fix: point checkpoint.load at a checkpoint of this recipe, or set these back; "
+        "to start this run from scratch, drop checkpoint.load. Nothing was loaded."
+    )
+
+
+def checkpoint_missing_files(missing: list[str], where: str) -> str | None:
+    """Rule ``checkpoint-missing-shard``: files the checkpoint's metadata lists but lacks."""
+    if not missing:
+        return None
+    return (
+        f"the checkpoint {where} is incomplete: its metadata lists {len(missing)} file(s) that "
+        f"are not there ({', '.join(sorted(missing)[:4])}{', ...' if len(missing) > 4 else ''}). "
+        "Fix: copy the whole iteration directory (an interrupted copy or save leaves this), or "
+        "load an earlier iteration (checkpoint.ckpt_step=N). Nothing was loaded."
+    )
+
+
+CHECKPOINT_RULES: tuple[tuple[str, str], ...] = (
+    ("checkpoint-mismatch", "a resume keeps the model's shapes, FP8 recipe and optimizer"),
+    ("checkpoint-missing-shard", "every file the checkpoint's metadata lists is there"),
+)
