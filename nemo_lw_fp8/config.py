@@ -51,11 +51,19 @@ class LayerWiseConfig:
     by one rank, in runs of experts by several ranks (``"expert"``), or in runs only where that
     lowers the busiest rank's Newton-Schulz work by more than 2 % (``"auto"``). The arithmetic is
     the same in all three.
+
+    ``bucket_cap_numel`` (compact): where layer-wise buckets end. ``None`` (default): where
+    megatron's padded layout ends them (a bucket closes at ``max(bucket_size, 0.9 x group size x
+    its largest matrix)`` elements), so the compact layout issues as many gather and gradient
+    launches per step as the padded one, with no padding; each bucket group's transient buffers
+    are its own size. A number caps that threshold (never below ``bucket_size``): smaller
+    transients, more launches; ``0`` is megatron's plain DDP bucketing.
     """
 
     layout: str = "compact"
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     grouped_weight_ownership: str = "whole"
+    bucket_cap_numel: int | None = None
 
     def __post_init__(self) -> None:
         from . import guards
@@ -68,6 +76,7 @@ class LayerWiseConfig:
             "layer_wise_layout": self.layout,
             "gather_padding_tolerance": self.gather_padding_tolerance,
             "grouped_weight_ownership": self.grouped_weight_ownership,
+            "bucket_cap_numel": self.bucket_cap_numel,
         }
 
     @property
@@ -104,3 +113,8 @@ def gather_padding_tolerance(ddp_config: Any) -> float:
 def grouped_weight_ownership(ddp_config: Any) -> str:
     found = read(ddp_config)
     return "whole" if found is None else found.grouped_weight_ownership
+
+
+def bucket_cap_numel(ddp_config: Any) -> int | None:
+    found = read(ddp_config)
+    return None if found is None else found.bucket_cap_numel

@@ -369,6 +369,43 @@ def pack_for_even_all_gather(
     )
 
 
+#: megatron-core 0.19.2's padded layer-wise layout closes a bucket once its elements reach
+#: ``max(bucket_size, PADDED_BUCKET_FLOOR * world * its largest parameter)``
+#: (``LayerWiseDistributedOptimizer._compute_per_buffer_param_layout``'s ``PADDING_FLOOR``).
+PADDED_BUCKET_FLOOR = 0.9
+
+
+def compact_bucket_counts(
+    numels: Sequence[int], bucket_size: int | None, world_size: int, cap: int | None = None
+) -> list[int]:
+    """How many parameters each compact layer-wise bucket holds, ``numels`` in backprop order.
+
+    A bucket closes once its elements reach ``max(bucket_size, min(cap, floor))`` with ``floor =
+    PADDED_BUCKET_FLOOR * world_size * the largest parameter in it`` (``cap=None``: no cap). So
+    with no cap the buckets end where megatron's padded layout ends its buckets (same
+    parameters, no padding): as many bucket groups, hence as many gather and gradient-sync
+    launches, as the padded layout. ``cap=0`` is megatron's plain DDP bucketing (a bucket
+    closes at ``bucket_size``), with more, smaller buckets. ``bucket_size=None``: one bucket.
+    Each bucket's elements stay below its threshold plus one parameter, which bounds the
+    transient buffers that live one bucket group at a time.
+    """
+    if cap is not None and cap < 0:
+        raise ValueError(f"cap must be >= 0 or None, got {cap}")
+    counts: list[int] = []
+    count = total = largest = 0
+    for numel in numels:
+        count, total, largest = count + 1, total + int(numel), max(largest, int(numel))
+        if bucket_size is None:
+            continue
+        floor = int(world_size * largest * PADDED_BUCKET_FLOOR)
+        if total >= max(bucket_size, floor if cap is None else min(cap, floor)):
+            counts.append(count)
+            count = total = largest = 0
+    if count:
+        counts.append(count)
+    return counts
+
+
 #: Default bound on the transient padding of an even compact gather, relative to its payload.
 DEFAULT_GATHER_PADDING_TOLERANCE = 0.1
 

@@ -98,6 +98,7 @@ CASES: list[tuple[str, dict, str]] = [
     ("unknown layout", GOOD | dict(layer_wise_layout="diagonal"), "layer-wise-layout-name"),
     ("negative gather padding tolerance", GOOD | dict(gather_padding_tolerance=-0.5),
      "compact-gather-padding-tolerance"),
+    ("negative compact bucket cap", GOOD | dict(bucket_cap_numel=-1), "compact-bucket-cap"),
     ("unknown grouped weight ownership", GOOD | dict(grouped_weight_ownership="per-expert"),
      "grouped-weight-ownership-name"),
     ("expert runs on the padded layout", GOOD | dict(layer_wise_layout="padded",

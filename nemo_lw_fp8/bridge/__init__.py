@@ -57,15 +57,17 @@ LAYOUTS = LAYER_WISE_LAYOUTS
 class LayerWiseMuonConfig(_BridgeOptimizerConfig):
     """Bridge's ``OptimizerConfig`` for layer-wise Muon, plus the plugin's settings.
 
-    The three fields are :class:`nemo_lw_fp8.LayerWiseConfig`'s, flat so that YAML and
+    The four fields are :class:`nemo_lw_fp8.LayerWiseConfig`'s, flat so that YAML and
     ``key=value`` overrides reach them (``optimizer.layer_wise_layout=padded``):
-    ``layer_wise_layout`` (its ``layout``), ``gather_padding_tolerance`` and
-    ``grouped_weight_ownership``; :meth:`plugin_config` builds and checks the object.
+    ``layer_wise_layout`` (its ``layout``), ``gather_padding_tolerance``,
+    ``grouped_weight_ownership`` and ``bucket_cap_numel``; :meth:`plugin_config` builds and
+    checks the object.
     """
 
     layer_wise_layout: str = LayerWiseConfig.layout
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     grouped_weight_ownership: str = LayerWiseConfig.grouped_weight_ownership
+    bucket_cap_numel: int | None = LayerWiseConfig.bucket_cap_numel
 
     def plugin_config(self) -> LayerWiseConfig:
         """The plugin's settings as one checked object (raises ``ConfigError`` when bad)."""
@@ -73,6 +75,7 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
             layout=self.layer_wise_layout,
             gather_padding_tolerance=self.gather_padding_tolerance,
             grouped_weight_ownership=self.grouped_weight_ownership,
+            bucket_cap_numel=self.bucket_cap_numel,
         )
 
     def provide(
@@ -106,6 +109,7 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
             "use_layer_wise_param_layout": self.layer_wise_layout != "legacy",
             "gather_padding_tolerance": self.gather_padding_tolerance,
             "grouped_weight_ownership": self.grouped_weight_ownership,
+            "bucket_cap_numel": self.bucket_cap_numel,
         }
 
 

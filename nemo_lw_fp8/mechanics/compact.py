@@ -50,21 +50,56 @@ def all_layer_wise(params_with_names: Any) -> bool:
     )
 
 
-def unpadded_layer_wise_layouts(full: Any, params: Any, bucket_size: Any, ddp_config: Any) -> Any:
-    """Replace the layer-wise buffers' layouts in megatron's full layout by unpadded ones."""
-    from megatron.core.distributed.param_and_grad_buffer import (
-        _compute_default_per_buffer_param_layout,
-        group_params_for_buffers,
-    )
+def unpadded_layer_wise_layouts(
+    full: Any,
+    params: Any,
+    bucket_size: Any,
+    ddp_config: Any,
+    data_parallel_world_size: int = 1,
+    expert_data_parallel_world_size: int | None = None,
+) -> Any:
+    """Replace the layer-wise buffers' layouts in megatron's full layout by unpadded ones.
 
+    Buckets end where :func:`nemo_lw_fp8.layout.compact_bucket_counts` says: by default where
+    megatron's padded layout ends them (as many bucket groups, so as many gather and gradient
+    launches per step), capped by the config's ``bucket_cap_numel``.
+    """
+    from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
+
+    cap = plugin_config.bucket_cap_numel(ddp_config)
     groups = group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32)
     for key, (group_params, param_indices) in groups.items():
         if not key.is_managed_by_layer_wise_optimizer:
             continue
-        compact = _compute_default_per_buffer_param_layout(group_params, bucket_size)
+        world = data_parallel_world_size
+        if key.is_expert_parallel and expert_data_parallel_world_size is not None:
+            world = expert_data_parallel_world_size
+        compact = _bucketed_layout(group_params, bucket_size, world, cap)
         compact.param_indices = param_indices
         full.layouts[key] = compact
     return full
+
+
+def _bucketed_layout(params: list[Any], bucket_size: Any, world: int, cap: int | None) -> Any:
+    """megatron's unpadded DDP layout (params back to back in backprop order), with the bucket
+    boundaries of :func:`nemo_lw_fp8.layout.compact_bucket_counts`."""
+    from megatron.core.optimizer.param_layout import PerBufferParamLayout
+
+    backprop = params[::-1]
+    counts = layout_math.compact_bucket_counts(
+        [p.data.nelement() for p in backprop], bucket_size, world, cap
+    )
+    layout = PerBufferParamLayout()
+    start = index = 0
+    for bucket_id, count in enumerate(counts):
+        bucket_start = start
+        for param in backprop[index : index + count]:
+            layout.param_index_map[param] = (start, start + param.data.nelement(), bucket_id)
+            start += param.data.nelement()
+        index += count
+        layout.bucket_indices.append((bucket_start, start))
+        layout.per_bucket_numel_unpadded.append(start - bucket_start)
+    return layout
 
 
 def split_by_effective_kind(buffers: list[Any]) -> list[list[Any]]:

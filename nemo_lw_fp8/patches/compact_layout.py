@@ -59,7 +59,14 @@ def _make_compute_full_param_layout(original):
         )
         if not plugin_config.is_compact(ddp_config):
             return full
-        return compact.unpadded_layer_wise_layouts(full, params, bucket_size, ddp_config)
+        return compact.unpadded_layer_wise_layouts(
+            full,
+            params,
+            bucket_size,
+            ddp_config,
+            data_parallel_world_size,
+            expert_data_parallel_world_size,
+        )
 
     compute_full_param_layout.__wrapped__ = original
     return compute_full_param_layout

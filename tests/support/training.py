@@ -59,6 +59,7 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
             if tolerance is None
             else tolerance,
             grouped_weight_ownership=scenario.grouped_weight_ownership,
+            bucket_cap_numel=scenario.bucket_cap_numel,
         ).attach(ddp_config)
     model = wrap_model_chunks_with_ddp(
         [module],
