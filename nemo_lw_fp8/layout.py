@@ -104,6 +104,57 @@ def assign_owners(
     return owners
 
 
+def refine_owners(
+    costs: Sequence[int], owners: Sequence[int], world_size: int, max_rounds: int | None = None
+) -> list[int]:
+    """Lower the busiest rank's cost after LPT by moves and swaps (deterministic local search).
+
+    LPT alone can leave the busiest rank up to one large matrix above the mean when the
+    matrices are few and large per rank (a pipeline rank's dense layers over DP 64). Each round
+    takes the busiest rank (lowest id on ties) and applies the one change that lowers its load
+    the most while keeping both ranks below its old load: moving one of its matrices to the
+    least-loaded rank, or swapping one of its matrices for a cheaper one elsewhere. Ties go to
+    the lowest indices, so the result depends only on the arguments, like :func:`assign_owners`.
+    Stops when no change helps (or after ``max_rounds``, default ``4 * len(costs)``).
+    """
+    owners = [int(o) for o in owners]
+    costs = [int(c) for c in costs]
+    loads = rank_loads(costs, owners, world_size)
+    rounds = 4 * len(costs) if max_rounds is None else max_rounds
+    for _ in range(rounds):
+        hi = max(range(world_size), key=lambda r: (loads[r], -r))
+        low = min(range(world_size), key=lambda r: (loads[r], r))
+        mine = [i for i, o in enumerate(owners) if o == hi]
+        best: tuple[int, int, int] | None = None  # (new busiest of the pair, item, other item)
+        for i in mine:
+            if loads[low] + costs[i] < loads[hi] and costs[i] > 0:
+                peak = max(loads[hi] - costs[i], loads[low] + costs[i])
+                if best is None or (peak, i, -1) < best:
+                    best = (peak, i, -1)
+        for i in mine:
+            for j, o in enumerate(owners):
+                delta = costs[i] - costs[j]
+                if o == hi or delta <= 0 or loads[o] + delta >= loads[hi]:
+                    continue
+                peak = max(loads[hi] - delta, loads[o] + delta)
+                if best is None or (peak, i, j) < best:
+                    best = (peak, i, j)
+        if best is None:
+            break
+        _, i, j = best
+        if j < 0:
+            owners[i] = low
+            loads[hi] -= costs[i]
+            loads[low] += costs[i]
+        else:
+            other = owners[j]
+            delta = costs[i] - costs[j]
+            owners[i], owners[j] = other, hi
+            loads[hi] -= delta
+            loads[other] += delta
+    return owners
+
+
 @dataclass(frozen=True)
 class JointOwnership:
     """Owners of the dense and the expert Muon matrices of one model replica.
@@ -230,11 +281,10 @@ def choose_pieces(
     """Whole or unit-granular ownership as ``ownership`` says (:data:`GROUPED_WEIGHT_OWNERSHIP`)."""
     if ownership not in GROUPED_WEIGHT_OWNERSHIP:
         raise ValueError(f"ownership must be one of {GROUPED_WEIGHT_OWNERSHIP}, got {ownership!r}")
+    owners = refine_owners(costs, assign_owners(costs, world_size, sizes), world_size)
     whole = [
         Piece(i, 0, count, owner)
-        for i, (count, owner) in enumerate(
-            zip(units, assign_owners(costs, world_size, sizes), strict=True)
-        )
+        for i, (count, owner) in enumerate(zip(units, owners, strict=True))
     ]
     if ownership == "whole" or all(count == 1 for count in units):
         return whole

@@ -111,6 +111,26 @@ def split_by_effective_kind(buffers: list[Any]) -> list[list[Any]]:
     return list(kinds.values())
 
 
+def partition(original: Any, buffers: list[Any], force_single: bool = False, **kwargs: Any):
+    """megatron's ``partition_buckets`` once per effective kind (:func:`split_by_effective_kind`).
+
+    With an FP8 buffer among ``buffers``, stock megatron puts every non-FP8 bucket into the
+    last FP8 bucket group (its case 3), one group for all of them. A kind split off without
+    an FP8 buffer (the sibling DistributedOptimizer buckets next to compact MXFP8 buckets) is
+    kept as one group the same way, instead of one group per bucket: as many gather and
+    gradient launches as the padded layout.
+    """
+    kinds = split_by_effective_kind(buffers) or [buffers]
+    fp8 = any(b.param_dtype == torch.uint8 for b in buffers)
+    groups = []
+    for subset in kinds:
+        single = force_single or (
+            len(kinds) > 1 and fp8 and not any(b.param_dtype == torch.uint8 for b in subset)
+        )
+        groups += original(subset, single, **kwargs)
+    return groups
+
+
 # --------------------------------------------------------------------------- ownership
 
 

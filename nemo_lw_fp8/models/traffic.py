@@ -164,8 +164,14 @@ def rank_traffic(
                         if name.startswith("compact")
                         else [members]
                     )
-                    for kind in kinds:
-                        groups = _groups([(m[0].fp8, m[1]) for m in kind], force_single)
+                    fp8 = any(m[0].fp8 for m in members)
+                    for kind in filter(None, kinds):
+                        # an Adam kind split off from an FP8 buffer stays one group
+                        # (mechanics.compact.partition), as in megatron's case 3
+                        single = force_single or (
+                            name.startswith("compact") and fp8 and not any(m[0].fp8 for m in kind)
+                        )
+                        groups = _groups([(m[0].fp8, m[1]) for m in kind], single)
                         a["grad_collectives"] += len(groups)
                         if name == "stock_padded":  # layer-wise and DistOpt gather separately
                             a["gather_collectives"] += sum(
@@ -191,6 +197,10 @@ def rank_traffic(
                                 a["exact"][r] += exact * grad_bytes
                             a["transient_peak_bytes"] = max(a["transient_peak_bytes"], peak)
 
+    dense = [lo.newton_schulz_cost(s.shape) for s in merged if s.muon and not s.expert_parallel]
+    expert_fixed = sum(
+        lo.newton_schulz_cost(s.shape) for s in merged if s.muon and s.expert_parallel
+    )
     out: dict[str, Any] = {"dp": dp, "ep": ep, "pp_rank": pp_rank, "chunks": len(local)}
     for name in LAYOUTS:
         a = acc[name]
@@ -208,10 +218,11 @@ def rank_traffic(
         }
         if name != "adam":
             loads = stock_ns if name == "stock_padded" else own.cost
-            entry["newton_schulz"] = {
-                "max_over_mean": lo.imbalance(loads),
-                "lower_bound": lower_bound(_expert_aware_costs(merged, ownership, own), loads),
-            }
+            bound = lower_bound(_expert_aware_costs(merged, ownership, own), loads)
+            if edp == 1 and sum(loads):
+                # a rank's own experts cannot move: it carries them plus its largest matrix
+                bound = max(bound, (expert_fixed + max(dense, default=0)) * dp / sum(loads))
+            entry["newton_schulz"] = {"max_over_mean": lo.imbalance(loads), "lower_bound": bound}
         out[name] = entry
     return out
 

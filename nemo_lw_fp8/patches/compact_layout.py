@@ -85,10 +85,7 @@ def _make_buffer_init(original):
 def _make_partition_buckets(original):
     def partition_buckets(buffers, force_single_bucket_group=False, **kwargs):
         """Never group buckets whose effective ``use_distributed_optimizer`` differs."""
-        groups = []
-        for subset in compact.split_by_effective_kind(buffers) or [buffers]:
-            groups += original(subset, force_single_bucket_group, **kwargs)
-        return groups
+        return compact.partition(original, buffers, force_single_bucket_group, **kwargs)
 
     partition_buckets.__wrapped__ = original
     return partition_buckets
