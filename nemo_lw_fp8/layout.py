@@ -105,7 +105,11 @@ def assign_owners(
 
 
 def refine_owners(
-    costs: Sequence[int], owners: Sequence[int], world_size: int, max_rounds: int | None = None
+    costs: Sequence[int],
+    owners: Sequence[int],
+    world_size: int,
+    max_rounds: int | None = None,
+    initial_loads: Sequence[int] | None = None,
 ) -> list[int]:
     """Lower the busiest rank's cost after LPT by moves and swaps (deterministic local search).
 
@@ -116,10 +120,13 @@ def refine_owners(
     least-loaded rank, or swapping one of its matrices for a cheaper one elsewhere. Ties go to
     the lowest indices, so the result depends only on the arguments, like :func:`assign_owners`.
     Stops when no change helps (or after ``max_rounds``, default ``4 * len(costs)``).
+    ``initial_loads``: work the ranks already have (as in :func:`assign_owners`).
     """
     owners = [int(o) for o in owners]
     costs = [int(c) for c in costs]
     loads = rank_loads(costs, owners, world_size)
+    if initial_loads is not None:
+        loads = [a + int(b) for a, b in zip(loads, initial_loads, strict=True)]
     rounds = 4 * len(costs) if max_rounds is None else max_rounds
     for _ in range(rounds):
         hi = max(range(world_size), key=lambda r: (loads[r], -r))
@@ -238,6 +245,7 @@ def assign_owner_pieces(
     units: Sequence[int],
     world_size: int,
     sizes: Sequence[int] | None = None,
+    initial_loads: Sequence[int] | None = None,
 ) -> list[Piece]:
     """Owners at unit granularity: parameter ``i`` is ``units[i]`` equal, independent units
     (a grouped weight's experts; 1 for an ordinary matrix), each of cost ``costs[i] / units[i]``.
@@ -258,7 +266,7 @@ def assign_owner_pieces(
             unit_cost.append(int(cost) // count)
             unit_size.append(size // count)
             owner_of.append(i)
-    owners = assign_owners(unit_cost, world_size, unit_size)
+    owners = assign_owners(unit_cost, world_size, unit_size, initial_loads)
     pieces: list[Piece] = []
     unit = 0
     for i, count in enumerate(units):
@@ -277,23 +285,48 @@ def choose_pieces(
     world_size: int,
     sizes: Sequence[int] | None = None,
     ownership: str = "auto",
+    initial_loads: Sequence[int] | None = None,
 ) -> list[Piece]:
-    """Whole or unit-granular ownership as ``ownership`` says (:data:`GROUPED_WEIGHT_OWNERSHIP`)."""
+    """Whole or unit-granular ownership as ``ownership`` says (:data:`GROUPED_WEIGHT_OWNERSHIP`).
+
+    ``initial_loads``: Newton-Schulz work the ranks already have (an expert-data-parallel
+    group's members' dense matrices, :func:`expert_initial_loads`), so that each rank's total is
+    balanced, not each kind on its own."""
     if ownership not in GROUPED_WEIGHT_OWNERSHIP:
         raise ValueError(f"ownership must be one of {GROUPED_WEIGHT_OWNERSHIP}, got {ownership!r}")
-    owners = refine_owners(costs, assign_owners(costs, world_size, sizes), world_size)
+    base = [0] * world_size if initial_loads is None else [int(x) for x in initial_loads]
+    owners = refine_owners(
+        costs, assign_owners(costs, world_size, sizes, base), world_size, initial_loads=base
+    )
     whole = [
         Piece(i, 0, count, owner)
         for i, (count, owner) in enumerate(zip(units, owners, strict=True))
     ]
     if ownership == "whole" or all(count == 1 for count in units):
         return whole
-    split = assign_owner_pieces(costs, units, world_size, sizes)
+    split = assign_owner_pieces(costs, units, world_size, sizes, base)
     if ownership == "expert":
         return split
-    busiest_whole = max(piece_loads(costs, units, whole, world_size))
-    busiest_split = max(piece_loads(costs, units, split, world_size))
+
+    def busiest(pieces: list[Piece]) -> int:
+        loads = piece_loads(costs, units, pieces, world_size)
+        return max(a + b for a, b in zip(loads, base, strict=True))
+
+    busiest_whole, busiest_split = busiest(whole), busiest(split)
     return split if busiest_whole > (1 + AUTO_SPLIT_GAIN) * busiest_split else whole
+
+
+def expert_initial_loads(
+    dense_loads: Sequence[int], dense_ranks: Sequence[int], expert_ranks: Sequence[int]
+) -> list[int] | None:
+    """The dense work of each member of an expert-data-parallel group, in group-rank order:
+    ``dense_loads`` per data-parallel rank, ``dense_ranks`` / ``expert_ranks`` the global ranks
+    of the two groups in group-rank order. ``None`` when the expert group is not inside the
+    data-parallel group (then each kind is balanced on its own)."""
+    where = {int(g): k for k, g in enumerate(dense_ranks)}
+    if any(int(g) not in where for g in expert_ranks):
+        return None
+    return [int(dense_loads[where[int(g)]]) for g in expert_ranks]
 
 
 def piece_loads(

@@ -185,20 +185,26 @@ def expert_units(param: torch.nn.Parameter) -> int:
 
 
 def compact_pieces(
-    params: list[torch.nn.Parameter], world_size: int, ownership: str, local_rank: int = 0
+    params: list[torch.nn.Parameter],
+    world_size: int,
+    ownership: str,
+    local_rank: int = 0,
+    initial_loads: list[int] | None = None,
 ) -> list[tuple[torch.nn.Parameter, int]]:
     """Per param, what its owners update, as ``(piece, owner rank)``.
 
     A piece is the parameter itself (whole ownership) or an
     :class:`~nemo_lw_fp8.mechanics.expert_slices.ExpertSlice` for a run of experts.
     Deterministic, so every rank builds the same pieces (also for others' params: the gather
-    needs to know where each rank's bytes go).
+    needs to know where each rank's bytes go). ``initial_loads``: Newton-Schulz work the group's
+    ranks already have (their dense matrices, when these are expert matrices).
     """
     costs = [newton_schulz_cost(p) for p in params]
     sizes = [p.numel() for p in params]
     units = [1 if ownership == "whole" else expert_units(p) for p in params]
     pieces = []
-    for piece in layout_math.choose_pieces(costs, units, world_size, sizes, ownership):
+    chosen = layout_math.choose_pieces(costs, units, world_size, sizes, ownership, initial_loads)
+    for piece in chosen:
         param = params[piece.index]
         whole = piece.lo == 0 and piece.hi == units[piece.index]
         mine = piece.owner == local_rank
@@ -236,14 +242,21 @@ def shard(optimizer: Any, optimizers: list[Any], ownership: str) -> None:
         (expert if group.get("is_expert_parallel", False) else dense).extend(group["params"])
     record = optimizer_state(optimizer)
     per_rank: dict[int, list[list[torch.nn.Parameter]]] = {}
+    dense_loads = [0] * dp_size
     for kind, (params, size, rank) in enumerate(
         ((dense, dp_size, dp_rank), (expert, expt_size, expt_rank))
     ):
         per_rank[kind] = [[] for _ in range(size)]
-        for piece, owner in compact_pieces(params, size, ownership, rank):
+        # Experts are owned after the dense matrices, from each member's dense work, so that a
+        # rank's whole Newton-Schulz work is balanced (over all its virtual-pipeline chunks: the
+        # one layer-wise optimizer holds them all).
+        initial = _expert_group_dense_loads(optimizer, dense_loads) if kind == 1 else None
+        for piece, owner in compact_pieces(params, size, ownership, rank, initial):
             record.pieces.setdefault(expert_slices.parent_of(piece), []).append(piece)
             record.owner_of[piece] = owner
             per_rank[kind][owner].append(piece)
+            if kind == 0:
+                dense_loads[owner] += _piece_cost(piece)
     optimizer.dp_cp_params_list = per_rank[0]
     optimizer.expt_dp_params_list = per_rank[1] if expert else None
     for group in param_groups:
@@ -254,6 +267,28 @@ def shard(optimizer: Any, optimizers: list[Any], ownership: str) -> None:
             for piece in record.pieces[param]
             if record.owner_of[piece] == local
         ]
+
+
+def _piece_cost(piece: Any) -> int:
+    """Newton-Schulz cost of an owned piece (a run of experts costs its share)."""
+    if expert_slices.is_slice(piece):
+        parent = piece.parent
+        return newton_schulz_cost(parent) * (piece.hi - piece.lo) // expert_units(parent)
+    return newton_schulz_cost(piece)
+
+
+def _expert_group_dense_loads(optimizer: Any, dense_loads: list[int]) -> list[int] | None:
+    """The dense work of this rank's expert-data-parallel group members, in group-rank order
+    (``None`` if that group is not inside the data-parallel group, or one of them is missing)."""
+    import torch.distributed as dist
+
+    if optimizer.dp_cp is None or optimizer.expt_dp is None or not dist.is_initialized():
+        return None
+    return layout_math.expert_initial_loads(
+        dense_loads,
+        dist.get_process_group_ranks(optimizer.dp_cp),
+        dist.get_process_group_ranks(optimizer.expt_dp),
+    )
 
 
 def attach_groups(optimizer: Any, model_chunks: list[Any]) -> None:

@@ -142,14 +142,11 @@ def rank_traffic(
                         cap = bucket_cap_numel
                     counts = lo.compact_bucket_counts(numels, sizes[c], w, cap)
                     buckets, k = [], 0
-                    for n in counts:
-                        pieces = []
-                        for p in backprop[k : k + n]:
-                            i = starts[c] + buf.indices[p]
-                            table = own.expert if buf.expert else own.dense
-                            for owner, units in table[i]:
-                                pieces.append((buf.specs[p].numel * units // own.units[i], owner))
-                        buckets.append(pieces)
+                    for n in counts:  # per bucket: (spec index in the rank's list, elements)
+                        buckets.append(
+                            [(starts[c] + buf.indices[p], buf.specs[p].numel)
+                             for p in backprop[k : k + n]]
+                        )  # fmt: skip
                         k += n
                     per_kind[name][buf.expert].append((buf, len(buckets), buckets))
             for name in names:
@@ -181,21 +178,33 @@ def rank_traffic(
                             a["gather_collectives"] += len(groups)
                         if not name.startswith("compact") or not kind[0][0].muon:
                             continue
+                        # every expert-data-parallel group owns its experts its own way
+                        if expert:
+                            expert_groups = lo.default_expert_groups(dp, ep)
+                            tables = list(zip(own.expert_groups, expert_groups, strict=True))
+                        else:
+                            tables = [(own.dense, list(range(dp)))]
                         for g in groups:
-                            pieces = [pc for i, b in g for pc in kind[i][2][b]]
-                            n_group = sum(n for n, _ in pieces)
-                            owned = lo.rank_loads([n for n, _ in pieces], [o for _, o in pieces], w)
+                            items = [item for i, b in g for item in kind[i][2][b]]
+                            n_group = sum(n for _, n in items)
+                            exact = n_group * (w - 1) // w
                             if name == "compact_all_reduce":
-                                sent = [2 * n_group * (w - 1) // w] * w
                                 peak = n_group * PARAM_BYTES  # the gather's transient
                             else:
-                                sent = [n_group - s for s in owned]
                                 peak = n_group * max(grad_bytes, PARAM_BYTES)
-                            exact = n_group * (w - 1) // w
-                            for r, value in enumerate(per_global(sent, expert)):
-                                a["wire"][r] += value * grad_bytes
-                                a["exact"][r] += exact * grad_bytes
                             a["transient_peak_bytes"] = max(a["transient_peak_bytes"], peak)
+                            for table, ranks in tables:
+                                owned = [0] * w
+                                for i, n in items:
+                                    for owner, units in table[i]:
+                                        owned[owner] += n * units // own.units[i]
+                                for member, r in enumerate(ranks):
+                                    if name == "compact_all_reduce":
+                                        sent = 2 * n_group * (w - 1) // w
+                                    else:
+                                        sent = n_group - owned[member]
+                                    a["wire"][r] += sent * grad_bytes
+                                    a["exact"][r] += exact * grad_bytes
 
     dense = [lo.newton_schulz_cost(s.shape) for s in merged if s.muon and not s.expert_parallel]
     expert_fixed = sum(
