@@ -291,7 +291,8 @@ def choose_pieces(
 
     ``initial_loads``: Newton-Schulz work the ranks already have (an expert-data-parallel
     group's members' dense matrices, :func:`expert_initial_loads`), so that each rank's total is
-    balanced, not each kind on its own."""
+    balanced, not each kind on its own ("whole" and "auto"; "expert" spreads every grouped
+    weight over the group evenly, as asked, whatever the dense work)."""
     if ownership not in GROUPED_WEIGHT_OWNERSHIP:
         raise ValueError(f"ownership must be one of {GROUPED_WEIGHT_OWNERSHIP}, got {ownership!r}")
     base = [0] * world_size if initial_loads is None else [int(x) for x in initial_loads]
@@ -304,9 +305,9 @@ def choose_pieces(
     ]
     if ownership == "whole" or all(count == 1 for count in units):
         return whole
+    if ownership == "expert":  # asked for: every grouped weight spread over the group evenly
+        return assign_owner_pieces(costs, units, world_size, sizes)
     split = assign_owner_pieces(costs, units, world_size, sizes, base)
-    if ownership == "expert":
-        return split
 
     def busiest(pieces: list[Piece]) -> int:
         loads = piece_loads(costs, units, pieces, world_size)

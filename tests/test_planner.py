@@ -525,3 +525,23 @@ def test_refine_owners_beats_lpt_where_lpt_is_not_optimal():
     assert max(lo.rank_loads(costs, refined, 2)) == 6
     assert refined == lo.refine_owners(costs, lpt, 2)
     assert [p.owner for p in lo.choose_pieces(costs, [1] * 5, 2, ownership="whole")] == refined
+
+
+def test_expert_owners_start_from_each_members_dense_work():
+    """A rank that drew the big dense matrix gets fewer experts: the busiest total is lower than
+    balancing each kind on its own. Expert groups outside the data-parallel group fall back."""
+    from nemo_lw_fp8 import layout as lo
+
+    dense = [8, 1, 1, 1]
+    experts = [2] * 8
+    own_dense = lo.choose_pieces(dense, [1] * 4, 4, ownership="whole")
+    loads = lo.piece_loads(dense, [1] * 4, own_dense, 4)
+    initial = lo.expert_initial_loads(loads, [10, 11, 12, 13], [10, 12])
+    assert initial == [loads[0], loads[2]]
+    joint = lo.piece_loads(experts, [1] * 8, lo.choose_pieces(experts, [1] * 8, 2, None, "whole",
+                                                               initial), 2)  # fmt: skip
+    alone = lo.piece_loads(experts, [1] * 8, lo.choose_pieces(experts, [1] * 8, 2), 2)
+    assert max(a + b for a, b in zip(joint, initial, strict=True)) < max(
+        a + b for a, b in zip(alone, initial, strict=True)
+    )
+    assert lo.expert_initial_loads(loads, [10, 11], [10, 99]) is None
