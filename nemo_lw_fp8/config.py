@@ -62,12 +62,19 @@ class LayerWiseConfig:
     the rank that owns the matrix only, one reduce per owner's segment of a bucket group;
     ``"all_reduce"`` all-reduces them to every rank as upstream #5388 does (twice the bytes).
     The padded and legacy layouts reduce-scatter or all-reduce as megatron does either way.
+    ``bucket_cap_numel`` (compact): where layer-wise buckets end. ``None`` (default): where
+    megatron's padded layout ends them (a bucket closes at ``max(bucket_size, 0.9 x group size x
+    its largest matrix)`` elements), so the compact layout issues as many gather and gradient
+    launches per step as the padded one, with no padding; each bucket group's transient buffers
+    are its own size. A number caps that threshold (never below ``bucket_size``): smaller
+    transients, more launches; ``0`` is megatron's plain DDP bucketing.
     """
 
     layout: str = "compact"
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     grouped_weight_ownership: str = "whole"
     grad_sync: str = "reduce_to_owner"
+    bucket_cap_numel: int | None = None
 
     def __post_init__(self) -> None:
         from . import guards
@@ -81,6 +88,7 @@ class LayerWiseConfig:
             "gather_padding_tolerance": self.gather_padding_tolerance,
             "grouped_weight_ownership": self.grouped_weight_ownership,
             "layer_wise_grad_sync": self.grad_sync,
+            "bucket_cap_numel": self.bucket_cap_numel,
         }
 
     @property
@@ -123,3 +131,8 @@ def grad_sync(ddp_config: Any) -> str:
     """How compact Muon gradients are synced (megatron's all-reduce when no config is attached)."""
     found = read(ddp_config)
     return "all_reduce" if found is None else found.grad_sync
+
+
+def bucket_cap_numel(ddp_config: Any) -> int | None:
+    found = read(ddp_config)
+    return None if found is None else found.bucket_cap_numel

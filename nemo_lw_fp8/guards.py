@@ -85,6 +85,8 @@ class Settings:
     layer_wise_grad_sync: str = "reduce_to_owner"
     #: Bridge's ``logger.log_l2_norm_grad_to_tensorboard``: logs every parameter's main_grad.
     log_l2_norm_grad_to_tensorboard: bool = False
+    #: Compact layout: cap on a layer-wise bucket's closing threshold (None: no cap).
+    bucket_cap_numel: int | None = None
     #: ``OptimizerConfig.fp8_recipe`` when the recipe itself was read elsewhere (the parameters'
     #: types, ``TransformerConfig``); None: not set or not known at this call site.
     optimizer_fp8_recipe: str | None = None
@@ -517,6 +519,18 @@ def _padding_tolerance(s: Settings) -> str | None:
     return None
 
 
+def _bucket_cap(s: Settings) -> str | None:
+    cap = s.bucket_cap_numel
+    bad = isinstance(cap, bool) or not isinstance(cap, int) or cap < 0
+    if s.layer_wise and cap is not None and bad:
+        return (
+            f"bucket_cap_numel={cap!r} must be None (buckets end where the padded layout ends "
+            "them) or an element count >= 0 (0: megatron's plain bucket_size). Fix: leave it "
+            "unset, or use e.g. 500000000."
+        )
+    return None
+
+
 def _ownership_value(s: Settings) -> str | None:
     if s.layer_wise and s.grouped_weight_ownership not in GROUPED_WEIGHT_OWNERSHIP:
         return (
@@ -585,6 +599,8 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
          _grad_sync_value),
     Rule("compact-owner-grads-not-logged", "per-parameter grad norms need all-reduced grads",
          _owner_grads_logged),
+    Rule("compact-bucket-cap", "bucket cap is None or a non-negative element count",
+         _bucket_cap),
     Rule("grouped-weight-ownership-name", "ownership is whole, expert or auto",
          _ownership_value),
     Rule("grouped-weight-split-ownership-needs-compact", "expert runs need the compact gather",

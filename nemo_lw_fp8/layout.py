@@ -104,6 +104,64 @@ def assign_owners(
     return owners
 
 
+def refine_owners(
+    costs: Sequence[int],
+    owners: Sequence[int],
+    world_size: int,
+    max_rounds: int | None = None,
+    initial_loads: Sequence[int] | None = None,
+) -> list[int]:
+    """Lower the busiest rank's cost after LPT by moves and swaps (deterministic local search).
+
+    LPT alone can leave the busiest rank up to one large matrix above the mean when the
+    matrices are few and large per rank (a pipeline rank's dense layers over DP 64). Each round
+    takes the busiest rank (lowest id on ties) and applies the one change that lowers its load
+    the most while keeping both ranks below its old load: moving one of its matrices to the
+    least-loaded rank, or swapping one of its matrices for a cheaper one elsewhere. Ties go to
+    the lowest indices, so the result depends only on the arguments, like :func:`assign_owners`.
+    Stops when no change helps (or after ``max_rounds``, default ``4 * len(costs)``).
+    ``initial_loads``: work the ranks already have (as in :func:`assign_owners`).
+    """
+    owners = [int(o) for o in owners]
+    costs = [int(c) for c in costs]
+    loads = rank_loads(costs, owners, world_size)
+    if initial_loads is not None:
+        loads = [a + int(b) for a, b in zip(loads, initial_loads, strict=True)]
+    rounds = 4 * len(costs) if max_rounds is None else max_rounds
+    for _ in range(rounds):
+        hi = max(range(world_size), key=lambda r: (loads[r], -r))
+        low = min(range(world_size), key=lambda r: (loads[r], r))
+        mine = [i for i, o in enumerate(owners) if o == hi]
+        best: tuple[int, int, int] | None = None  # (new busiest of the pair, item, other item)
+        for i in mine:
+            if loads[low] + costs[i] < loads[hi] and costs[i] > 0:
+                peak = max(loads[hi] - costs[i], loads[low] + costs[i])
+                if best is None or (peak, i, -1) < best:
+                    best = (peak, i, -1)
+        for i in mine:
+            for j, o in enumerate(owners):
+                delta = costs[i] - costs[j]
+                if o == hi or delta <= 0 or loads[o] + delta >= loads[hi]:
+                    continue
+                peak = max(loads[hi] - delta, loads[o] + delta)
+                if best is None or (peak, i, j) < best:
+                    best = (peak, i, j)
+        if best is None:
+            break
+        _, i, j = best
+        if j < 0:
+            owners[i] = low
+            loads[hi] -= costs[i]
+            loads[low] += costs[i]
+        else:
+            other = owners[j]
+            delta = costs[i] - costs[j]
+            owners[i], owners[j] = other, hi
+            loads[hi] -= delta
+            loads[other] += delta
+    return owners
+
+
 @dataclass(frozen=True)
 class JointOwnership:
     """Owners of the dense and the expert Muon matrices of one model replica.
@@ -192,6 +250,7 @@ def assign_owner_pieces(
     units: Sequence[int],
     world_size: int,
     sizes: Sequence[int] | None = None,
+    initial_loads: Sequence[int] | None = None,
 ) -> list[Piece]:
     """Owners at unit granularity: parameter ``i`` is ``units[i]`` equal, independent units
     (a grouped weight's experts; 1 for an ordinary matrix), each of cost ``costs[i] / units[i]``.
@@ -212,7 +271,7 @@ def assign_owner_pieces(
             unit_cost.append(int(cost) // count)
             unit_size.append(size // count)
             owner_of.append(i)
-    owners = assign_owners(unit_cost, world_size, unit_size)
+    owners = assign_owners(unit_cost, world_size, unit_size, initial_loads)
     pieces: list[Piece] = []
     unit = 0
     for i, count in enumerate(units):
@@ -231,24 +290,49 @@ def choose_pieces(
     world_size: int,
     sizes: Sequence[int] | None = None,
     ownership: str = "auto",
+    initial_loads: Sequence[int] | None = None,
 ) -> list[Piece]:
-    """Whole or unit-granular ownership as ``ownership`` says (:data:`GROUPED_WEIGHT_OWNERSHIP`)."""
+    """Whole or unit-granular ownership as ``ownership`` says (:data:`GROUPED_WEIGHT_OWNERSHIP`).
+
+    ``initial_loads``: Newton-Schulz work the ranks already have (an expert-data-parallel
+    group's members' dense matrices, :func:`expert_initial_loads`), so that each rank's total is
+    balanced, not each kind on its own ("whole" and "auto"; "expert" spreads every grouped
+    weight over the group evenly, as asked, whatever the dense work)."""
     if ownership not in GROUPED_WEIGHT_OWNERSHIP:
         raise ValueError(f"ownership must be one of {GROUPED_WEIGHT_OWNERSHIP}, got {ownership!r}")
+    base = [0] * world_size if initial_loads is None else [int(x) for x in initial_loads]
+    owners = refine_owners(
+        costs, assign_owners(costs, world_size, sizes, base), world_size, initial_loads=base
+    )
     whole = [
         Piece(i, 0, count, owner)
-        for i, (count, owner) in enumerate(
-            zip(units, assign_owners(costs, world_size, sizes), strict=True)
-        )
+        for i, (count, owner) in enumerate(zip(units, owners, strict=True))
     ]
     if ownership == "whole" or all(count == 1 for count in units):
         return whole
-    split = assign_owner_pieces(costs, units, world_size, sizes)
-    if ownership == "expert":
-        return split
-    busiest_whole = max(piece_loads(costs, units, whole, world_size))
-    busiest_split = max(piece_loads(costs, units, split, world_size))
+    if ownership == "expert":  # asked for: every grouped weight spread over the group evenly
+        return assign_owner_pieces(costs, units, world_size, sizes)
+    split = assign_owner_pieces(costs, units, world_size, sizes, base)
+
+    def busiest(pieces: list[Piece]) -> int:
+        loads = piece_loads(costs, units, pieces, world_size)
+        return max(a + b for a, b in zip(loads, base, strict=True))
+
+    busiest_whole, busiest_split = busiest(whole), busiest(split)
     return split if busiest_whole > (1 + AUTO_SPLIT_GAIN) * busiest_split else whole
+
+
+def expert_initial_loads(
+    dense_loads: Sequence[int], dense_ranks: Sequence[int], expert_ranks: Sequence[int]
+) -> list[int] | None:
+    """The dense work of each member of an expert-data-parallel group, in group-rank order:
+    ``dense_loads`` per data-parallel rank, ``dense_ranks`` / ``expert_ranks`` the global ranks
+    of the two groups in group-rank order. ``None`` when the expert group is not inside the
+    data-parallel group (then each kind is balanced on its own)."""
+    where = {int(g): k for k, g in enumerate(dense_ranks)}
+    if any(int(g) not in where for g in expert_ranks):
+        return None
+    return [int(dense_loads[where[int(g)]]) for g in expert_ranks]
 
 
 def piece_loads(
@@ -372,6 +456,43 @@ def pack_for_even_all_gather(
         transient_padding=gather_numel - layout.numel,
         gather_offsets=gather_offsets,
     )
+
+
+#: megatron-core 0.19.2's padded layer-wise layout closes a bucket once its elements reach
+#: ``max(bucket_size, PADDED_BUCKET_FLOOR * world * its largest parameter)``
+#: (``LayerWiseDistributedOptimizer._compute_per_buffer_param_layout``'s ``PADDING_FLOOR``).
+PADDED_BUCKET_FLOOR = 0.9
+
+
+def compact_bucket_counts(
+    numels: Sequence[int], bucket_size: int | None, world_size: int, cap: int | None = None
+) -> list[int]:
+    """How many parameters each compact layer-wise bucket holds, ``numels`` in backprop order.
+
+    A bucket closes once its elements reach ``max(bucket_size, min(cap, floor))`` with ``floor =
+    PADDED_BUCKET_FLOOR * world_size * the largest parameter in it`` (``cap=None``: no cap). So
+    with no cap the buckets end where megatron's padded layout ends its buckets (same
+    parameters, no padding): as many bucket groups, hence as many gather and gradient-sync
+    launches, as the padded layout. ``cap=0`` is megatron's plain DDP bucketing (a bucket
+    closes at ``bucket_size``), with more, smaller buckets. ``bucket_size=None``: one bucket.
+    Each bucket's elements stay below its threshold plus one parameter, which bounds the
+    transient buffers that live one bucket group at a time.
+    """
+    if cap is not None and cap < 0:
+        raise ValueError(f"cap must be >= 0 or None, got {cap}")
+    counts: list[int] = []
+    count = total = largest = 0
+    for numel in numels:
+        count, total, largest = count + 1, total + int(numel), max(largest, int(numel))
+        if bucket_size is None:
+            continue
+        floor = int(world_size * largest * PADDED_BUCKET_FLOOR)
+        if total >= max(bucket_size, floor if cap is None else min(cap, floor)):
+            counts.append(count)
+            count = total = largest = 0
+    if count:
+        counts.append(count)
+    return counts
 
 
 #: Default bound on the transient padding of an even compact gather, relative to its payload.

@@ -269,7 +269,9 @@ def count_layer_wise_gathers(scenario: Scenario) -> dict:
 
 @pytest.mark.parametrize("tolerance", [math.inf, 0.1], ids=["always-even", "default"])
 def test_compact_issues_one_collective_per_bucket_group_per_step(tolerance):
-    scenario = COMPACT.with_(bucket_size=2000, gather_padding_tolerance=tolerance)
+    scenario = COMPACT.with_(
+        bucket_size=2000, gather_padding_tolerance=tolerance, bucket_cap_numel=0
+    )
     counts = run_on_ranks(count_layer_wise_gathers, scenario, world_size=4)[0]
     assert counts["groups"] >= 2
     assert counts["calls"] == counts["groups"] * counts["steps"], counts
@@ -286,6 +288,33 @@ def test_compact_issues_one_collective_per_bucket_group_per_step(tolerance):
     assert legacy["launches"] >= counts["launches"], (legacy, counts)
     if math.isinf(tolerance):
         assert legacy["launches"] > counts["launches"], (legacy, counts)
+
+
+def test_compact_gathers_no_more_often_than_padded_and_trains_the_same():
+    """Issue 19: compact buckets end where the padded layout's do (no padding), so the compact
+    layout has as many layer-wise bucket groups as megatron's padded layout and issues one
+    collective for each per step, not one per plain ``bucket_size`` bucket; training is
+    bitwise what plain Muon does."""
+    # (megatron's padded gather calls a torch function it bound at import: count its groups.)
+    padded = run_on_ranks(
+        layout_facts,
+        Scenario(optimizer="muon", distribution="layerwise_padded", bucket_size=2000),
+        world_size=2,
+    )[0]
+    padded_groups = sum(kinds == [True] for kinds in padded["groups"])
+    scenario = COMPACT.with_(bucket_size=2000, gather_padding_tolerance=math.inf)
+    compact = run_on_ranks(count_layer_wise_gathers, scenario, world_size=2)[0]
+    assert padded_groups >= 2, padded["groups"]
+    assert compact["groups"] == padded_groups, (compact, padded["groups"])
+    assert compact["launches"] == compact["groups"] * compact["steps"], compact
+    # Control: megatron's plain bucketing (the layout before issue 19) gathers more often.
+    plain = run_on_ranks(
+        count_layer_wise_gathers, scenario.with_(bucket_cap_numel=0), world_size=2
+    )[0]
+    assert plain["launches"] > compact["launches"], (plain, compact)
+    reference = run_on_ranks(train, Scenario(optimizer="muon", bucket_size=2000), world_size=2)
+    candidate = run_on_ranks(train, COMPACT.with_(bucket_size=2000, overlap=True), world_size=2)
+    _same(reference, candidate, "compact, padded-layout buckets")
 
 
 # --------------------------------------------------------------------------- planner vs reality

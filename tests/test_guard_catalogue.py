@@ -102,6 +102,7 @@ CASES: list[tuple[str, dict, str]] = [
      "compact-grad-sync-name"),
     ("per-parameter grad norms logged from owner-reduced grads",
      GOOD | dict(log_l2_norm_grad_to_tensorboard=True), "compact-owner-grads-not-logged"),
+    ("negative compact bucket cap", GOOD | dict(bucket_cap_numel=-1), "compact-bucket-cap"),
     ("unknown grouped weight ownership", GOOD | dict(grouped_weight_ownership="per-expert"),
      "grouped-weight-ownership-name"),
     ("expert runs on the padded layout", GOOD | dict(layer_wise_layout="padded",

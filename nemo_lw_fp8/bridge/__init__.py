@@ -60,14 +60,15 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
     The four fields are :class:`nemo_lw_fp8.LayerWiseConfig`'s, flat so that YAML and
     ``key=value`` overrides reach them (``optimizer.layer_wise_layout=padded``):
     ``layer_wise_layout`` (its ``layout``), ``gather_padding_tolerance``,
-    ``grouped_weight_ownership`` and ``layer_wise_grad_sync`` (its ``grad_sync``);
-    :meth:`plugin_config` builds and checks the object.
+    ``grouped_weight_ownership``, ``layer_wise_grad_sync`` (its ``grad_sync``) and
+    ``bucket_cap_numel``; :meth:`plugin_config` builds and checks the object.
     """
 
     layer_wise_layout: str = LayerWiseConfig.layout
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     grouped_weight_ownership: str = LayerWiseConfig.grouped_weight_ownership
     layer_wise_grad_sync: str = LayerWiseConfig.grad_sync
+    bucket_cap_numel: int | None = LayerWiseConfig.bucket_cap_numel
 
     def plugin_config(self) -> LayerWiseConfig:
         """The plugin's settings as one checked object (raises ``ConfigError`` when bad)."""
@@ -76,6 +77,7 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
             gather_padding_tolerance=self.gather_padding_tolerance,
             grouped_weight_ownership=self.grouped_weight_ownership,
             grad_sync=self.layer_wise_grad_sync,
+            bucket_cap_numel=self.bucket_cap_numel,
         )
 
     def provide(
@@ -110,6 +112,7 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
             "gather_padding_tolerance": self.gather_padding_tolerance,
             "grouped_weight_ownership": self.grouped_weight_ownership,
             "layer_wise_grad_sync": self.layer_wise_grad_sync,
+            "bucket_cap_numel": self.bucket_cap_numel,
         }
 
 

@@ -55,21 +55,56 @@ def all_layer_wise(params_with_names: Any) -> bool:
     )
 
 
-def unpadded_layer_wise_layouts(full: Any, params: Any, bucket_size: Any, ddp_config: Any) -> Any:
-    """Replace the layer-wise buffers' layouts in megatron's full layout by unpadded ones."""
-    from megatron.core.distributed.param_and_grad_buffer import (
-        _compute_default_per_buffer_param_layout,
-        group_params_for_buffers,
-    )
+def unpadded_layer_wise_layouts(
+    full: Any,
+    params: Any,
+    bucket_size: Any,
+    ddp_config: Any,
+    data_parallel_world_size: int = 1,
+    expert_data_parallel_world_size: int | None = None,
+) -> Any:
+    """Replace the layer-wise buffers' layouts in megatron's full layout by unpadded ones.
 
+    Buckets end where :func:`nemo_lw_fp8.layout.compact_bucket_counts` says: by default where
+    megatron's padded layout ends them (as many bucket groups, so as many gather and gradient
+    launches per step), capped by the config's ``bucket_cap_numel``.
+    """
+    from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
+
+    cap = plugin_config.bucket_cap_numel(ddp_config)
     groups = group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32)
     for key, (group_params, param_indices) in groups.items():
         if not key.is_managed_by_layer_wise_optimizer:
             continue
-        compact = _compute_default_per_buffer_param_layout(group_params, bucket_size)
+        world = data_parallel_world_size
+        if key.is_expert_parallel and expert_data_parallel_world_size is not None:
+            world = expert_data_parallel_world_size
+        compact = _bucketed_layout(group_params, bucket_size, world, cap)
         compact.param_indices = param_indices
         full.layouts[key] = compact
     return full
+
+
+def _bucketed_layout(params: list[Any], bucket_size: Any, world: int, cap: int | None) -> Any:
+    """megatron's unpadded DDP layout (params back to back in backprop order), with the bucket
+    boundaries of :func:`nemo_lw_fp8.layout.compact_bucket_counts`."""
+    from megatron.core.optimizer.param_layout import PerBufferParamLayout
+
+    backprop = params[::-1]
+    counts = layout_math.compact_bucket_counts(
+        [p.data.nelement() for p in backprop], bucket_size, world, cap
+    )
+    layout = PerBufferParamLayout()
+    start = index = 0
+    for bucket_id, count in enumerate(counts):
+        bucket_start = start
+        for param in backprop[index : index + count]:
+            layout.param_index_map[param] = (start, start + param.data.nelement(), bucket_id)
+            start += param.data.nelement()
+        index += count
+        layout.bucket_indices.append((bucket_start, start))
+        layout.per_bucket_numel_unpadded.append(start - bucket_start)
+    return layout
 
 
 def split_by_effective_kind(buffers: list[Any]) -> list[list[Any]]:
@@ -79,6 +114,26 @@ def split_by_effective_kind(buffers: list[Any]) -> list[list[Any]]:
     for buffer in buffers:
         kinds.setdefault(bool(buffer.ddp_config.use_distributed_optimizer), []).append(buffer)
     return list(kinds.values())
+
+
+def partition(original: Any, buffers: list[Any], force_single: bool = False, **kwargs: Any):
+    """megatron's ``partition_buckets`` once per effective kind (:func:`split_by_effective_kind`).
+
+    With an FP8 buffer among ``buffers``, stock megatron puts every non-FP8 bucket into the
+    last FP8 bucket group (its case 3), one group for all of them. A kind split off without
+    an FP8 buffer (the sibling DistributedOptimizer buckets next to compact MXFP8 buckets) is
+    kept as one group the same way, instead of one group per bucket: as many gather and
+    gradient launches as the padded layout.
+    """
+    kinds = split_by_effective_kind(buffers) or [buffers]
+    fp8 = any(b.param_dtype == torch.uint8 for b in buffers)
+    groups = []
+    for subset in kinds:
+        single = force_single or (
+            len(kinds) > 1 and fp8 and not any(b.param_dtype == torch.uint8 for b in subset)
+        )
+        groups += original(subset, single, **kwargs)
+    return groups
 
 
 # --------------------------------------------------------------------------- ownership
@@ -135,20 +190,26 @@ def expert_units(param: torch.nn.Parameter) -> int:
 
 
 def compact_pieces(
-    params: list[torch.nn.Parameter], world_size: int, ownership: str, local_rank: int = 0
+    params: list[torch.nn.Parameter],
+    world_size: int,
+    ownership: str,
+    local_rank: int = 0,
+    initial_loads: list[int] | None = None,
 ) -> list[tuple[torch.nn.Parameter, int]]:
     """Per param, what its owners update, as ``(piece, owner rank)``.
 
     A piece is the parameter itself (whole ownership) or an
     :class:`~nemo_lw_fp8.mechanics.expert_slices.ExpertSlice` for a run of experts.
     Deterministic, so every rank builds the same pieces (also for others' params: the gather
-    needs to know where each rank's bytes go).
+    needs to know where each rank's bytes go). ``initial_loads``: Newton-Schulz work the group's
+    ranks already have (their dense matrices, when these are expert matrices).
     """
     costs = [newton_schulz_cost(p) for p in params]
     sizes = [p.numel() for p in params]
     units = [1 if ownership == "whole" else expert_units(p) for p in params]
     pieces = []
-    for piece in layout_math.choose_pieces(costs, units, world_size, sizes, ownership):
+    chosen = layout_math.choose_pieces(costs, units, world_size, sizes, ownership, initial_loads)
+    for piece in chosen:
         param = params[piece.index]
         whole = piece.lo == 0 and piece.hi == units[piece.index]
         mine = piece.owner == local_rank
@@ -186,14 +247,21 @@ def shard(optimizer: Any, optimizers: list[Any], ownership: str) -> None:
         (expert if group.get("is_expert_parallel", False) else dense).extend(group["params"])
     record = optimizer_state(optimizer)
     per_rank: dict[int, list[list[torch.nn.Parameter]]] = {}
+    dense_loads = [0] * dp_size
     for kind, (params, size, rank) in enumerate(
         ((dense, dp_size, dp_rank), (expert, expt_size, expt_rank))
     ):
         per_rank[kind] = [[] for _ in range(size)]
-        for piece, owner in compact_pieces(params, size, ownership, rank):
+        # Experts are owned after the dense matrices, from each member's dense work, so that a
+        # rank's whole Newton-Schulz work is balanced (over all its virtual-pipeline chunks: the
+        # one layer-wise optimizer holds them all).
+        initial = _expert_group_dense_loads(optimizer, dense_loads) if kind == 1 else None
+        for piece, owner in compact_pieces(params, size, ownership, rank, initial):
             record.pieces.setdefault(expert_slices.parent_of(piece), []).append(piece)
             record.owner_of[piece] = owner
             per_rank[kind][owner].append(piece)
+            if kind == 0:
+                dense_loads[owner] += _piece_cost(piece)
     optimizer.dp_cp_params_list = per_rank[0]
     optimizer.expt_dp_params_list = per_rank[1] if expert else None
     for group in param_groups:
@@ -204,6 +272,28 @@ def shard(optimizer: Any, optimizers: list[Any], ownership: str) -> None:
             for piece in record.pieces[param]
             if record.owner_of[piece] == local
         ]
+
+
+def _piece_cost(piece: Any) -> int:
+    """Newton-Schulz cost of an owned piece (a run of experts costs its share)."""
+    if expert_slices.is_slice(piece):
+        parent = piece.parent
+        return newton_schulz_cost(parent) * (piece.hi - piece.lo) // expert_units(parent)
+    return newton_schulz_cost(piece)
+
+
+def _expert_group_dense_loads(optimizer: Any, dense_loads: list[int]) -> list[int] | None:
+    """The dense work of this rank's expert-data-parallel group members, in group-rank order
+    (``None`` if that group is not inside the data-parallel group, or one of them is missing)."""
+    import torch.distributed as dist
+
+    if optimizer.dp_cp is None or optimizer.expt_dp is None or not dist.is_initialized():
+        return None
+    return layout_math.expert_initial_loads(
+        dense_loads,
+        dist.get_process_group_ranks(optimizer.dp_cp),
+        dist.get_process_group_ranks(optimizer.expt_dp),
+    )
 
 
 def attach_groups(optimizer: Any, model_chunks: list[Any]) -> None:

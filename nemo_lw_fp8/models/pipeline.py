@@ -29,22 +29,42 @@ def _rank_holds(spec: ParamSpec, items: list[str]) -> bool:
 
 
 def specs_on_rank(
-    specs: list[ParamSpec], stages: list[list[str]], pp: int, pp_rank: int
+    specs: list[ParamSpec],
+    stages: list[list[str]],
+    pp: int,
+    pp_rank: int,
+    stage: int | None = None,
 ) -> list[ParamSpec]:
     """The parameters of ``specs`` (a whole model, megatron's names) that pipeline rank
     ``pp_rank`` holds, for virtual stages ``stages`` in megatron's order (lists of "E", "t",
-    "m", "L"; stage ``s`` lives on rank ``s % pp``)."""
+    "m", "L"; stage ``s`` lives on rank ``s % pp``); only virtual stage ``stage`` if given."""
     items: list[str] = []
     counters = {"t": 0, "m": 0}
-    for stage_index, stage in enumerate(stages):
-        for item in stage:
+    for stage_index, items_of_stage in enumerate(stages):
+        held = stage_index % pp == pp_rank and stage in (None, stage_index)
+        for item in items_of_stage:
             if item in counters:
-                if stage_index % pp == pp_rank:
+                if held:
                     items.append(f"{item}{counters[item]}")
                 counters[item] += 1
-            elif stage_index % pp == pp_rank:
+            elif held:
                 items.append(item)
     return [s for s in specs if _rank_holds(s, items)]
+
+
+def chunk_param_specs(
+    arch: MoEArchitecture, par: ParallelismDefaults, pp_rank: int, *, include_mtp: bool = True
+) -> list[list[ParamSpec]]:
+    """The parameters of each virtual-pipeline chunk pipeline rank ``pp_rank`` holds, chunk by
+    chunk (megatron wraps each chunk in its own DDP, with its own buffers)."""
+    if par.tp != 1 or par.cp != 1:
+        raise ValueError("the planner models TP = CP = 1")
+    specs = to_model_spec(arch, include_mtp=include_mtp).params()
+    stages = par.stages(arch)
+    return [
+        specs_on_rank(specs, stages, par.pp, pp_rank, stage=k)
+        for k in range(pp_rank, len(stages), par.pp)
+    ]
 
 
 def stage_param_specs(

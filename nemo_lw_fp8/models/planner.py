@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import layout as lo
@@ -284,6 +284,7 @@ class _Ownership:
     expert: dict[int, list[tuple[int, int]]]
     units: dict[int, int]
     cost: list[int]
+    expert_groups: list[dict[int, list[tuple[int, int]]]] = field(default_factory=list)
 
 
 def _expert_units(spec: ParamSpec, ownership: str) -> int:
@@ -293,26 +294,36 @@ def _expert_units(spec: ParamSpec, ownership: str) -> int:
 
 
 def _our_owners(specs: list[ParamSpec], dp: int, ep: int, ownership: str) -> _Ownership:
-    """Our owners keyed by spec index: dense matrices over the data-parallel group, expert
-    matrices over the expert-data-parallel group, each group on its own
-    (:func:`nemo_lw_fp8.layout.choose_pieces`, whole or in runs of experts)."""
+    """Our owners keyed by spec index, as :func:`nemo_lw_fp8.mechanics.compact.shard` computes
+    them: dense matrices over the data-parallel group first, then each expert-data-parallel
+    group's expert matrices starting from its members' dense work
+    (:func:`nemo_lw_fp8.layout.choose_pieces` with ``initial_loads``, whole or in runs of
+    experts), so each rank's total is balanced. ``expert`` is group 0's table (every group
+    holds the same shapes; their owners differ only through the members' dense work)."""
     edp = dp // ep
     units = {i: _expert_units(s, ownership) for i, s in enumerate(specs) if s.muon}
-    tables: list[dict[int, list[tuple[int, int]]]] = []
-    loads: list[list[int]] = []
-    for expert, world in ((False, dp), (True, edp)):
-        members = [i for i, s in enumerate(specs) if s.muon and s.expert_parallel == expert]
+
+    def owned(members: list[int], world: int, initial: list[int] | None):
         costs = [lo.newton_schulz_cost(specs[i].shape) for i in members]
-        pieces = lo.choose_pieces(
-            costs, [units[i] for i in members], world, [specs[i].numel for i in members], ownership
-        )
+        counts = [units[i] for i in members]
+        sizes = [specs[i].numel for i in members]
+        pieces = lo.choose_pieces(costs, counts, world, sizes, ownership, initial)
         table: dict[int, list[tuple[int, int]]] = {i: [] for i in members}
         for piece in pieces:
             table[members[piece.index]].append((piece.owner, piece.hi - piece.lo))
-        tables.append(table)
-        loads.append(lo.piece_loads(costs, [units[i] for i in members], pieces, world))
-    cost = [loads[0][r] + loads[1][r // ep] for r in range(dp)]
-    return _Ownership(tables[0], tables[1], units, cost)
+        return table, lo.piece_loads(costs, counts, pieces, world)
+
+    dense_members = [i for i, s in enumerate(specs) if s.muon and not s.expert_parallel]
+    expert_members = [i for i, s in enumerate(specs) if s.muon and s.expert_parallel]
+    dense, dense_loads = owned(dense_members, dp, None)
+    cost = list(dense_loads)
+    groups = []
+    for group in lo.default_expert_groups(dp, ep):
+        table, loads = owned(expert_members, edp, [dense_loads[r] for r in group])
+        for k, r in enumerate(group):
+            cost[r] += loads[k]
+        groups.append(table)
+    return _Ownership(dense, groups[0], units, cost, groups)
 
 
 def _param_bytes(buf: _Buffer, numel: int) -> int:

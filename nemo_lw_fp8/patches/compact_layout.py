@@ -62,7 +62,14 @@ def _make_compute_full_param_layout(original):
         )
         if not plugin_config.is_compact(ddp_config):
             return full
-        return compact.unpadded_layer_wise_layouts(full, params, bucket_size, ddp_config)
+        return compact.unpadded_layer_wise_layouts(
+            full,
+            params,
+            bucket_size,
+            ddp_config,
+            data_parallel_world_size,
+            expert_data_parallel_world_size,
+        )
 
     compute_full_param_layout.__wrapped__ = original
     return compute_full_param_layout
@@ -81,10 +88,7 @@ def _make_buffer_init(original):
 def _make_partition_buckets(original):
     def partition_buckets(buffers, force_single_bucket_group=False, **kwargs):
         """Never group buckets whose effective ``use_distributed_optimizer`` differs."""
-        groups = []
-        for subset in compact.split_by_effective_kind(buffers) or [buffers]:
-            groups += original(subset, force_single_bucket_group, **kwargs)
-        return groups
+        return compact.partition(original, buffers, force_single_bucket_group, **kwargs)
 
     partition_buckets.__wrapped__ = original
     return partition_buckets

@@ -73,6 +73,9 @@ class Scenario:
     save_dir: str | None = None
     #: Compact layout: transient padding allowed for an even gather (None: the default).
     gather_padding_tolerance: float | None = None
+    #: Compact layout: ``LayerWiseConfig.bucket_cap_numel`` (None: buckets end where the padded
+    #: layout ends them; 0: megatron's plain bucket_size).
+    bucket_cap_numel: int | None = None
     #: Expert-parallel size the model is built for (run it with ParallelSpec(ep=...)).
     ep: int = 1
     #: model "moe_grouped": one TE GroupedTensor per expert linear (``moe_single_grouped_weight``

@@ -61,6 +61,7 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
             else tolerance,
             grouped_weight_ownership=scenario.grouped_weight_ownership,
             **chosen,
+            bucket_cap_numel=scenario.bucket_cap_numel,
         ).attach(ddp_config)
     model = wrap_model_chunks_with_ddp(
         [module],

@@ -1,0 +1,246 @@
+"""Per-step gradient and gather traffic of one pipeline rank, chunk by chunk as megatron builds it.
+
+megatron wraps each virtual-pipeline chunk in its own DDP: its own buffers, buckets and bucket
+groups (``wrap_model_chunks_with_ddp``). Bucketing is on only for chunk 0 of pipeline rank 0;
+every other chunk has one bucket per buffer, and chunks after the first force one bucket group
+per process group (``disable_bucketing``). :func:`rank_traffic` lays out every chunk that way and
+compares four layouts of the same parameters:
+
+* ``stock_padded``: megatron-core 0.19.2's padded layer-wise layout (Muon) + DistributedOptimizer
+  (Adam on the rest); gradients reduce-scattered over the padded buffers.
+* ``compact_all_reduce``: zero-padding Muon buffers bucketed like plain DDP, gradients
+  all-reduced (upstream #5388 / #5479's traffic, and the plugin's path before issue 19).
+* ``compact_owner_reduce``: the plugin's new path. Compact buckets end where the padded layout
+  ends them (:func:`nemo_lw_fp8.layout.compact_bucket_counts`), and per bucket group the
+  gradients are packed in owner order into a transient buffer of the group's ``N`` elements,
+  then reduced to each owner in one coalesced launch: a rank sends ``N - s_r`` elements (ring
+  reduce: every non-root sends each segment once), ``s_r`` being what it owns in the group.
+* ``adam``: Adam on everything through megatron's DistributedOptimizer.
+
+Ownership of the compact layouts is the rank's one layer-wise optimizer's: over all its chunks
+together (:func:`.planner._our_owners`). Wire bytes are per rank, the worst rank; "exact" is a
+reduce-scatter of the same real gradients with no padding, ``(P - 1) / P`` of them per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .. import layout as lo
+from .planner import PARAM_BYTES, _bucket_groups, _buffers, _local_specs, _our_owners
+from .shapes import ParamSpec
+
+LAYOUTS = ("stock_padded", "compact_all_reduce", "compact_owner_reduce", "adam")
+
+
+def _chunk_bucket_sizes(chunks: int, pp_rank: int, bucket_size: int | None) -> list[int | None]:
+    """megatron's per-chunk bucket size: only chunk 0 of pipeline rank 0 is bucketed."""
+    return [bucket_size if (c == 0 and pp_rank == 0) else None for c in range(chunks)]
+
+
+def _groups(members: list[tuple[bool, int]], force_single: bool) -> list[list[tuple[int, int]]]:
+    """Bucket groups of one chunk's buffers of one process group (``(is_fp8, buckets)`` each)."""
+    if not members:
+        return []
+    if force_single:
+        return [[(i, b) for i, (_, n) in enumerate(members) for b in range(n)]]
+    return _bucket_groups(members)
+
+
+def lower_bound(costs: Sequence[int], loads: Sequence[int]) -> float:
+    """Largest single matrix cost over the mean cost per rank: no whole-matrix ownership can
+    have a smaller max/mean."""
+    total = sum(loads)
+    return max(costs, default=0) * len(loads) / total if total else 1.0
+
+
+def rank_traffic(
+    chunk_specs: Sequence[Sequence[ParamSpec]],
+    dp: int,
+    ep: int = 1,
+    *,
+    pp_rank: int = 0,
+    bucket_size: int | None = None,
+    fp8_param_gather: bool = True,
+    grad_bytes: int = 4,
+    bucket_cap_numel: int | None = None,
+    ownership: str = "whole",
+) -> dict[str, Any]:
+    """Traffic, padding and Newton-Schulz balance of one pipeline rank holding ``chunk_specs``
+    (one list of whole-model :class:`ParamSpec` per virtual-pipeline chunk, all experts; the EP
+    rank's share is cut here), over ``dp`` data-parallel and ``dp / ep`` expert-data-parallel
+    ranks. ``bucket_size`` ``None``: megatron's default ``max(40M, 1M * dp)``."""
+    if dp % ep:
+        raise ValueError(f"ep={ep} must divide dp={dp}")
+    edp = dp // ep
+    bucket_size = max(40_000_000, 1_000_000 * dp) if bucket_size is None else bucket_size
+    local = [_local_specs(list(specs), ep) for specs in chunk_specs]
+    merged = [s for specs in local for s in specs]
+    own = _our_owners(merged, dp, ep, ownership)
+    starts = [sum(len(c) for c in local[:k]) for k in range(len(local))]
+    sizes = _chunk_bucket_sizes(len(local), pp_rank, bucket_size)
+
+    def world(expert: bool) -> int:
+        return edp if expert else dp
+
+    def per_global(values: list[int], expert: bool) -> list[int]:
+        return [values[r // ep] for r in range(dp)] if expert else list(values)
+
+    acc = {
+        name: {
+            "wire": [0] * dp,
+            "exact": [0] * dp,
+            "grad_collectives": 0,
+            "gather_collectives": 0,
+            "transient_peak_bytes": 0,
+            "padding_numel": 0,
+        }
+        for name in LAYOUTS
+    }
+    stock_ns = [0] * dp
+
+    def ring(a: dict, w: int, numel: int, real: int, all_reduce: bool) -> None:
+        """A reduce-scatter (all-reduce: twice) of ``numel`` elements holding ``real`` ones."""
+        if w <= 1:
+            return
+        sent = (2 if all_reduce else 1) * numel * (w - 1) * grad_bytes // w
+        exact = real * (w - 1) * grad_bytes // w
+        for r in range(dp):
+            a["wire"][r] += sent
+            a["exact"][r] += exact
+
+    for c, specs in enumerate(local):
+        force_single = c > 0
+        for layer_wise, names in ((True, LAYOUTS[:3]), (False, ("adam",))):
+            buffers = _buffers(specs, fp8_param_gather, layer_wise=layer_wise)
+            per_kind: dict[str, dict[bool, list]] = {n: {False: [], True: []} for n in names}
+            for buf in buffers:
+                w = world(buf.expert)
+                shapes = buf.shapes
+                if not buf.muon:
+                    distopt = lo.stock_distopt_layout(shapes, w, sizes[c])
+                    for name in names:
+                        a = acc[name]
+                        a["padding_numel"] += distopt.numel - buf.numel
+                        for start, end, unpadded in distopt.buckets:
+                            ring(a, w, end - start, unpadded, False)
+                        per_kind[name][buf.expert].append((buf, len(distopt.buckets), None))
+                    continue
+                padded = lo.stock_padded_layout(shapes, w, sizes[c])
+                acc["stock_padded"]["padding_numel"] += padded.numel - buf.numel
+                for r, cost in enumerate(per_global(padded.rank_cost or [], buf.expert)):
+                    stock_ns[r] += cost
+                for start, end, unpadded in padded.buckets:
+                    ring(acc["stock_padded"], w, end - start, unpadded, False)
+                per_kind["stock_padded"][buf.expert].append((buf, len(padded.buckets), None))
+                # compact: per bucket, its pieces as (elements, owner)
+                backprop = list(range(len(buf.specs)))[::-1]
+                numels = [buf.specs[p].numel for p in backprop]
+                for name, cap in (("compact_all_reduce", 0), ("compact_owner_reduce", None)):
+                    if name == "compact_owner_reduce":
+                        cap = bucket_cap_numel
+                    counts = lo.compact_bucket_counts(numels, sizes[c], w, cap)
+                    buckets, k = [], 0
+                    for n in counts:  # per bucket: (spec index in the rank's list, elements)
+                        buckets.append(
+                            [(starts[c] + buf.indices[p], buf.specs[p].numel)
+                             for p in backprop[k : k + n]]
+                        )  # fmt: skip
+                        k += n
+                    per_kind[name][buf.expert].append((buf, len(buckets), buckets))
+            for name in names:
+                a = acc[name]
+                for expert, members in per_kind[name].items():
+                    w = world(expert)
+                    if w <= 1 or not members:
+                        continue
+                    # compact layouts never group Muon with Adam buckets (split_by_effective_kind)
+                    kinds = (
+                        [[m for m in members if m[0].muon], [m for m in members if not m[0].muon]]
+                        if name.startswith("compact")
+                        else [members]
+                    )
+                    fp8 = any(m[0].fp8 for m in members)
+                    for kind in filter(None, kinds):
+                        # an Adam kind split off from an FP8 buffer stays one group
+                        # (mechanics.compact.partition), as in megatron's case 3
+                        single = force_single or (
+                            name.startswith("compact") and fp8 and not any(m[0].fp8 for m in kind)
+                        )
+                        groups = _groups([(m[0].fp8, m[1]) for m in kind], single)
+                        a["grad_collectives"] += len(groups)
+                        if name == "stock_padded":  # layer-wise and DistOpt gather separately
+                            a["gather_collectives"] += sum(
+                                len({kind[i][0].muon for i, _ in g}) for g in groups
+                            )
+                        else:
+                            a["gather_collectives"] += len(groups)
+                        if not name.startswith("compact") or not kind[0][0].muon:
+                            continue
+                        # every expert-data-parallel group owns its experts its own way
+                        if expert:
+                            expert_groups = lo.default_expert_groups(dp, ep)
+                            tables = list(zip(own.expert_groups, expert_groups, strict=True))
+                        else:
+                            tables = [(own.dense, list(range(dp)))]
+                        for g in groups:
+                            items = [item for i, b in g for item in kind[i][2][b]]
+                            n_group = sum(n for _, n in items)
+                            exact = n_group * (w - 1) // w
+                            if name == "compact_all_reduce":
+                                peak = n_group * PARAM_BYTES  # the gather's transient
+                            else:
+                                peak = n_group * max(grad_bytes, PARAM_BYTES)
+                            a["transient_peak_bytes"] = max(a["transient_peak_bytes"], peak)
+                            for table, ranks in tables:
+                                owned = [0] * w
+                                for i, n in items:
+                                    for owner, units in table[i]:
+                                        owned[owner] += n * units // own.units[i]
+                                for member, r in enumerate(ranks):
+                                    if name == "compact_all_reduce":
+                                        sent = 2 * n_group * (w - 1) // w
+                                    else:
+                                        sent = n_group - owned[member]
+                                    a["wire"][r] += sent * grad_bytes
+                                    a["exact"][r] += exact * grad_bytes
+
+    dense = [lo.newton_schulz_cost(s.shape) for s in merged if s.muon and not s.expert_parallel]
+    expert_fixed = sum(
+        lo.newton_schulz_cost(s.shape) for s in merged if s.muon and s.expert_parallel
+    )
+    out: dict[str, Any] = {"dp": dp, "ep": ep, "pp_rank": pp_rank, "chunks": len(local)}
+    for name in LAYOUTS:
+        a = acc[name]
+        worst = max(range(dp), key=lambda r: (a["wire"][r], -r))
+        exact = a["exact"][worst]
+        entry = {
+            "grad_wire_bytes": a["wire"][worst],
+            "exact_reduce_scatter_bytes": exact,
+            "grad_wire_over_exact": a["wire"][worst] / exact if exact else 1.0,
+            "grad_collectives": a["grad_collectives"],
+            "gather_collectives": a["gather_collectives"],
+            "transient_peak_bytes": a["transient_peak_bytes"],
+            "padding_numel": a["padding_numel"],
+            "newton_schulz": None,
+        }
+        if name != "adam":
+            loads = stock_ns if name == "stock_padded" else own.cost
+            bound = lower_bound(_expert_aware_costs(merged, ownership, own), loads)
+            if edp == 1 and sum(loads):
+                # a rank's own experts cannot move: it carries them plus its largest matrix
+                bound = max(bound, (expert_fixed + max(dense, default=0)) * dp / sum(loads))
+            entry["newton_schulz"] = {"max_over_mean": lo.imbalance(loads), "lower_bound": bound}
+        out[name] = entry
+    return out
+
+
+def _expert_aware_costs(specs: list[ParamSpec], ownership: str, own: Any) -> list[int]:
+    """Costs of the smallest units ownership can hand out: whole matrices, or single experts
+    of a grouped weight owned in runs."""
+    costs = []
+    for i, s in enumerate(specs):
+        if s.muon:
+            costs.append(lo.newton_schulz_cost(s.shape) // own.units.get(i, 1))
+    return costs
