@@ -10,69 +10,75 @@ from __future__ import annotations
 import os
 import sys
 
-MUTATION = os.environ.get("NEMO_LW_FP8_TEST_MUTATION", "")
 
-if MUTATION == "masters_from_fp8":
-    # Masters from the dequantized FP8 weights (stock layer-wise behaviour), not TE's init values.
-    import nemo_lw_fp8.mechanics.masters as masters
+def install_mutation(mutation: str) -> None:
+    """Switch one fix off in this process (before the ranks start, after imports is fine: the
+    plugin looks these functions up on their modules when it calls them)."""
+    if mutation == "masters_from_fp8":
+        # Masters from the dequantized FP8 weights (stock layer-wise behaviour), not TE's init
+        # values.
+        import nemo_lw_fp8.mechanics.masters as masters
 
-    masters.init_masters_from_high_precision = lambda optimizer: None
-elif MUTATION == "stage_before_hook_gather":
-    # No staging before the gathers of an eval run with the pre-hooks on (stock behaviour).
-    import nemo_lw_fp8.mechanics.staging as staging
+        masters.init_masters_from_high_precision = lambda optimizer: None
+    elif mutation == "stage_before_hook_gather":
+        # No staging before the gathers of an eval run with the pre-hooks on (stock behaviour).
+        import nemo_lw_fp8.mechanics.staging as staging
 
-    staging.stage_if_unstaged = lambda chunk: None
-elif MUTATION == "save_param_sync":
-    # No forced param gather before a save of a layer-wise run (Bridge 0.6.2's behaviour).
-    import nemo_lw_fp8.mechanics.checkpointing as checkpointing
+        staging.stage_if_unstaged = lambda chunk: None
+    elif mutation == "save_param_sync":
+        # No forced param gather before a save of a layer-wise run (Bridge 0.6.2's behaviour).
+        import nemo_lw_fp8.mechanics.checkpointing as checkpointing
 
-    checkpointing.save_needs_param_sync = lambda cfg: False
-elif MUTATION == "blockwise_columnwise":
-    # Receivers keep the columnwise copy of gathered blockwise weights as it was (the dgrad
-    # GEMM then reads stale weights); the rowwise copy is still refreshed.
-    import nemo_lw_fp8.mechanics.blockwise as blockwise
+        checkpointing.save_needs_param_sync = lambda cfg: False
+    elif mutation == "blockwise_columnwise":
+        # Receivers keep the columnwise copy of gathered blockwise weights as it was (the dgrad
+        # GEMM then reads stale weights); the rowwise copy is still refreshed.
+        import nemo_lw_fp8.mechanics.blockwise as blockwise
 
-    blockwise.derive_columnwise = lambda params: None
-elif MUTATION == "nudge_loaded_master":
-    # After a checkpoint load, each rank's first layer-wise fp32 master moves up by one ulp:
-    # the state the run goes on from is then not the state that was saved.
-    import math
+        blockwise.derive_columnwise = lambda params: None
+    elif mutation == "nudge_loaded_master":
+        # After a checkpoint load, each rank's first layer-wise fp32 master moves up by one ulp:
+        # the state the run goes on from is then not the state that was saved.
+        import math
 
-    import torch
+        import torch
 
-    import nemo_lw_fp8.patches.bridge_checkpoint_compat as compat
+        import nemo_lw_fp8.patches.bridge_checkpoint_compat as compat
 
-    def _leaves(optimizer):
-        children = getattr(optimizer, "chained_optimizers", None)
-        if children is None:
-            yield optimizer
-        for child in children or ():
-            yield from _leaves(child)
+        def _leaves(optimizer):
+            children = getattr(optimizer, "chained_optimizers", None)
+            if children is None:
+                yield optimizer
+            for child in children or ():
+                yield from _leaves(child)
 
-    def _nudge_first_master(optimizer) -> None:
-        for leaf in _leaves(optimizer):  # the layer-wise Muon wrappers hold these groups
-            for group in getattr(leaf, "fp32_from_float16_groups", None) or []:
-                if group:
-                    flat = group[0].data.view(-1)
-                    flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf))
-                    return
+        def _nudge_first_master(optimizer) -> None:
+            for leaf in _leaves(optimizer):  # the layer-wise Muon wrappers hold these groups
+                for group in getattr(leaf, "fp32_from_float16_groups", None) or []:
+                    if group:
+                        flat = group[0].data.view(-1)
+                        flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf))
+                        return
 
-    _make_load = compat._make_load
+        _make_load = compat._make_load
 
-    def _nudging_make_load(original):
-        def load(load_dir, state, model, optimizer, *args, **kwargs):
-            loaded = original(load_dir, state, model, optimizer, *args, **kwargs)
-            _nudge_first_master(optimizer)
-            return loaded
+        def _nudging_make_load(original):
+            def load(load_dir, state, model, optimizer, *args, **kwargs):
+                loaded = original(load_dir, state, model, optimizer, *args, **kwargs)
+                _nudge_first_master(optimizer)
+                return loaded
 
-        return _make_load(load)
+            return _make_load(load)
 
-    compat._make_load = _nudging_make_load
-elif MUTATION:
-    raise SystemExit(f"unknown mutation {MUTATION!r}")
+        compat._make_load = _nudging_make_load
+    elif mutation:
+        raise SystemExit(f"unknown mutation {mutation!r}")
 
-PROBE = os.environ.get("NEMO_LW_FP8_TEST_PROBE", "")
-if PROBE:
+
+def install_probe(prefix: str) -> None:
+    """Each rank writes ``{prefix}.rank<N>.json``: what its layer-wise optimizer was built over."""
+    if not prefix:
+        return
     # What the layer-wise optimizer was built over, per rank (tests/test_bridge_hopper.py, the
     # Hopper twins): the emulated FP8 linears, persistent blockwise weights, blockwise plans.
     import json
@@ -96,10 +102,14 @@ if PROBE:
         _seen["linears"] = linears
         _seen["blockwise_weights"] = len(blockwise.layer_wise_blockwise_params(optimizer))
         _set_up(optimizer)
-        with open(f"{PROBE}.rank{os.environ.get('RANK', '0')}.json", "w") as handle:
+        with open(f"{prefix}.rank{os.environ.get('RANK', '0')}.json", "w") as handle:
             json.dump(_seen, handle)
 
     blockwise.set_up, blockwise.attach_groups = _probe_set_up, _probe_attach
+
+
+install_mutation(os.environ.get("NEMO_LW_FP8_TEST_MUTATION", ""))
+install_probe(os.environ.get("NEMO_LW_FP8_TEST_PROBE", ""))
 
 from nemo_lw_fp8 import cli  # noqa: E402
 

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from tests.support.fork_server import stop_server
 from tests.support.harness import shutdown_pools
 
 
@@ -23,9 +24,11 @@ def bridge_installed() -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _stop_rank_pools():
-    """Rank pools live for the whole session (imports paid once); stop them at the end."""
+    """Rank pools and the Bridge runs' launch server live for the whole session (imports paid
+    once); stop them at the end."""
     yield
     shutdown_pools()
+    stop_server()
 
 
 def pytest_configure(config):

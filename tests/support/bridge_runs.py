@@ -1,8 +1,8 @@
 """Runs of ``nemo-lw-fp8 pretrain --cpu`` for the Bridge tests, in ranks launched by ``torchrun``
-as a user launches them, or forked from one process that imported the stack already
-(``launcher="fork"``, tests/fork_run.py: the same entry point and rank environment, without
-~20 s of imports per rank). tests/bridge_run.py adds an optional mutation that switches one fix
-off.
+as a user launches them, or forked from the session's launch server, which imported the stack
+once (``launcher="fork"``, tests/fork_run.py and tests/support/fork_server.py: the same entry
+point and rank environment, without ~20 s of imports per run). tests/bridge_run.py adds an
+optional mutation that switches one fix off.
 
 :func:`pretrain` returns the run's record: ``train`` (per iteration: reduced ``lm loss`` and
 ``grad norm``), ``eval`` (per evaluation), ``ranks`` (each rank's digest of its fp32 masters
@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support import fork_server
+
 HERE = Path(__file__).parent.parent
 #: FP8 param gather off, everything else as the recipe ships (the parity reference).
 GATHER_OFF = (
@@ -32,8 +34,15 @@ LAUNCHERS = ("torchrun", "fork")
 
 
 def _launch(
-    tmp: Path, tag: str, recipe: str, overrides: tuple[str, ...], nproc: int, mutation: str,
-    timeout: int, launcher: str = "torchrun", probe: str = "",
+    tmp: Path,
+    tag: str,
+    recipe: str,
+    overrides: tuple[str, ...],
+    nproc: int,
+    mutation: str,
+    timeout: int,
+    launcher: str = "torchrun",
+    probe: str = "",
 ) -> subprocess.CompletedProcess:
     env = dict(os.environ, NEMO_LW_FP8_TEST_MUTATION=mutation, NEMO_LW_FP8_TEST_PROBE=probe)
     port = str(29500 + (os.getpid() * 7 + sum(map(ord, tag))) % 400)
@@ -43,7 +52,7 @@ def _launch(
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                    "--master-port", port, str(HERE / "bridge_run.py"), *words]  # fmt: skip
     elif launcher == "fork":
-        command = [sys.executable, str(HERE / "fork_run.py"), str(nproc), port, *words]
+        return fork_server.server().run(nproc, port, words, env, timeout, tmp, tag)
     else:
         raise ValueError(f"launcher {launcher!r}: one of {LAUNCHERS}")
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)

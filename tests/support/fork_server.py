@@ -1,0 +1,116 @@
+"""Client of the launch server of tests/fork_run.py (``fork_run.py --serve``): one process per
+test session imports Megatron-Bridge, megatron-core and the TE emulation once, and every Bridge
+run of the suite is forked from it (``bridge_runs.pretrain(launcher="fork")``, the default).
+
+Why: a run launched as its own process spends ~20 s of CPU on those imports before its ranks
+fork; the suite launches ~50 runs. What a run executes is unchanged: the same entry point, rank
+environment and freshly imported state (see :func:`fork_run.serve`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FORK_RUN = Path(__file__).parent.parent / "fork_run.py"
+#: Read per request by tests/bridge_run.py; kept out of the server's own environment.
+PER_RUN_VARIABLES = ("NEMO_LW_FP8_TEST_MUTATION", "NEMO_LW_FP8_TEST_PROBE")
+START_TIMEOUT_S = 600.0
+
+
+class LaunchServer:
+    """A running ``fork_run.py --serve`` and the requests it answers, one at a time."""
+
+    def __init__(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in PER_RUN_VARIABLES}
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - open while the server lives
+            prefix="fork-server-", suffix=".log", delete=False
+        )
+        self._proc = subprocess.Popen(
+            [sys.executable, str(FORK_RUN), "--serve"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
+            bufsize=1,
+        )  # fmt: skip
+        self._read(START_TIMEOUT_S, "start")
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def _read(self, timeout: float, what: str) -> dict:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._proc.stdout, selectors.EVENT_READ)
+            if not selector.select(timeout):
+                raise TimeoutError(f"launch server: no answer within {timeout:.0f} s ({what})")
+        line = self._proc.stdout.readline()
+        if not line:
+            self._log.flush()
+            tail = Path(self._log.name).read_text()[-4000:]
+            raise RuntimeError(f"launch server exited ({what}); its output:\n{tail}")
+        return json.loads(line)
+
+    def run(
+        self,
+        nproc: int,
+        port: str,
+        words: list[str],
+        env: dict[str, str],
+        timeout: float,
+        output_dir: Path,
+        tag: str,
+    ) -> subprocess.CompletedProcess:
+        """Launch one run and wait for it, as ``subprocess.run(..., timeout=timeout)`` would:
+        its stdout / stderr in the result, ``TimeoutExpired`` after killing it at the deadline."""
+        out, err = output_dir / f"{tag}.stdout", output_dir / f"{tag}.stderr"
+        request = {"nproc": nproc, "port": port, "words": words, "env": env,
+                   "cwd": os.getcwd(), "stdout": str(out), "stderr": str(err)}  # fmt: skip
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        pid = self._read(60.0, tag)["pid"]
+        deadline = time.monotonic() + timeout
+        try:
+            code = self._read(timeout, tag)["code"]
+        except TimeoutError:
+            os.killpg(pid, signal.SIGKILL)
+            self._read(60.0, f"{tag} (killed)")
+            raise subprocess.TimeoutExpired(
+                [str(FORK_RUN), *words], timeout, out.read_text(), err.read_text()
+            ) from None
+        assert time.monotonic() <= deadline + 60.0
+        return subprocess.CompletedProcess(words, code, out.read_text(), err.read_text())
+
+    def stop(self) -> None:
+        if self.alive:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._log.close()
+        Path(self._log.name).unlink(missing_ok=True)
+
+
+_SERVER: LaunchServer | None = None
+
+
+def server() -> LaunchServer:
+    """The session's launch server, started on first use (again if it died)."""
+    global _SERVER
+    if _SERVER is None or not _SERVER.alive:
+        _SERVER = LaunchServer()
+    return _SERVER
+
+
+def stop_server() -> None:
+    global _SERVER
+    if _SERVER is not None:
+        _SERVER.stop()
+        _SERVER = None
