@@ -14,6 +14,9 @@ test_bridge_training.py and the flagship twin's resume test, whose uninterrupted
 launched by torchrun and must equal the resumed one launched here.
 
 A rank that fails ends the others (as torchrun does) and the launcher exits with its status.
+
+``python tests/fork_run.py --serve`` is the suite's launch server (:func:`serve`): the imports
+are done once per test session and each run is forked from there.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Save and resume through Megatron-Bridge's own ``pretrain`` loop (2 CPU ranks, torchrun),
 launched as ``nemo llm pretrain`` (nemo-run's CLI; the control runs ``nemo-lw-fp8 pretrain``
-through tests/bridge_run.py, which can switch a fix off).
+through tests/bridge_run.py, which can switch a fix off, forked from the tests' launch server).
 
 tiny DeepSeek-V3 with every plugin feature on (layer-wise Muon, compact layout, overlapped
 gathers, MXFP8 param gather): a run saves a ``torch_dist`` checkpoint at iteration 2 and goes
@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import bridge_runs as br
+
 HERE = Path(__file__).parent
 
 pytestmark = pytest.mark.usefixtures("bridge_installed")
@@ -43,20 +45,6 @@ def _nemo_llm_pretrain(tmp: Path, tag: str, *extra: str) -> dict:
          port, nemo, "llm", "pretrain", "--factory", "tiny_deepseek_v3", "--yes", "cpu=True",
          f"losses_json={out}", overrides],
         capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return json.loads(out.read_text())
-
-
-def _pretrain(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
-    out = tmp / f"{tag}.json"
-    env = dict(os.environ, NEMO_LW_FP8_TEST_MUTATION=mutation)
-    port = str(29500 + (os.getpid() + hash(tag)) % 200)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-         "--master-port", port, str(HERE / "bridge_run.py"), "pretrain", "--recipe",
-         "tiny_deepseek_v3", "--cpu", "--losses-json", str(out), *COMMON, *extra],
-        capture_output=True, text=True, env=env, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return json.loads(out.read_text())
@@ -100,7 +88,8 @@ def test_save_and_resume_in_fresh_processes_is_bitwise(tmp_path):
     # Control: without the forced gather before the save, Bridge writes the weights of the
     # step before (the overlapped gather waits for the next forward).
     stale_dir = tmp_path / "stale"
-    _pretrain(tmp_path, "stale", "train.train_iters=2", f"checkpoint.save={stale_dir}",
-              "checkpoint.save_interval=2", mutation="save_param_sync")  # fmt: skip
+    br.pretrain(tmp_path, "stale", "tiny_deepseek_v3", *COMMON, "train.train_iters=2",
+                f"checkpoint.save={stale_dir}", "checkpoint.save_interval=2",
+                mutation="save_param_sync")  # fmt: skip
     stale = _saved_weights_vs_masters(stale_dir / "iter_0000002")
     assert len(stale["stale"]) > 10, stale

@@ -4,15 +4,12 @@ bitwise, with a control that switches the receivers' columnwise refresh off."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).parent
+from tests.support import bridge_runs as br
+
 RECIPE = "tiny_deepseek_v3_hopper"
 STEPS = 3
 
@@ -21,23 +18,12 @@ pytestmark = pytest.mark.usefixtures("bridge_installed")
 
 def _train(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
     """One 2-rank ``nemo-lw-fp8 pretrain --cpu`` run: its losses and, per rank, what the
-    layer-wise optimizer was built over (``tests/bridge_run.py``'s probe)."""
-    out, probe = tmp / f"{tag}.json", tmp / f"{tag}-probe"
-    env = dict(
-        os.environ, NEMO_LW_FP8_TEST_MUTATION=mutation, NEMO_LW_FP8_TEST_PROBE=str(probe)
-    )
-    port = str(29500 + (os.getpid() + hash(tag)) % 150)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-         "--master-port", port, str(HERE / "bridge_run.py"), "pretrain", "--recipe", RECIPE,
-         "--cpu", "--losses-json", str(out), f"train.train_iters={STEPS}",
-         f"validation.eval_interval={STEPS}", "train.global_batch_size=4", *extra],
-        capture_output=True, text=True, env=env, timeout=900,
-    )  # fmt: skip
-    # A control run that crashes fails here: it must diverge, not die.
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    run = json.loads(out.read_text())
-    run["ranks"] = [json.loads(Path(f"{probe}.rank{r}.json").read_text()) for r in (0, 1)]
+    layer-wise optimizer was built over (``tests/bridge_run.py``'s probe). A control run that
+    crashes fails here: it must diverge, not die."""
+    run = br.pretrain(tmp, tag, RECIPE, f"train.train_iters={STEPS}",
+                      f"validation.eval_interval={STEPS}", "train.global_batch_size=4", *extra,
+                      mutation=mutation, probe=True)  # fmt: skip
+    run["ranks"] = run["probe"]
     return run
 
 

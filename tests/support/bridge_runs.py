@@ -94,7 +94,7 @@ def pretrain(
 
 def pretrain_refused(tmp: Path, tag: str, recipe: str, *overrides: str, nproc: int = 2) -> str:
     """A run expected to stop with an error: its whole output (asserting that it stopped)."""
-    done = _launch(tmp, tag, recipe, overrides, nproc, "", 600)
+    done = _launch(tmp, tag, recipe, overrides, nproc, "", 600, launcher="fork")
     assert done.returncode != 0, f"{tag} was expected to stop but trained"
     return done.stdout + done.stderr
 

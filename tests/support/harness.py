@@ -412,13 +412,39 @@ class RankPool:
 _POOLS: dict[tuple[int, BootOptions], RankPool] = {}
 
 
+#: Rank processes kept alive across pools. Each holds ~0.8 GB once megatron is imported, and
+#: the suite uses a dozen pool shapes (world size x boot options): beyond this many processes,
+#: the least recently used pools stop before a new one starts, so idle pools do not crowd out
+#: the Bridge runs' ranks on a 2-core, ~20 GB machine.
+MAX_LIVE_RANKS = int(os.environ.get("NEMO_LW_FP8_MAX_LIVE_RANKS", "8"))
+#: If set, a file that gets one line per pool start (what the suite pays in imports).
+POOL_LOG = os.environ.get("NEMO_LW_FP8_POOL_LOG", "")
+
+
+def _make_room(needed: int) -> None:
+    live = sum(pool.world_size for pool in _POOLS.values() if pool.alive)
+    for key in list(_POOLS):  # least recently used first
+        if live + needed <= MAX_LIVE_RANKS:
+            return
+        pool = _POOLS.pop(key)
+        if pool.alive:
+            live -= pool.world_size
+        pool.shutdown()
+
+
 def get_pool(world_size: int, boot: BootOptions = BootOptions()) -> RankPool:
     """A live pool for this world size and boot options, started on first use."""
     key = (world_size, boot)
-    pool = _POOLS.get(key)
+    pool = _POOLS.pop(key, None)  # put back last: the dict runs from least to most recent
     if pool is None or not pool.alive:
+        _make_room(world_size)
+        started = time.monotonic()
         pool = RankPool(world_size, boot)
-        _POOLS[key] = pool
+        if POOL_LOG:
+            with open(POOL_LOG, "a") as log:
+                test = os.environ.get("PYTEST_CURRENT_TEST", "?")
+                log.write(f"{time.monotonic() - started:.1f}s {world_size} {boot} {test}\n")
+    _POOLS[key] = pool
     return pool
 
 
