@@ -7,8 +7,9 @@ clipping, dropout and auxiliary loss as shipped.
 FP8 param gather ON = OFF bitwise: every iteration's reduced loss and global grad norm (the
 clipping input), every evaluation, and every rank's fp32 masters and optimizer state at the end.
 The flagship twins resume bitwise in fresh processes (the DeepSeek-V3 MXFP8 twin from a run of
-its own, the Hopper and Qwen3-235B MXFP8 twins from their parity ON run); resuming at another
-data-parallel size and ownership: tests/test_twin_resharding.py.
+its own, the Hopper and Qwen3-235B MXFP8 twins from their parity ON run), and the Hopper and
+Qwen3-235B MXFP8 twins at twice the data-parallel size from the ON run's checkpoint (the
+DeepSeek-V3 MXFP8 twin's resharding with its control: tests/test_twin_resharding.py).
 """
 
 from __future__ import annotations
@@ -132,8 +133,8 @@ RESHARDED = {"deepseek_v3_hopper": "whole", "qwen3_235b_a22b_mxfp8": "expert"}
 def test_flagship_twin_resumes_at_dp4(twin_run, tmp_path, recipe):
     """The Hopper (blockwise FP8, PP 2 x EP 2) and Qwen3-235B MXFP8 (PP 2 x VPP 2 x EP 2) twins'
     parity ON run (DP 2, expert-data-parallel size 1, each grouped weight owned whole) saved at
-    iteration 2; twice the ranks (DP 4, expert-data-parallel size 2: other owners for every
-    Muon matrix, dense and expert; Qwen3: each grouped weight's experts split over two owners)
+    iteration 2; twice the ranks (DP 4, expert-data-parallel size 2: the Muon matrices, dense
+    and expert, over twice the owners; Qwen3: each grouped weight's experts split over two)
     load it and train iteration 3 (no evaluation). Right after the load, the fp32 masters,
     Muon momentum and Adam moments, per parameter and expert, equal the ON run's end state,
     bit for bit (the comparison's control: tests/test_twin_resharding.py)."""
