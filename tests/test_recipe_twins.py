@@ -7,11 +7,14 @@ clipping, dropout and auxiliary loss as shipped.
 FP8 param gather ON = OFF bitwise: every iteration's reduced loss and global grad norm (the
 clipping input), every evaluation, and every rank's fp32 masters and optimizer state at the end.
 The flagship twins resume bitwise in fresh processes (the DeepSeek-V3 MXFP8 twin from a run of
-its own, the Hopper and Qwen3-235B MXFP8 twins from their parity ON run); resuming at another
-data-parallel size and ownership: tests/test_twin_resharding.py.
+its own, the Hopper and Qwen3-235B MXFP8 twins from their parity ON run), and the Hopper and
+Qwen3-235B MXFP8 twins at twice the data-parallel size from the ON run's checkpoint (the
+DeepSeek-V3 MXFP8 twin's resharding with its control: tests/test_twin_resharding.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -116,6 +119,43 @@ def test_flagship_twin_resumes_from_the_parity_run(twin_run, tmp_path, recipe):
     assert len(br.eval_losses(resumed)) == 2 and br.eval_losses(resumed) == br.eval_losses(on)[1:]
     assert resumed["ranks"] == on["ranks"]
     assert resumed["state"]["end"] == on["state"]["end"]
+
+
+#: Flagship twins whose parity ON run's iteration-2 checkpoint (written as Bridge writes it by
+#: default: the sibling Adam ``dp_reshardable``) is loaded at DP 4, and the grouped-weight
+#: ownership there: the Qwen3-235B MXFP8 twin splits each single grouped weight's experts over
+#: two owners; the Hopper twins keep megatron's discrete expert weights (rule
+#: ``grouped-weight-blockwise-gather``), which have no grouped weight to split.
+RESHARDED = {"deepseek_v3_hopper": "whole", "qwen3_235b_a22b_mxfp8": "expert"}
+
+
+@pytest.mark.parametrize("recipe", sorted(RESHARDED))
+def test_flagship_twin_resumes_at_dp4(twin_run, tmp_path, recipe):
+    """The Hopper (blockwise FP8, PP 2 x EP 2) and Qwen3-235B MXFP8 (PP 2 x VPP 2 x EP 2) twins'
+    parity ON run (DP 2, expert-data-parallel size 1, each grouped weight owned whole) saved at
+    iteration 2; twice the ranks (DP 4, expert-data-parallel size 2: the Muon matrices, dense
+    and expert, over twice the owners; Qwen3: each grouped weight's experts split over two)
+    load it and train iteration 3 (no evaluation). Right after the load, the fp32 masters,
+    Muon momentum and Adam moments, per parameter and expert, equal the ON run's end state,
+    bit for bit (the comparison's control: tests/test_twin_resharding.py)."""
+    on = twin_run(recipe, "on", save=True)
+    ownership = RESHARDED[recipe]
+    grown = br.pretrain(tmp_path, "dp4", f"twin_{recipe}", "train.train_iters=3",
+                        "validation.eval_interval=100", "validation.eval_iters=0",
+                        f"checkpoint.load={on['checkpoint']}", "checkpoint.ckpt_step=2",
+                        f"optimizer.grouped_weight_ownership={ownership}",
+                        nproc=2 * twins.twin_world_size(recipe), timeout=1500)  # fmt: skip
+    saved = on["state"]["end"]
+    kinds = {kind for entry in saved.values() for kind in entry}
+    assert {"master", "momentum_buffer", "exp_avg", "exp_avg_sq"} <= kinds, kinds
+    assert on["expert_slices"] == 0  # whole grouped weights (or none) at DP 2
+    assert grown["grouped_weight_ownership"] == ownership
+    assert (grown["expert_slices"] > 0) == (ownership == "expert"), grown["expert_slices"]
+    moved = sorted(k for k in set(saved) | set(grown["state"]["start"])
+                   if saved.get(k) != grown["state"]["start"].get(k))  # fmt: skip
+    assert moved == []
+    assert len(br.losses(grown)) == 1 and all(math.isfinite(x) for x in br.losses(grown))
+    assert grown["state"]["end"] != grown["state"]["start"]  # it trained
 
 
 def test_twin_controls_catch_each_broken_fix(twin_run):

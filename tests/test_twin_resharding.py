@@ -23,7 +23,8 @@ from tests.support import bridge_runs as br
 from tests.support.harness import run_on_ranks
 
 RECIPE = "twin_deepseek_v3_mxfp8"
-#: Model-space Adam state (``fully_reshardable``): a DP 2 rank's byte range is not a DP 4 one's.
+#: Model-space Adam state (``fully_reshardable``; Bridge's default ``dp_reshardable`` reshards too,
+#: tested on the Hopper and Qwen3-235B twins in test_recipe_twins.py).
 COMMON = ("checkpoint.dist_ckpt_optim_fully_reshardable=true", "validation.eval_interval=100",
           "validation.eval_iters=1")  # fmt: skip
 
