@@ -408,3 +408,58 @@ def test_checkpoint_resume_is_bitwise(tmp_path):
             assert torch.equal(master, after["masters"][name]), name
         for key, value in full["state"].items():
             assert _equal(value, after["state"][key]), key
+
+
+# --------------------------------------------------------------------------- the owner layout
+
+
+def test_owner_layout_moves_gradients_with_their_params():
+    """One bucket re-laid in owner order inside its own grad buffer: each param's gradient view
+    (``main_grad``, or ``main_grad_copy_in_grad_buffer`` beside a separate fp32 ``main_grad``)
+    moves with the values it held, the bucket's and buffer's indices follow, and a grouped
+    weight owned in runs of experts by two ranks gives one span per run."""
+    from types import SimpleNamespace
+
+    from nemo_lw_fp8.mechanics import compact, expert_slices
+
+    def param(*shape):
+        return torch.nn.Parameter(torch.zeros(shape))
+
+    a, b, grouped, d = param(4, 3), param(2, 2), param(4, 2, 2), param(2, 3)
+    first = expert_slices.ExpertSlice(grouped, 0, 2)
+    second = expert_slices.ExpertSlice(grouped, 2, 4)
+    order = [a, b, grouped, d]  # megatron's (backprop) order in the bucket
+    grad = torch.arange(38, dtype=torch.float32)
+    grad_data = torch.zeros(40)[2:]  # the bucket is a view of its buffer, from offset 2
+    grad_data.copy_(grad)
+    to_index, index_map, start = {}, {}, 0
+    for p in order:
+        slot = grad_data[start : start + p.numel()].view(p.shape)
+        if p is d:
+            p.main_grad_copy_in_grad_buffer, p.main_grad = slot, torch.full(p.shape, -1.0)
+        else:
+            p.main_grad = slot
+        to_index[p] = (start, start + p.numel())
+        index_map[p] = (2 + start, 2 + start + p.numel(), 0)
+        start += p.numel()
+    before = {id(p): grad[s:e].clone() for p, (s, e) in to_index.items()}
+    record = SimpleNamespace(
+        pieces={a: [a], b: [b], grouped: [second, first], d: [d]},
+        owner_of={a: 1, b: 0, first: 1, second: 0, d: 1},
+    )
+    bucket = SimpleNamespace(
+        params_list=order, grad_data=grad_data, param_to_index=to_index, offset=2
+    )
+    spans = compact.lay_out_grads_by_owner(bucket, record, [index_map])
+    # b (owner 0) first, then a, the grouped weight's first run and d (owner 1), then its
+    # second run (owner 0).
+    assert spans == [(0, 0, 4), (1, 4, 24), (0, 24, 32), (1, 32, 38)]
+    assert to_index == {b: (0, 4), a: (4, 16), grouped: (16, 32), d: (32, 38)}
+    for p in order:
+        s, e = to_index[p]
+        assert index_map[p] == (2 + s, 2 + e, 0)
+        slot = d.main_grad_copy_in_grad_buffer if p is d else p.main_grad
+        assert slot.data_ptr() == grad_data[s:].data_ptr() and slot.shape == p.shape
+        assert torch.equal(slot.reshape(-1), before[id(p)]), p.shape
+    assert torch.equal(d.main_grad, torch.full(d.shape, -1.0))  # the fp32 copy is left alone
+    assert torch.equal(first.main_grad.reshape(-1), before[id(grouped)][:8])

@@ -473,14 +473,20 @@ def test_compact_buckets_end_where_megatron_padded_buckets_end(dp):
 
 def test_owner_reduce_traffic_by_hand():
     """Four equal matrices on four ranks: each owns one, sends the other three once (3/4 of the
-    group, an exact reduce-scatter); the all-reduce path sends twice that. One matrix four
+    group, an exact reduce-scatter) in one reduce per owner, in place; the all-reduce path sends
+    twice that. One matrix four
     times larger: the padded layout pads every shard to it, the owner-reduce path does not."""
     from nemo_lw_fp8.models.traffic import rank_traffic
 
     even = rank_traffic([_matrices([(64, 64)] * 4)], 4, bucket_size=10**9)
     assert even["compact_owner_reduce"]["grad_wire_over_exact"] == 1.0
     assert even["compact_all_reduce"]["grad_wire_over_exact"] == 2.0
-    assert even["compact_owner_reduce"]["transient_peak_bytes"] == 4 * 64 * 64 * 4
+    # In place: the only transient is the gather's bf16 receive buffer, as without owner reduce.
+    assert even["compact_owner_reduce"]["transient_peak_bytes"] == 4 * 64 * 64 * 2
+    assert even["compact_owner_reduce"]["grad_reduces"] == 4
+    # Eight matrices, two per rank: still one reduce per owner (owner order in the bucket).
+    eight = rank_traffic([_matrices([(64, 64)] * 8)], 4, bucket_size=10**9)
+    assert eight["compact_owner_reduce"]["grad_reduces"] == 4
     uneven = rank_traffic([_matrices([(128, 128)] + [(64, 64)] * 4)], 4, bucket_size=10**9)
     owner = uneven["compact_owner_reduce"]
     n = 128 * 128 + 4 * 64 * 64

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the layout and wire arithmetic is imported by the planner without torch
+    import torch
 
 # --------------------------------------------------------------------------- layout and wire
 
@@ -110,6 +111,8 @@ class ReduceWork:
 def coalesces(process_group: Any, device: torch.device) -> bool:
     """Whether the backend runs a coalescing manager's reduces on ``device`` as one launch
     (NCCL does for CUDA tensors; gloo has no coalescing)."""
+    import torch
+
     return device.type == "cuda" and "nccl" in str(torch.distributed.get_backend(process_group))
 
 
@@ -121,6 +124,7 @@ def reduce_spans(
 ) -> list[Any]:
     """Reduce each ``(owner, tensor)`` span in place to group rank ``owner``. Returns the works
     to wait for (empty when synchronous)."""
+    import torch
     from torch.distributed import _coalescing_manager
 
     spans = [(owner, span) for owner, span in spans if span.numel()]
@@ -150,6 +154,8 @@ def reduce_spans(
 def _wait_for_graph_replays(group: Any) -> None:
     """A local CUDA-graph replay accumulates gradients asynchronously to the autograd hooks:
     the current stream waits for each replay's event before the gradients are read."""
+    import torch
+
     stream = None
     seen: set[int] = set()
     for bucket in group.buckets:
@@ -180,6 +186,8 @@ def start_grad_sync(
     """megatron's ``start_grad_sync`` for a group reduced to its owners: the same checks,
     scaling and reduce op, then ``dispatch(group, op, async_op)`` issues the reduces (returning
     the pending work when asynchronous, else ``None``)."""
+    import torch
+
     config = group.ddp_config
     if group.is_first_batch and group.grad_reduce_handle is not None:
         return  # the first overlapped batch already dispatched this group
