@@ -551,3 +551,43 @@ def test_expert_owners_start_from_each_members_dense_work():
         a + b for a, b in zip(alone, initial, strict=True)
     )
     assert lo.expert_initial_loads(loads, [10, 11], [10, 99]) is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--recipe", "tiny_deepseek_v3"], ["tiny-deepseek-v3", "--dp", "2", "--pp", "3", "--ep", "2"]],
+    ids=["recipe", "model-form"],
+)
+def test_plan_cli_prints_the_traffic_model(capsys, argv):
+    """``nemo-lw-fp8 plan`` prints, for the configuration asked, the per-chunk traffic rows of
+    :func:`nemo_lw_fp8.models.traffic.rank_traffic` (every pipeline rank; the numbers
+    benchmarks/layout.py prints), in JSON and as text."""
+    from nemo_lw_fp8.models import traffic
+    from nemo_lw_fp8.models.pipeline import chunk_param_specs
+    from nemo_lw_fp8.models.recipe_plan import group_experts, model_setup, recipe_setup
+
+    if argv[0] == "--recipe":
+        setup = recipe_setup(argv[1])
+    else:
+        setup = model_setup(
+            argv[0], tp=1, pp=3, vpp=None, ep=2, etp=1, cp=1, dp=2, gpu="h100",
+            single_grouped_weight=False,
+        )  # fmt: skip
+    par = setup.par
+    expected = []
+    for rank in range(par.pp):
+        chunks = chunk_param_specs(setup.arch, par, rank)
+        if setup.single_grouped_weight:
+            chunks = [group_experts(c) for c in chunks]
+        row = traffic.rank_traffic(
+            chunks, par.data_parallel_size, par.ep, pp_rank=rank, ownership=setup.ownership
+        )
+        expected.append({"config": f"{argv[0] if argv[0] != '--recipe' else argv[1]} PP{par.pp} "
+                         f"VP1 EP{par.ep} DP{par.data_parallel_size} rank {rank}",
+                         "key": None, **row})  # fmt: skip
+    assert plan_cli.main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["traffic"]
+    assert rows == json.loads(json.dumps(expected)) and len(rows) == par.pp
+    assert plan_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "\n".join(traffic.format_rows(expected)) in out

@@ -39,6 +39,12 @@ from .planner import PARAM_BYTES, _bucket_groups, _buffers, _local_specs, _our_o
 from .shapes import ParamSpec
 
 LAYOUTS = ("stock_padded", "compact_all_reduce", "compact_owner_reduce", "adam")
+LABEL = {
+    "stock_padded": "0.19.2 padded",
+    "compact_all_reduce": "compact all-reduce (upstream)",
+    "compact_owner_reduce": "plugin compact owner-reduce",
+    "adam": "Adam DistOpt",
+}
 
 
 def _chunk_bucket_sizes(chunks: int, pp_rank: int, bucket_size: int | None) -> list[int | None]:
@@ -269,3 +275,75 @@ def _expert_aware_costs(specs: list[ParamSpec], ownership: str, own: Any) -> lis
         if s.muon:
             costs.append(lo.newton_schulz_cost(s.shape) // own.units.get(i, 1))
     return costs
+
+
+# --------------------------------------------------------------------------- rows and table
+
+
+def pipeline_rows(
+    label: str,
+    arch: Any,
+    par: Any,
+    *,
+    single_grouped_weight: bool,
+    ownership: str = "whole",
+    **settings: Any,
+) -> list[dict[str, Any]]:
+    """One row per pipeline rank of ``arch`` under ``par`` (each rank's virtual-pipeline chunks,
+    :func:`.pipeline.chunk_param_specs`): :func:`rank_traffic` of its chunks. ``settings``:
+    :func:`rank_traffic`'s ``bucket_size``, ``fp8_param_gather``, ``grad_bytes``, ..."""
+    from .pipeline import chunk_param_specs
+    from .recipe_plan import group_experts
+
+    dp = par.data_parallel_size
+    rows = []
+    for rank in range(par.pp):
+        chunks = chunk_param_specs(arch, par, rank)
+        if single_grouped_weight:
+            chunks = [group_experts(c) for c in chunks]
+        result = rank_traffic(chunks, dp, par.ep, pp_rank=rank, ownership=ownership, **settings)
+        config = f"{label} PP{par.pp} VP{par.vpp or 1} EP{par.ep} DP{dp} rank {rank}"
+        rows.append({"config": config, "key": None, **result})
+    return rows
+
+
+def whole_model_rows(model: str, dp: int, ep: int, **settings: Any) -> list[dict[str, Any]]:
+    """The whole model (TP = PP = 1) on ``dp`` ranks, discrete experts owned whole."""
+    from .architectures import get_architecture
+    from .parallel import ParallelismDefaults
+    from .pipeline import chunk_param_specs
+
+    arch = get_architecture(model)
+    par = ParallelismDefaults(
+        recipe="whole", nodes=1, gpus_per_node=dp, ep=ep, global_batch_size=dp
+    )
+    result = rank_traffic(chunk_param_specs(arch, par, 0), dp, ep, pp_rank=0, **settings)
+    return [{"config": f"{model} whole model EP{ep} DP{dp}", "key": (model, dp, ep), **result}]
+
+
+def format_rows(rows: list[dict[str, Any]], notes: dict | None = None) -> list[str]:
+    """The rows as a markdown table, one line per layout; ``notes[row key]`` = upstream main's
+    padded figures ``(padding G elements, NS max/mean, wire over exact, gathers)`` beside them."""
+    lines = [
+        "| config | layout | grad wire / exact RS | grad launches | gather launches "
+        "| transient peak GB | padding G elems | NS max/mean (bound) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for name in LAYOUTS:
+            e = r[name]
+            ns = e["newton_schulz"]
+            ns_text = "-" if ns is None else f"{ns['max_over_mean']:.3f} ({ns['lower_bound']:.3f})"
+            lines.append(
+                f"| {r['config']} | {LABEL[name]} | {e['grad_wire_over_exact']:.3f} "
+                f"| {e['grad_collectives']} | {e['gather_collectives']} "
+                f"| {e['transient_peak_bytes'] / 1e9:.2f} | {e['padding_numel'] / 1e9:.2f} "
+                f"| {ns_text} |"
+            )
+        note = (notes or {}).get(r["key"]) if r["key"] else None
+        if note:
+            lines.append(
+                f"| {r['config']} | upstream main padded (note) | {note[2]:.2f} | - | {note[3]} "
+                f"| - | {note[0]:.2f} | {note[1]:.3f} |"
+            )
+    return lines
