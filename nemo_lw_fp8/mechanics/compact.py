@@ -305,7 +305,6 @@ def attach_groups(optimizer: Any, model_chunks: list[Any]) -> None:
     record = optimizer_state(optimizer)
     for chunk in model_chunks:
         tolerance = plugin_config.gather_padding_tolerance(chunk.ddp_config)
-        to_owners = plugin_config.grad_sync(chunk.ddp_config) == "reduce_to_owner"
         index_maps = [b.param_index_map for b in chunk.buffers + chunk.expert_parallel_buffers]
         for group in compact_groups(chunk):
             size = group.data_parallel_group.size()
@@ -316,7 +315,7 @@ def attach_groups(optimizer: Any, model_chunks: list[Any]) -> None:
                         segments[record.owner_of[piece]].append(piece)
             numel = [sum(p.numel() for p in seg) for seg in segments]
             plan = CompactGroup(segments, numel, layout_math.even_gather_fits(numel, tolerance))
-            if to_owners:
+            if plugin_config.grad_sync(group.ddp_config) == "reduce_to_owner":  # grads_to_owners
                 plan.grad_spans = [
                     lay_out_grads_by_owner(bucket, record, index_maps) for bucket in group.buckets
                 ]
