@@ -58,15 +58,16 @@ class LayerWiseConfig:
     lowers the busiest rank's Newton-Schulz work by more than 2 % (``"auto"``). The arithmetic is
     the same in all three.
 
-    ``grad_sync`` (compact): ``"reduce_to_owner"`` (the default) reduces each Muon gradient to
-    the rank that owns the matrix only, one reduce per owner's segment of a bucket group;
+    ``grad_sync`` (compact): ``"reduce_to_owner"`` (the default) reduces each Muon gradient in
+    place to the rank that owns the matrix only (each bucket's gradients lie in owner order, one
+    reduce per owner's span, one launch per bucket group);
     ``"all_reduce"`` all-reduces them to every rank as upstream #5388 does (twice the bytes).
     The padded and legacy layouts reduce-scatter or all-reduce as megatron does either way.
     ``bucket_cap_numel`` (compact): where layer-wise buckets end. ``None`` (default): where
     megatron's padded layout ends them (a bucket closes at ``max(bucket_size, 0.9 x group size x
     its largest matrix)`` elements), so the compact layout issues as many gather and gradient
-    launches per step as the padded one, with no padding; each bucket group's transient buffers
-    are its own size. A number caps that threshold (never below ``bucket_size``): smaller
+    launches per step as the padded one, with no padding; each bucket group's transient gather
+    buffer is its own size. A number caps that threshold (never below ``bucket_size``): smaller
     transients, more launches; ``0`` is megatron's plain DDP bucketing.
     """
 

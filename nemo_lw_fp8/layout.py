@@ -223,7 +223,7 @@ def assign_owners_joint(
 LAYER_WISE_LAYOUTS = ("padded", "compact", "legacy")
 
 #: How the compact layout syncs Muon gradients: each reduced to its owner only
-#: (``"reduce_to_owner"``, one reduce per owner's segment of a bucket group), or all-reduced to
+#: (``"reduce_to_owner"``, in place, one reduce per owner's span of each bucket), or all-reduced to
 #: every rank (``"all_reduce"``, upstream #5388's choice).
 GRAD_SYNC_MODES = ("reduce_to_owner", "all_reduce")
 

@@ -7,7 +7,7 @@ and a checkpoint resume on the new path.
 
 Gloo sums in an order that depends on where an element sits in the buffer (its ring
 reduce-scatter splits the buffer into one chunk per rank; each chunk's sum starts at a different
-rank), and owner packing moves elements. Two addends commute, so DP 2 is bitwise on gloo as it
+rank), and the owner layout moves elements. Two addends commute, so DP 2 is bitwise on gloo as it
 runs. For DP 4 both runs of a comparison sum the grad sync's collectives in rank order
 (:func:`ordered_grad_sync`), so what is compared is which values reach whom, scaled how, not
 gloo's chunking.
@@ -140,8 +140,8 @@ def train_recorded(scenario: Scenario, ordered: bool = False) -> dict:
 
 
 def train_to_wrong_owner(scenario: Scenario) -> dict:
-    """Mutation: each segment is reduced to the next rank instead of its owner (the owner then
-    copies back what its buffer holds after another rank's reduce)."""
+    """Mutation: each span is reduced to the next rank instead of its owner (the owner then
+    reads its local, unreduced gradients)."""
     import torch.distributed as dist
 
     reduce = dist.reduce
@@ -243,7 +243,7 @@ def test_owner_reduce_with_fp8_param_gather_equals_all_reduce(recipe):
 
 
 def test_reduce_to_the_wrong_rank_diverges():
-    """Control: with each segment reduced to the next rank, the comparison above fails (by the
+    """Control: with each span reduced to the next rank, the comparison above fails (by the
     numbers: every run completes)."""
     scenario = COMPACT.with_(overlap=True)
     reference = run_on_ranks(train_recorded, scenario.with_(grad_sync="all_reduce"))
@@ -257,7 +257,7 @@ def test_reduce_to_the_wrong_rank_diverges():
 def count_grad_sync(scenario: Scenario) -> dict:
     """Per rank, during steps 1 and 2: the grad-sync collectives the compact bucket groups
     issue (elements this rank sends under the ring model, reduce / all-reduce calls, groups that
-    issued any) and the largest transient gradient buffer alive, with the plan's numbers."""
+    issued any, reduces not done in place in a bucket's grad buffer), with the plan's numbers."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -273,9 +273,25 @@ def count_grad_sync(scenario: Scenario) -> dict:
     rank, world = process_group.rank(), process_group.size()
     dp_rank = parallel_state.get_data_parallel_rank()
     train_step(scenario, model, optimizer, 0, dp_rank)
+    grad_buffers = [
+        (b.grad_data.data_ptr(), b.grad_data.numel()) for g in groups for b in g.buckets
+    ]
+    size = groups[0].buckets[0].grad_data.element_size()
 
-    counts = {"sent": 0.0, "reduces": 0, "all_reduces": 0, "launching_groups": 0}
-    live = {"now": 0, "peak": 0}
+    def in_a_grad_buffer(tensor) -> bool:
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * size
+        return any(p <= start and end <= p + n * size for p, n in grad_buffers)
+
+    # Reduces one per run of one owner's params in megatron's own (backprop) order, as before
+    # the owner layout: more than in owner order when an owner's params are not adjacent.
+    owner_of = {id(piece): r for p in plans for r, seg in enumerate(p.segments) for piece in seg}
+    backprop_runs = sum(
+        len(owner_reduce.owner_spans([(owner_of[id(p)], 1) for p in b.params_list]))
+        for g in groups
+        for b in g.buckets
+    )
+    counts = {"sent": 0.0, "reduces": 0, "all_reduces": 0, "launching_groups": 0, "copied": 0}
     active: dict = {"group": None, "issued": False}
     reduce, all_reduce = dist.reduce, dist.all_reduce
 
@@ -283,6 +299,7 @@ def count_grad_sync(scenario: Scenario) -> dict:
         if active["group"] is not None:
             counts["reduces"] += 1
             counts["sent"] += tensor.numel() if group_dst != rank else 0
+            counts["copied"] += int(not in_a_grad_buffer(tensor))
             active["issued"] = True
         return reduce(tensor, *args, group=group, group_dst=group_dst, **kwargs)
 
@@ -292,27 +309,6 @@ def count_grad_sync(scenario: Scenario) -> dict:
             counts["sent"] += owner_reduce.all_reduce_sent(tensor.numel(), world)
             active["issued"] = True
         return all_reduce(tensor, *args, **kwargs)
-
-    dispatch = compact.dispatch_grads
-
-    def tracked_dispatch(group, op, async_op):
-        """A group's transient buffer is needed from its packing to the owner's copy-back
-        (synchronous: inside the dispatch; overlapped: until megatron waits on the handle)."""
-        size = sum(compact.group_state(group).compact.segment_numel)
-        live["now"] += size
-        live["peak"] = max(live["peak"], live["now"])
-        work = dispatch(group, op, async_op)
-        if work is None:
-            live["now"] -= size
-            return None
-        wait = work.wait
-
-        def waited():
-            wait()
-            live["now"] -= size
-
-        work.wait = waited
-        return work
 
     def marked(group, method):
         def start_grad_sync(*args, **kwargs):
@@ -328,54 +324,66 @@ def count_grad_sync(scenario: Scenario) -> dict:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(dist, "reduce", counted_reduce)
         mp.setattr(dist, "all_reduce", counted_all_reduce)
-        mp.setattr(compact, "dispatch_grads", tracked_dispatch)
         for group in groups:
             mp.setattr(group, "start_grad_sync", marked(group, group.start_grad_sync))
         for step in (1, 2):
             train_step(scenario, model, optimizer, step, dp_rank)
-    planned = [owner_reduce.owner_reduce_traffic(p.segment_numel, rank) for p in plans]
-    sizes = [sum(p.segment_numel) for p in plans]
+    planned = [
+        owner_reduce.owner_reduce_traffic(
+            [(owner, end - start) for spans in p.grad_spans for owner, start, end in spans],
+            rank,
+            world,
+        )
+        for p in plans
+    ]
     return {
         **counts,
         "steps": 2,
         "world": world,
         "groups": len(groups),
-        "total": sum(sizes),
-        "transient_peak": live["peak"],
+        "total": sum(sum(p.segment_numel) for p in plans),
+        "owners_per_bucket": sum(
+            len({o for o, _, _ in spans}) for p in plans for spans in p.grad_spans
+        ),
+        "backprop_runs": backprop_runs,
         "planned_sent": sum(t.sent for t in planned),
         "planned_reduces": sum(t.reduces for t in planned),
         "planned_launches": sum(t.launches for t in planned),
-        "planned_peak": owner_reduce.transient_peak(sizes, scenario.overlap),
     }
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 def test_wire_traffic_equals_the_plan(overlap):
-    """Per rank and step: elements sent, reduce calls and launches (one per bucket group), and
-    the transient peak, as planned; control: the all-reduce path sends twice an exact
-    reduce-scatter, and over all ranks exactly twice the owner reduce."""
-    # Plain DDP buckets (bucket_cap_numel=0): several bucket groups in this small model, so the
-    # overlapped transient peak (every group in flight) differs from the largest group's.
-    scenario = COMPACT.with_(overlap=overlap, snapshots=False, bucket_cap_numel=0)
+    """Per rank and step: elements sent, reduce calls and launches (one per bucket group) as
+    planned, every reduce in place in a bucket's grad buffer (no transient buffer); control: the
+    all-reduce path sends twice an exact reduce-scatter, and over all ranks exactly twice the
+    owner reduce."""
+    # The default buckets: one group of 5 params over 4 owners, one owner's two params not
+    # adjacent in megatron's order.
+    scenario = COMPACT.with_(overlap=overlap, snapshots=False)
     owner = run_on_ranks(count_grad_sync, scenario, world_size=4)
     for counts in owner:
         steps = counts["steps"]
-        assert counts["groups"] >= 2 and counts["all_reduces"] == 0, counts
+        assert counts["groups"] >= 1 and counts["all_reduces"] == 0, counts
         assert counts["sent"] == counts["planned_sent"] * steps, counts
         assert counts["reduces"] == counts["planned_reduces"] * steps, counts
+        assert counts["copied"] == 0, counts
         assert (
             counts["launching_groups"]
             == counts["planned_launches"] * steps
             == (counts["groups"] * steps)
         ), counts
-        assert counts["transient_peak"] == counts["planned_peak"], counts
+    # Owner order: one reduce per owner present in a bucket (whole ownership), fewer than in
+    # megatron's order.
+    assert owner[0]["planned_reduces"] == owner[0]["owners_per_bucket"], owner[0]
+    assert owner[0]["planned_reduces"] < owner[0]["backprop_runs"], owner[0]
     world, total = owner[0]["world"], owner[0]["total"]
     # Every rank sends what is not its own: (world - 1) x total over the ranks, the exact
     # reduce-scatter's total.
     assert sum(c["planned_sent"] for c in owner) == (world - 1) * total
     reduced = run_on_ranks(count_grad_sync, scenario.with_(grad_sync="all_reduce"), world_size=4)
     for counts in reduced:
-        assert counts["reduces"] == 0 and counts["transient_peak"] == 0, counts
+        assert counts["reduces"] == 0, counts
         assert counts["sent"] == 2 * (world - 1) / world * total * counts["steps"], counts
     assert sum(c["sent"] for c in reduced) == 2 * sum(c["sent"] for c in owner)
 
@@ -400,3 +408,58 @@ def test_checkpoint_resume_is_bitwise(tmp_path):
             assert torch.equal(master, after["masters"][name]), name
         for key, value in full["state"].items():
             assert _equal(value, after["state"][key]), key
+
+
+# --------------------------------------------------------------------------- the owner layout
+
+
+def test_owner_layout_moves_gradients_with_their_params():
+    """One bucket re-laid in owner order inside its own grad buffer: each param's gradient view
+    (``main_grad``, or ``main_grad_copy_in_grad_buffer`` beside a separate fp32 ``main_grad``)
+    moves with the values it held, the bucket's and buffer's indices follow, and a grouped
+    weight owned in runs of experts by two ranks gives one span per run."""
+    from types import SimpleNamespace
+
+    from nemo_lw_fp8.mechanics import compact, expert_slices
+
+    def param(*shape):
+        return torch.nn.Parameter(torch.zeros(shape))
+
+    a, b, grouped, d = param(4, 3), param(2, 2), param(4, 2, 2), param(2, 3)
+    first = expert_slices.ExpertSlice(grouped, 0, 2)
+    second = expert_slices.ExpertSlice(grouped, 2, 4)
+    order = [a, b, grouped, d]  # megatron's (backprop) order in the bucket
+    grad = torch.arange(38, dtype=torch.float32)
+    grad_data = torch.zeros(40)[2:]  # the bucket is a view of its buffer, from offset 2
+    grad_data.copy_(grad)
+    to_index, index_map, start = {}, {}, 0
+    for p in order:
+        slot = grad_data[start : start + p.numel()].view(p.shape)
+        if p is d:
+            p.main_grad_copy_in_grad_buffer, p.main_grad = slot, torch.full(p.shape, -1.0)
+        else:
+            p.main_grad = slot
+        to_index[p] = (start, start + p.numel())
+        index_map[p] = (2 + start, 2 + start + p.numel(), 0)
+        start += p.numel()
+    before = {id(p): grad[s:e].clone() for p, (s, e) in to_index.items()}
+    record = SimpleNamespace(
+        pieces={a: [a], b: [b], grouped: [second, first], d: [d]},
+        owner_of={a: 1, b: 0, first: 1, second: 0, d: 1},
+    )
+    bucket = SimpleNamespace(
+        params_list=order, grad_data=grad_data, param_to_index=to_index, offset=2
+    )
+    spans = compact.lay_out_grads_by_owner(bucket, record, [index_map])
+    # b (owner 0) first, then a, the grouped weight's first run and d (owner 1), then its
+    # second run (owner 0).
+    assert spans == [(0, 0, 4), (1, 4, 24), (0, 24, 32), (1, 32, 38)]
+    assert to_index == {b: (0, 4), a: (4, 16), grouped: (16, 32), d: (32, 38)}
+    for p in order:
+        s, e = to_index[p]
+        assert index_map[p] == (2 + s, 2 + e, 0)
+        slot = d.main_grad_copy_in_grad_buffer if p is d else p.main_grad
+        assert slot.data_ptr() == grad_data[s:].data_ptr() and slot.shape == p.shape
+        assert torch.equal(slot.reshape(-1), before[id(p)]), p.shape
+    assert torch.equal(d.main_grad, torch.full(d.shape, -1.0))  # the fp32 copy is left alone
+    assert torch.equal(first.main_grad.reshape(-1), before[id(grouped)][:8])

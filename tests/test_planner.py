@@ -473,14 +473,20 @@ def test_compact_buckets_end_where_megatron_padded_buckets_end(dp):
 
 def test_owner_reduce_traffic_by_hand():
     """Four equal matrices on four ranks: each owns one, sends the other three once (3/4 of the
-    group, an exact reduce-scatter); the all-reduce path sends twice that. One matrix four
+    group, an exact reduce-scatter) in one reduce per owner, in place; the all-reduce path sends
+    twice that. One matrix four
     times larger: the padded layout pads every shard to it, the owner-reduce path does not."""
     from nemo_lw_fp8.models.traffic import rank_traffic
 
     even = rank_traffic([_matrices([(64, 64)] * 4)], 4, bucket_size=10**9)
     assert even["compact_owner_reduce"]["grad_wire_over_exact"] == 1.0
     assert even["compact_all_reduce"]["grad_wire_over_exact"] == 2.0
-    assert even["compact_owner_reduce"]["transient_peak_bytes"] == 4 * 64 * 64 * 4
+    # In place: the only transient is the gather's bf16 receive buffer, as without owner reduce.
+    assert even["compact_owner_reduce"]["transient_peak_bytes"] == 4 * 64 * 64 * 2
+    assert even["compact_owner_reduce"]["grad_reduces"] == 4
+    # Eight matrices, two per rank: still one reduce per owner (owner order in the bucket).
+    eight = rank_traffic([_matrices([(64, 64)] * 8)], 4, bucket_size=10**9)
+    assert eight["compact_owner_reduce"]["grad_reduces"] == 4
     uneven = rank_traffic([_matrices([(128, 128)] + [(64, 64)] * 4)], 4, bucket_size=10**9)
     owner = uneven["compact_owner_reduce"]
     n = 128 * 128 + 4 * 64 * 64
@@ -545,3 +551,43 @@ def test_expert_owners_start_from_each_members_dense_work():
         a + b for a, b in zip(alone, initial, strict=True)
     )
     assert lo.expert_initial_loads(loads, [10, 11], [10, 99]) is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--recipe", "tiny_deepseek_v3"], ["tiny-deepseek-v3", "--dp", "2", "--pp", "3", "--ep", "2"]],
+    ids=["recipe", "model-form"],
+)
+def test_plan_cli_prints_the_traffic_model(capsys, argv):
+    """``nemo-lw-fp8 plan`` prints, for the configuration asked, the per-chunk traffic rows of
+    :func:`nemo_lw_fp8.models.traffic.rank_traffic` (every pipeline rank; the numbers
+    benchmarks/layout.py prints), in JSON and as text."""
+    from nemo_lw_fp8.models import traffic
+    from nemo_lw_fp8.models.pipeline import chunk_param_specs
+    from nemo_lw_fp8.models.recipe_plan import group_experts, model_setup, recipe_setup
+
+    if argv[0] == "--recipe":
+        setup = recipe_setup(argv[1])
+    else:
+        setup = model_setup(
+            argv[0], tp=1, pp=3, vpp=None, ep=2, etp=1, cp=1, dp=2, gpu="h100",
+            single_grouped_weight=False,
+        )  # fmt: skip
+    par = setup.par
+    expected = []
+    for rank in range(par.pp):
+        chunks = chunk_param_specs(setup.arch, par, rank)
+        if setup.single_grouped_weight:
+            chunks = [group_experts(c) for c in chunks]
+        row = traffic.rank_traffic(
+            chunks, par.data_parallel_size, par.ep, pp_rank=rank, ownership=setup.ownership
+        )
+        expected.append({"config": f"{argv[0] if argv[0] != '--recipe' else argv[1]} PP{par.pp} "
+                         f"VP1 EP{par.ep} DP{par.data_parallel_size} rank {rank}",
+                         "key": None, **row})  # fmt: skip
+    assert plan_cli.main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["traffic"]
+    assert rows == json.loads(json.dumps(expected)) and len(rows) == par.pp
+    assert plan_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "\n".join(traffic.format_rows(expected)) in out

@@ -16,10 +16,10 @@
   Every rank copies the gathered values into its weights (quantizing into MXFP8 weights from the
   same bf16 bytes), which also serves MXFP8 param gather without staging in the grad buffer.
 
-* Gradients: per bucket group, packed in the gather plan's owner order into a transient buffer
-  and reduced segment by segment to each owner only (:mod:`.owner_reduce`); each owner copies
-  its reduced segment back into its gradients (``grad_sync="all_reduce"``: megatron's
-  all-reduce instead).
+* Gradients: once ownership is known, each bucket's gradients are laid out in owner order inside
+  the persistent grad buffer (bucket membership and bounds unchanged), and each owner's span is
+  reduced there in place to that owner only, one coalesced launch per bucket group
+  (:mod:`.owner_reduce`; ``grad_sync="all_reduce"``: megatron's all-reduce instead).
 
 Settings come from :class:`nemo_lw_fp8.config.LayerWiseConfig` on the DDP config.
 """
@@ -27,7 +27,7 @@ Settings come from :class:`nemo_lw_fp8.config.LayerWiseConfig` on the DDP config
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -147,6 +147,9 @@ class CompactGroup:
     segment_numel: list[int]
     #: One even all_gather_into_tensor (segments padded to the longest) or one uneven all_gather.
     even: bool
+    #: Per bucket of the group, the owner reduce's spans of its grad buffer as
+    #: ``(owner, start, end)`` (empty unless gradients are reduced to their owners).
+    grad_spans: list[list[tuple[int, int, int]]] = field(default_factory=list)
     #: The owner takes its own weights from the gathered bytes too (for MXFP8 the inner step
     #: left them alone; every rank quantizes the same bf16 bytes).
     unpack_own: ClassVar[bool] = True
@@ -297,10 +300,12 @@ def _expert_group_dense_loads(optimizer: Any, dense_loads: list[int]) -> list[in
 
 
 def attach_groups(optimizer: Any, model_chunks: list[Any]) -> None:
-    """Give each compact bucket group of ``model_chunks`` its gather plan."""
+    """Give each compact bucket group of ``model_chunks`` its gather plan and, when its
+    gradients are reduced to their owners, lay its buckets' gradients out in owner order."""
     record = optimizer_state(optimizer)
     for chunk in model_chunks:
         tolerance = plugin_config.gather_padding_tolerance(chunk.ddp_config)
+        index_maps = [b.param_index_map for b in chunk.buffers + chunk.expert_parallel_buffers]
         for group in compact_groups(chunk):
             size = group.data_parallel_group.size()
             segments: list[list[torch.nn.Parameter]] = [[] for _ in range(size)]
@@ -309,9 +314,12 @@ def attach_groups(optimizer: Any, model_chunks: list[Any]) -> None:
                     for piece in record.pieces[param]:
                         segments[record.owner_of[piece]].append(piece)
             numel = [sum(p.numel() for p in seg) for seg in segments]
-            group_state(group).compact = CompactGroup(
-                segments, numel, layout_math.even_gather_fits(numel, tolerance)
-            )
+            plan = CompactGroup(segments, numel, layout_math.even_gather_fits(numel, tolerance))
+            if plugin_config.grad_sync(group.ddp_config) == "reduce_to_owner":  # grads_to_owners
+                plan.grad_spans = [
+                    lay_out_grads_by_owner(bucket, record, index_maps) for bucket in group.buckets
+                ]
+            group_state(group).compact = plan
 
 
 def owns_expert_runs(optimizer: Any) -> bool:
@@ -415,18 +423,71 @@ SYNC = owner_gather.OwnerPackedSync(
 # --------------------------------------------------------------------------- the gradient sync
 
 
-def _grad_slot(piece: torch.nn.Parameter) -> torch.Tensor:
-    """A piece's gradient in the bucket's grad buffer (what the collective reduces), flat.
+def _ordered_pieces(param: torch.nn.Parameter, record: Any) -> list[Any]:
+    """The pieces of ``param`` in buffer order (runs of experts by their first expert)."""
+    pieces = record.pieces[param]
+    return sorted(pieces, key=lambda p: p.lo if expert_slices.is_slice(p) else 0)
 
-    A param with a separate fp32 ``main_grad`` has its slot in ``main_grad_copy_in_grad_buffer``;
-    an expert slice's is its rows of its grouped weight's slot."""
-    param = expert_slices.parent_of(piece)
-    slot = getattr(param, "main_grad_copy_in_grad_buffer", None)
-    flat = (slot if slot is not None else param.main_grad).reshape(-1)
-    if expert_slices.is_slice(piece):
-        start, end = piece.flat_range
-        return flat[start:end]
-    return flat
+
+def _piece_range(piece: Any, numel: int) -> tuple[int, int]:
+    """Where a piece's elements lie in its param's gradient, flattened."""
+    return piece.flat_range if expert_slices.is_slice(piece) else (0, numel)
+
+
+def lay_out_grads_by_owner(
+    bucket: Any, record: Any, index_maps: list[dict]
+) -> list[tuple[int, int, int]]:
+    """Re-lay ``bucket``'s gradients in owner order inside its own grad buffer and return the
+    owner reduce's spans ``(owner, start, end)`` (bucket-relative).
+
+    The bucket keeps its params and bounds (so its launches, readiness and the gather are as
+    before; compact buffers have no param buffer, params keep their own storage); only where
+    each param's gradient sits inside the bucket changes: ``main_grad`` (or, for a param with a
+    separate fp32 ``main_grad``, ``main_grad_copy_in_grad_buffer``), the bucket's
+    ``param_to_index`` and the buffer's ``param_index_map`` are re-pointed. Runs before the first
+    backward, when ownership is set; gradients already accumulated move with their params.
+    Deterministic (owners are), so every rank lays a bucket out the same way.
+    """
+    params = list(bucket.params_list)
+    order = owner_reduce.owner_order(
+        [record.owner_of[_ordered_pieces(p, record)[0]] for p in params]
+    )
+    grad = bucket.grad_data
+    old = grad.clone() if bool(torch.count_nonzero(grad)) else None
+    pieces: list[tuple[int, int]] = []
+    start = 0
+    with torch.no_grad():
+        for i in order:
+            param = params[i]
+            extra = hasattr(param, "main_grad_copy_in_grad_buffer")
+            current = param.main_grad_copy_in_grad_buffer if extra else param.main_grad
+            numel = current.numel()
+            slot = grad[start : start + numel]
+            if old is not None:
+                was, _ = bucket.param_to_index[param]
+                slot.copy_(old[was : was + numel])
+            view = slot.view(current.shape)
+            if extra:
+                param.main_grad_copy_in_grad_buffer = view
+            else:
+                param.main_grad = view
+            bucket.param_to_index[param] = (start, start + numel)
+            for index_map in index_maps:
+                if param in index_map:
+                    bucket_id = index_map[param][2]
+                    index_map[param] = (bucket.offset + start, bucket.offset + start + numel,
+                                        bucket_id)  # fmt: skip
+            for piece in _ordered_pieces(param, record):
+                lo, hi = _piece_range(piece, numel)
+                pieces.append((record.owner_of[piece], hi - lo))
+            start += numel
+    if start != grad.numel():
+        raise RuntimeError(f"a compact bucket holds {grad.numel()} elements, its params {start}")
+    spans, offset = [], 0
+    for owner, numel in owner_reduce.owner_spans(pieces):
+        spans.append((owner, offset, offset + numel))
+        offset += numel
+    return spans
 
 
 def grads_to_owners(group: Any) -> bool:
@@ -437,43 +498,20 @@ def grads_to_owners(group: Any) -> bool:
     return plugin_config.grad_sync(group.ddp_config) == "reduce_to_owner"
 
 
-def pack_grads(plan: CompactGroup, packed: torch.Tensor) -> None:
-    """Copy every piece's local gradient into ``packed``, segment by segment in owner order."""
-    offset = 0
-    for segment in plan.segments:
-        for piece in segment:
-            packed[offset : offset + piece.numel()].copy_(_grad_slot(piece))
-            offset += piece.numel()
-
-
-def unpack_grads(plan: CompactGroup, packed: torch.Tensor, rank: int) -> None:
-    """The owner's reduced segment back into the gradients of the pieces it owns."""
-    offset = sum(plan.segment_numel[:rank])
-    for piece in plan.segments[rank]:
-        _grad_slot(piece).copy_(packed[offset : offset + piece.numel()])
-        offset += piece.numel()
-
-
 def dispatch_grads(group: Any, op: Any, async_op: bool) -> owner_reduce.ReduceWork | None:
-    """Pack the group's gradients in owner order and reduce each segment to its owner."""
+    """Reduce each owner's span of the group's buckets, in place, to that owner."""
     plan: CompactGroup = group_state(group).compact
     process_group = group.data_parallel_group
     if process_group.size() == 1:
         # The local gradients are the reduced ones; an overlapped sync still hands megatron a
         # handle to wait on, as its own one-rank all-reduce does.
-        return owner_reduce.ReduceWork([], lambda: None) if async_op else None
-    rank = process_group.rank()
-    grad_data = group.buckets[0].grad_data
-    packed = torch.empty(sum(plan.segment_numel), dtype=grad_data.dtype, device=grad_data.device)
-    with torch.no_grad():
-        pack_grads(plan, packed)
-    works = owner_reduce.reduce_segments(packed, plan.segment_numel, op, process_group, async_op)
-
-    def copy_back() -> None:
-        with torch.no_grad():
-            unpack_grads(plan, packed, rank)
-
-    if not async_op:
-        copy_back()
-        return None
-    return owner_reduce.ReduceWork(works, copy_back)
+        return owner_reduce.ReduceWork([]) if async_op else None
+    if len(plan.grad_spans) != len(group.buckets):
+        raise RuntimeError("a compact bucket group reduced to its owners has no owner layout")
+    spans = [
+        (owner, bucket.grad_data[start:end])
+        for bucket, bucket_spans in zip(group.buckets, plan.grad_spans, strict=True)
+        for owner, start, end in bucket_spans
+    ]
+    works = owner_reduce.reduce_spans(spans, op, process_group, async_op)
+    return owner_reduce.ReduceWork(works) if async_op else None

@@ -3,59 +3,83 @@
 Why: a compact layer-wise bucket group runs with plain-DDP semantics, so megatron all-reduces its
 gradients and every rank receives every Muon gradient, although only the matrix's owner reads it
 (the layer-wise optimizer updates, clips and counts its own matrices only). This module replaces
-that all-reduce with one reduce per owner: the group's gradients are packed, in owner order,
-into a transient buffer of the group's length, and the owner of each segment is the reduce's
-destination. On NCCL the reduces go out under one coalescing manager (one launch per bucket
-group); gloo has no coalescing and runs them one after the other. When the reduce finishes, each
-owner copies its reduced segment back into the gradients it owns; other ranks keep their local
-(scaled, unreduced) values there, which nothing reads.
+that all-reduce with one reduce per owner's span of each bucket: the compact layout lays each
+bucket's gradients out in owner order once ownership is known
+(:func:`nemo_lw_fp8.mechanics.compact.lay_out_grads_by_owner`), so an owner's gradients in a
+bucket are one contiguous span of the grad buffer, reduced there in place to the owner: no
+transient buffer, no copies. On NCCL the reduces go out under one coalescing manager (one launch
+per bucket group); gloo has no coalescing and runs them one after the other. Other ranks keep
+local (scaled, unreduced; on gloo possibly partly summed) values in spans they do not own, which
+nothing reads.
 
 What megatron's callers rely on is kept: gradients are scaled by the buckets'
 ``gradient_scaling_factor`` before the collective and summed (or averaged with
 ``average_in_collective``), the NaN / large-gradient checks run on the local gradients first,
-``grad_reduce_handle`` is the pending work (its ``wait()`` also copies the owner's segment back,
-so megatron's own ``finish_grad_sync`` completes the sync), a forced all-reduce
-(``force_all_reduce``) still all-reduces, and a first overlapped batch reduces from
-``finish_grad_sync`` as megatron's does.
+``grad_reduce_handle`` is the pending work (megatron's own ``finish_grad_sync`` waits on it and
+copies separate fp32 ``main_grad`` back), a forced all-reduce (``force_all_reduce``) still
+all-reduces, and a first overlapped batch reduces from ``finish_grad_sync`` as megatron's does.
 
-The wire arithmetic (a ring reduce: every rank but the destination sends the message once) is
-here too, as functions of the segment sizes, so the planner's model can be checked against what
-the process group is asked to do.
+The layout order and the wire arithmetic (a ring reduce: every rank but the destination sends
+the span once) are here too, as functions of sizes and owners, so the planner's model
+(:mod:`nemo_lw_fp8.models.traffic`) and the mechanism compute the same spans.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the layout and wire arithmetic is imported by the planner without torch
+    import torch
 
-# --------------------------------------------------------------------------- wire arithmetic
+# --------------------------------------------------------------------------- layout and wire
+
+
+def owner_order(first_owners: Sequence[int]) -> list[int]:
+    """Indices of a bucket's params in the order their gradients are laid out: by owner (of the
+    param's first piece), backprop order within one owner. Each owner's gradients in the bucket
+    are then one contiguous span (a grouped weight owned in runs of experts by several ranks
+    adds one span per further run)."""
+    return sorted(range(len(first_owners)), key=lambda i: (int(first_owners[i]), i))
+
+
+def owner_spans(pieces: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(owner, elements)`` pieces in buffer order merged into maximal runs of one owner: the
+    spans the owner reduce sends, one reduce each (empty pieces dropped)."""
+    spans: list[tuple[int, int]] = []
+    for owner, numel in pieces:
+        if not numel:
+            continue
+        if spans and spans[-1][0] == owner:
+            spans[-1] = (owner, spans[-1][1] + int(numel))
+        else:
+            spans.append((int(owner), int(numel)))
+    return spans
 
 
 @dataclass(frozen=True)
 class GradSyncTraffic:
     """One bucket group's gradient sync, per rank and step."""
 
-    #: Elements this rank sends (ring reduce: every rank but the destination sends the segment).
+    #: Elements this rank sends (ring reduce: every rank but the destination sends the span).
     sent: int
-    #: Reduce calls (one per owner with a non-empty segment).
+    #: Reduce calls (one per span of one owner's gradients in a bucket).
     reduces: int
     #: Collective launches (one coalesced launch; 0 for an empty group).
     launches: int
-    #: Elements of the transient buffer the group holds while its reduce is in flight.
-    transient: int
 
 
-def owner_reduce_traffic(segment_numel: Sequence[int], rank: int) -> GradSyncTraffic:
-    """What reducing each owner's segment to its owner costs ``rank`` (ring model)."""
-    total = sum(segment_numel)
-    reduces = sum(1 for size in segment_numel if size)
-    sent = sum(size for owner, size in enumerate(segment_numel) if owner != rank)
-    if len(segment_numel) == 1:
-        return GradSyncTraffic(0, 0, 0, 0)
-    return GradSyncTraffic(sent, reduces, 1 if reduces else 0, total)
+def owner_reduce_traffic(
+    spans: Sequence[tuple[int, int]], rank: int, world: int
+) -> GradSyncTraffic:
+    """What reducing each ``(owner, elements)`` span to its owner costs ``rank`` (ring model).
+    The spans are reduced in place in the grad buffer: no transient buffer."""
+    if world <= 1:
+        return GradSyncTraffic(0, 0, 0)
+    reduces = sum(1 for _, numel in spans if numel)
+    sent = sum(numel for owner, numel in spans if owner != rank)
+    return GradSyncTraffic(sent, reduces, 1 if reduces else 0)
 
 
 def all_reduce_sent(total: int, world: int) -> float:
@@ -69,63 +93,46 @@ def reduce_scatter_sent(total: int, world: int) -> float:
     return (world - 1) / world * total if world > 1 else 0.0
 
 
-def transient_peak(group_numel: Sequence[int], overlap: bool) -> int:
-    """Largest transient gradient buffer alive at once, in elements, over one chunk's groups.
-
-    Without overlap each group reduces and unpacks before the next starts; with
-    ``overlap_grad_reduce`` every group reduces as its gradients become ready and waits only in
-    ``finish_grad_sync``, so all of them can be in flight together.
-    """
-    if not group_numel:
-        return 0
-    return sum(group_numel) if overlap else max(group_numel)
-
-
 # --------------------------------------------------------------------------- the collective
 
 
 class ReduceWork:
-    """The pending reduces of one bucket group: ``wait()`` waits for them and then runs
-    ``done`` (the owner's copy-back) once; megatron's ``finish_grad_sync`` calls it."""
+    """The pending reduces of one bucket group; megatron's ``finish_grad_sync`` waits on it."""
 
-    def __init__(self, works: list[Any], done: Callable[[], None]):
+    def __init__(self, works: list[Any]):
         self._works = works
-        self._done: Callable[[], None] | None = done
 
     def wait(self) -> None:
         for work in self._works:
             work.wait()
         self._works = []
-        done, self._done = self._done, None
-        if done is not None:
-            done()
 
 
 def coalesces(process_group: Any, device: torch.device) -> bool:
     """Whether the backend runs a coalescing manager's reduces on ``device`` as one launch
     (NCCL does for CUDA tensors; gloo has no coalescing)."""
+    import torch
+
     return device.type == "cuda" and "nccl" in str(torch.distributed.get_backend(process_group))
 
 
-def reduce_segments(
-    packed: torch.Tensor,
-    segment_numel: Sequence[int],
+def reduce_spans(
+    spans: Sequence[tuple[int, torch.Tensor]],
     op: Any,
     process_group: Any,
     async_op: bool,
 ) -> list[Any]:
-    """Reduce ``packed``'s segment ``r`` to group rank ``r``, for every non-empty segment.
-    Returns the works to wait for (empty when synchronous)."""
+    """Reduce each ``(owner, tensor)`` span in place to group rank ``owner``. Returns the works
+    to wait for (empty when synchronous)."""
+    import torch
     from torch.distributed import _coalescing_manager
 
-    spans = []
-    offset = 0
-    for owner, size in enumerate(segment_numel):
-        if size:
-            spans.append((owner, packed[offset : offset + size]))
-        offset += size
-    if coalesces(process_group, packed.device):
-        with _coalescing_manager(process_group, device=packed.device, async_ops=async_op) as cm:
+    spans = [(owner, span) for owner, span in spans if span.numel()]
+    if not spans:
+        return []
+    device = spans[0][1].device
+    if coalesces(process_group, device):
+        with _coalescing_manager(process_group, device=device, async_ops=async_op) as cm:
             for owner, span in spans:
                 torch.distributed.reduce(
                     span, op=op, group=process_group, group_dst=owner, async_op=True
@@ -147,6 +154,8 @@ def reduce_segments(
 def _wait_for_graph_replays(group: Any) -> None:
     """A local CUDA-graph replay accumulates gradients asynchronously to the autograd hooks:
     the current stream waits for each replay's event before the gradients are read."""
+    import torch
+
     stream = None
     seen: set[int] = set()
     for bucket in group.buckets:
@@ -175,8 +184,10 @@ def start_grad_sync(
     dispatch: Callable[[Any, Any, bool], ReduceWork | None],
 ) -> None:
     """megatron's ``start_grad_sync`` for a group reduced to its owners: the same checks,
-    scaling and reduce op, then ``dispatch(group, op, async_op)`` packs and issues the reduces
-    (and, when synchronous, copies the owner's segment back before returning ``None``)."""
+    scaling and reduce op, then ``dispatch(group, op, async_op)`` issues the reduces (returning
+    the pending work when asynchronous, else ``None``)."""
+    import torch
+
     config = group.ddp_config
     if group.is_first_batch and group.grad_reduce_handle is not None:
         return  # the first overlapped batch already dispatched this group

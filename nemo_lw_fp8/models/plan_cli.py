@@ -5,6 +5,13 @@ pipeline rank, the busiest reported, against its GPU: :mod:`.recipe_plan`); ``pl
 [--tp --pp --vpp --ep --etp --cp --gpu]`` (the same at explicit sizes); ``plan MODEL --dp N --ep
 E`` alone keeps the layout comparison of the whole model on one pipeline stage. Kept apart from
 :mod:`.planner` so the maths reads without the presentation around it.
+
+Every form then prints the per-chunk traffic model of the same configuration
+(:mod:`.traffic`: each virtual-pipeline chunk as megatron builds it, gradient-sync wire bytes
+over an exact reduce-scatter, launches, transient peak, padding, Newton-Schulz balance, for the
+padded, compact all-reduce, compact owner-reduce and Adam layouts), the rows
+``benchmarks/layout.py`` prints, from the same functions; ``--json`` puts them under
+``"traffic"``.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import argparse
 import json
 from typing import Any
 
+from . import traffic
 from .planner import GRAD_BYTES, MEMORY_FIELDS, plan
 from .shapes import SPECS
 
@@ -159,9 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} {value}: must be >= 1", "give a count")
+    grad_bytes = GRAD_BYTES[args.grad_dtype]
+    traffic_of = None  # () -> the traffic rows of the same configuration
     if args.recipe:
         words = ([args.model] if args.model else []) + args.overrides
-        result = recipe_plan.plan_recipe(recipe_plan.recipe_setup(args.recipe, words))
+        setup = recipe_plan.recipe_setup(args.recipe, words)
+        result = recipe_plan.plan_recipe(setup)
+        traffic_of = _pipeline_traffic(setup)
     else:
         if args.model is None or args.overrides:
             raise UsageError(
@@ -177,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             names = recipe_plan.spec_names()
             if args.model.removeprefix("tiny-") not in names:
                 raise UsageError(f"unknown model {args.model!r}", f"one of {', '.join(names)}")
-            result = recipe_plan.plan_model(
+            setup = recipe_plan.model_setup(
                 args.model, tp=args.tp or 1, pp=args.pp or 1, vpp=args.vpp, ep=args.ep or 1,
                 etp=args.etp or 1, cp=args.cp or 1, dp=args.dp, gpu=args.gpu or "h100",
                 single_grouped_weight=False, bucket_size=args.bucket_size,
@@ -185,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                 gather_padding_tolerance=args.gather_padding_tolerance,
                 grad_reduce_in_fp32=args.grad_dtype == "fp32",
             )  # fmt: skip
+            result = recipe_plan.plan_recipe(setup)
+            result["recipe"] = None
+            traffic_of = _pipeline_traffic(setup)
         else:
             if args.model not in SPECS:
                 raise UsageError(
@@ -203,13 +218,51 @@ def main(argv: list[str] | None = None) -> int:
                 )
             except ValueError as exc:
                 raise UsageError(str(exc), "see nemo-lw-fp8 plan --help") from None
+            if args.model in recipe_plan.spec_names():
+
+                def traffic_of() -> list[dict[str, Any]]:
+                    return traffic.whole_model_rows(
+                        args.model, args.dp, args.ep or 1, bucket_size=args.bucket_size,
+                        fp8_param_gather=not args.no_fp8_param_gather, grad_bytes=grad_bytes,
+                    )  # fmt: skip
+
+    rows, why_not = None, "not modelled for this model (no architecture)"
+    if traffic_of is not None:
+        try:
+            rows = traffic_of()
+        except ValueError as error:  # e.g. TP or CP above 1
+            why_not = str(error)
     if args.json:
-        print(json.dumps(result, indent=2))
-    elif "verdict" in result:
-        print(format_verdict(result) + "\n" + format_table(result))
-    else:
-        print(format_table(result))
+        print(json.dumps({**result, "traffic": rows}, indent=2, default=list))
+        return 0
+    print(format_verdict(result) + "\n" + format_table(result) if "verdict" in result
+          else format_table(result))  # fmt: skip
+    print(f"\n{TRAFFIC_TITLE}")
+    print("\n".join(traffic.format_rows(rows)) if rows is not None else f"  {why_not}")
     return 0
+
+
+#: The heading of the traffic rows in the text output.
+TRAFFIC_TITLE = (
+    "The table above plans compact Muon gradients all-reduced (grad_sync=all_reduce); the "
+    "default, reduce_to_owner, is the owner-reduce layout below.\n"
+    "Per step, worst rank, each virtual-pipeline chunk as megatron builds it "
+    "(nemo_lw_fp8.models.traffic, as benchmarks/layout.py):"
+)
+
+
+def _pipeline_traffic(setup: Any):
+    """The traffic rows of a recipe or model-form setup, every pipeline rank."""
+
+    def rows() -> list[dict[str, Any]]:
+        return traffic.pipeline_rows(
+            setup.recipe, setup.arch, setup.par,
+            single_grouped_weight=setup.single_grouped_weight, ownership=setup.ownership,
+            bucket_size=setup.bucket_size, fp8_param_gather=setup.fp8_param_gather,
+            grad_bytes=GRAD_BYTES["fp32" if setup.grad_reduce_in_fp32 else "bf16"],
+        )  # fmt: skip
+
+    return rows
 
 
 if __name__ == "__main__":

@@ -247,16 +247,27 @@ def plan_model(
     gpu: str, single_grouped_weight: bool, **settings: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """The model form: an architecture at explicit sizes (world = TP x PP x CP x DP)."""
+    setup = model_setup(
+        model, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp, gpu=gpu,
+        single_grouped_weight=single_grouped_weight, **settings,
+    )  # fmt: skip
+    result = plan_recipe(setup)
+    result["recipe"] = None
+    return result
+
+
+def model_setup(
+    model: str, *, tp: int, pp: int, vpp: int | None, ep: int, etp: int, cp: int, dp: int,
+    gpu: str, single_grouped_weight: bool, **settings: Any,
+) -> RecipeSetup:  # fmt: skip
+    """What :func:`plan_model` plans: the architecture at explicit sizes."""
     arch = tiny(get_architecture(model[5:])) if model.startswith("tiny-") else None
     arch = arch or get_architecture(model)
     par = ParallelismDefaults(
         recipe="command line", nodes=1, gpus_per_node=tp * pp * cp * dp, tp=tp, pp=pp,
         vpp=vpp, ep=ep, etp=etp, cp=cp, global_batch_size=dp,
     )  # fmt: skip
-    setup = RecipeSetup(model, arch, par, gpu, single_grouped_weight, **settings)
-    result = plan_recipe(setup)
-    result["recipe"] = None
-    return result
+    return RecipeSetup(model, arch, par, gpu, single_grouped_weight, **settings)
 
 
 def spec_names() -> list[str]:
@@ -266,4 +277,12 @@ def spec_names() -> list[str]:
     return sorted(ARCHITECTURES)
 
 
-__all__ = ["GPU_MEMORY", "OVERRIDES", "group_experts", "plan_model", "plan_recipe", "to_model_spec"]
+__all__ = [
+    "GPU_MEMORY",
+    "OVERRIDES",
+    "group_experts",
+    "model_setup",
+    "plan_model",
+    "plan_recipe",
+    "to_model_spec",
+]

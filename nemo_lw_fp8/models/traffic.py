@@ -10,11 +10,17 @@ compares four layouts of the same parameters:
   (Adam on the rest); gradients reduce-scattered over the padded buffers.
 * ``compact_all_reduce``: zero-padding Muon buffers bucketed like plain DDP, gradients
   all-reduced (upstream #5388 / #5479's traffic, and the plugin's path before issue 19).
-* ``compact_owner_reduce``: the plugin's new path. Compact buckets end where the padded layout
-  ends them (:func:`nemo_lw_fp8.layout.compact_bucket_counts`), and per bucket group the
-  gradients are packed in owner order into a transient buffer of the group's ``N`` elements,
-  then reduced to each owner in one coalesced launch: a rank sends ``N - s_r`` elements (ring
-  reduce: every non-root sends each segment once), ``s_r`` being what it owns in the group.
+* ``compact_owner_reduce``: the plugin's path. Compact buckets end where the padded layout
+  ends them (:func:`nemo_lw_fp8.layout.compact_bucket_counts`); each bucket's gradients lie in
+  owner order in the persistent grad buffer, and per bucket group each owner's span of each
+  bucket is reduced in place to that owner in one coalesced launch
+  (:mod:`nemo_lw_fp8.mechanics.owner_reduce`, whose span arithmetic this uses): a rank sends
+  ``N - s_r`` of the group's ``N`` elements (ring reduce: every non-root sends each span once),
+  ``s_r`` being what it owns in the group. No transient gradient buffer.
+
+The transient peak is the largest transient buffer one bucket group needs: for the compact
+layouts the bf16 buffer its param gather receives into (``N`` elements), for the owner reduce
+nothing more.
 * ``adam``: Adam on everything through megatron's DistributedOptimizer.
 
 Ownership of the compact layouts is the rank's one layer-wise optimizer's: over all its chunks
@@ -28,10 +34,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import layout as lo
+from ..mechanics import owner_reduce
 from .planner import PARAM_BYTES, _bucket_groups, _buffers, _local_specs, _our_owners
 from .shapes import ParamSpec
 
 LAYOUTS = ("stock_padded", "compact_all_reduce", "compact_owner_reduce", "adam")
+LABEL = {
+    "stock_padded": "0.19.2 padded",
+    "compact_all_reduce": "compact all-reduce (upstream)",
+    "compact_owner_reduce": "plugin compact owner-reduce",
+    "adam": "Adam DistOpt",
+}
 
 
 def _chunk_bucket_sizes(chunks: int, pp_rank: int, bucket_size: int | None) -> list[int | None]:
@@ -95,6 +108,7 @@ def rank_traffic(
             "gather_collectives": 0,
             "transient_peak_bytes": 0,
             "padding_numel": 0,
+            "grad_reduces": [0] * dp,
         }
         for name in LAYOUTS
     }
@@ -188,21 +202,22 @@ def rank_traffic(
                             items = [item for i, b in g for item in kind[i][2][b]]
                             n_group = sum(n for _, n in items)
                             exact = n_group * (w - 1) // w
-                            if name == "compact_all_reduce":
-                                peak = n_group * PARAM_BYTES  # the gather's transient
-                            else:
-                                peak = n_group * max(grad_bytes, PARAM_BYTES)
+                            # the gather's bf16 receive buffer; the owner reduce adds none
+                            peak = n_group * PARAM_BYTES
                             a["transient_peak_bytes"] = max(a["transient_peak_bytes"], peak)
                             for table, ranks in tables:
-                                owned = [0] * w
-                                for i, n in items:
-                                    for owner, units in table[i]:
-                                        owned[owner] += n * units // own.units[i]
+                                spans = [
+                                    span
+                                    for i, b in g
+                                    for span in _owner_spans(kind[i][2][b], table, own.units)
+                                ]
                                 for member, r in enumerate(ranks):
                                     if name == "compact_all_reduce":
                                         sent = 2 * n_group * (w - 1) // w
                                     else:
-                                        sent = n_group - owned[member]
+                                        t = owner_reduce.owner_reduce_traffic(spans, member, w)
+                                        sent = t.sent
+                                        a["grad_reduces"][r] += t.reduces
                                     a["wire"][r] += sent * grad_bytes
                                     a["exact"][r] += exact * grad_bytes
 
@@ -223,6 +238,7 @@ def rank_traffic(
             "gather_collectives": a["gather_collectives"],
             "transient_peak_bytes": a["transient_peak_bytes"],
             "padding_numel": a["padding_numel"],
+            "grad_reduces": max(a["grad_reduces"]),
             "newton_schulz": None,
         }
         if name != "adam":
@@ -236,6 +252,21 @@ def rank_traffic(
     return out
 
 
+def _owner_spans(
+    bucket: list[tuple[int, int]], table: dict, units: dict[int, int]
+) -> list[tuple[int, int]]:
+    """The owner reduce's ``(owner, elements)`` spans of one compact bucket (``(spec index,
+    elements)`` in backprop order), laid out as the mechanism lays it: params in owner order of
+    their first piece (:func:`.owner_reduce.owner_order`), runs of one owner merged."""
+    order = owner_reduce.owner_order([table[i][0][0] for i, _ in bucket])
+    pieces = [
+        (owner, n * count // units[i])
+        for i, n in (bucket[k] for k in order)
+        for owner, count in table[i]
+    ]
+    return owner_reduce.owner_spans(pieces)
+
+
 def _expert_aware_costs(specs: list[ParamSpec], ownership: str, own: Any) -> list[int]:
     """Costs of the smallest units ownership can hand out: whole matrices, or single experts
     of a grouped weight owned in runs."""
@@ -244,3 +275,75 @@ def _expert_aware_costs(specs: list[ParamSpec], ownership: str, own: Any) -> lis
         if s.muon:
             costs.append(lo.newton_schulz_cost(s.shape) // own.units.get(i, 1))
     return costs
+
+
+# --------------------------------------------------------------------------- rows and table
+
+
+def pipeline_rows(
+    label: str,
+    arch: Any,
+    par: Any,
+    *,
+    single_grouped_weight: bool,
+    ownership: str = "whole",
+    **settings: Any,
+) -> list[dict[str, Any]]:
+    """One row per pipeline rank of ``arch`` under ``par`` (each rank's virtual-pipeline chunks,
+    :func:`.pipeline.chunk_param_specs`): :func:`rank_traffic` of its chunks. ``settings``:
+    :func:`rank_traffic`'s ``bucket_size``, ``fp8_param_gather``, ``grad_bytes``, ..."""
+    from .pipeline import chunk_param_specs
+    from .recipe_plan import group_experts
+
+    dp = par.data_parallel_size
+    rows = []
+    for rank in range(par.pp):
+        chunks = chunk_param_specs(arch, par, rank)
+        if single_grouped_weight:
+            chunks = [group_experts(c) for c in chunks]
+        result = rank_traffic(chunks, dp, par.ep, pp_rank=rank, ownership=ownership, **settings)
+        config = f"{label} PP{par.pp} VP{par.vpp or 1} EP{par.ep} DP{dp} rank {rank}"
+        rows.append({"config": config, "key": None, **result})
+    return rows
+
+
+def whole_model_rows(model: str, dp: int, ep: int, **settings: Any) -> list[dict[str, Any]]:
+    """The whole model (TP = PP = 1) on ``dp`` ranks, discrete experts owned whole."""
+    from .architectures import get_architecture
+    from .parallel import ParallelismDefaults
+    from .pipeline import chunk_param_specs
+
+    arch = get_architecture(model)
+    par = ParallelismDefaults(
+        recipe="whole", nodes=1, gpus_per_node=dp, ep=ep, global_batch_size=dp
+    )
+    result = rank_traffic(chunk_param_specs(arch, par, 0), dp, ep, pp_rank=0, **settings)
+    return [{"config": f"{model} whole model EP{ep} DP{dp}", "key": (model, dp, ep), **result}]
+
+
+def format_rows(rows: list[dict[str, Any]], notes: dict | None = None) -> list[str]:
+    """The rows as a markdown table, one line per layout; ``notes[row key]`` = upstream main's
+    padded figures ``(padding G elements, NS max/mean, wire over exact, gathers)`` beside them."""
+    lines = [
+        "| config | layout | grad wire / exact RS | grad launches | gather launches "
+        "| transient peak GB | padding G elems | NS max/mean (bound) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for name in LAYOUTS:
+            e = r[name]
+            ns = e["newton_schulz"]
+            ns_text = "-" if ns is None else f"{ns['max_over_mean']:.3f} ({ns['lower_bound']:.3f})"
+            lines.append(
+                f"| {r['config']} | {LABEL[name]} | {e['grad_wire_over_exact']:.3f} "
+                f"| {e['grad_collectives']} | {e['gather_collectives']} "
+                f"| {e['transient_peak_bytes'] / 1e9:.2f} | {e['padding_numel'] / 1e9:.2f} "
+                f"| {ns_text} |"
+            )
+        note = (notes or {}).get(r["key"]) if r["key"] else None
+        if note:
+            lines.append(
+                f"| {r['config']} | upstream main padded (note) | {note[2]:.2f} | - | {note[3]} "
+                f"| - | {note[0]:.2f} | {note[1]:.3f} |"
+            )
+    return lines

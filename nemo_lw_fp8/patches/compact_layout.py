@@ -5,7 +5,7 @@ buffers are laid out without padding and act as plain-DDP buffers; ownership min
 largest per-rank Newton-Schulz cost (single grouped expert weights whole or in runs of experts);
 each layer-wise bucket group is gathered with one collective of owner-packed bf16 values, which
 also serves MXFP8 param gather bitwise without staging in the grad buffer; its gradients are
-reduced to their owners only (one reduce per owner's segment, ``grad_sync="reduce_to_owner"``,
+reduced in place to their owners only (one reduce per owner's span, ``grad_sync="reduce_to_owner"``,
 the default) or all-reduced (``"all_reduce"``, #5388's choice). The mechanics:
 :mod:`nemo_lw_fp8.mechanics.compact`.
 
