@@ -63,6 +63,17 @@ def _rank_environment(rank: int, nproc: int, port: str) -> dict[str, str]:
     }
 
 
+def _one_thread_per_rank_as_torchrun(nproc: int) -> None:
+    """torchrun sets ``OMP_NUM_THREADS=1`` for its ranks when it starts several and the variable
+    is unset; torch read the variable when the server imported it, so say it to torch too."""
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    if "OMP_NUM_THREADS" in os.environ:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def run_ranks(nproc: int, port: str, words: list[str]) -> int:
     """Fork ``nproc`` ranks that each run the entry point with ``words``; wait for them. A rank
     that fails ends the others (as torchrun does); returns the first failure's status."""
@@ -77,6 +88,7 @@ def run_ranks(nproc: int, port: str, words: list[str]) -> int:
             status = 1
             try:
                 os.environ.update(_rank_environment(rank, nproc, port))
+                _one_thread_per_rank_as_torchrun(nproc)
                 status = bridge_run.cli.main(list(words)) or 0
             except SystemExit as done:
                 status = done.code if isinstance(done.code, int) else 1
