@@ -45,6 +45,8 @@ def _warm_up() -> None:
     import nemo_lw_fp8.launch.pretrain  # noqa: F401
     import nemo_lw_fp8.recipes  # noqa: F401
 
+    gc.freeze()  # the imported stack: never collected, never copied by the ranks' collections
+
 
 def _rank_environment(rank: int, nproc: int, port: str) -> dict[str, str]:
     return {
@@ -127,7 +129,6 @@ def main(argv: list[str]) -> int:
     import bridge_run  # noqa: F401 - the mutations (env NEMO_LW_FP8_TEST_MUTATION) come first
 
     _warm_up()
-    gc.freeze()  # the imported stack: never collected, never copied by the ranks' collections
     return run_ranks(nproc, port, words)
 
 
@@ -156,7 +157,6 @@ def serve() -> int:
     import bridge_run
 
     _warm_up()
-    gc.freeze()
     answers.write(json.dumps({"ready": os.getpid()}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)

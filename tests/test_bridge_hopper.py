@@ -20,11 +20,9 @@ def _train(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
     """One 2-rank ``nemo-lw-fp8 pretrain --cpu`` run: its losses and, per rank, what the
     layer-wise optimizer was built over (``tests/bridge_run.py``'s probe). A control run that
     crashes fails here: it must diverge, not die."""
-    run = br.pretrain(tmp, tag, RECIPE, f"train.train_iters={STEPS}",
-                      f"validation.eval_interval={STEPS}", "train.global_batch_size=4", *extra,
-                      mutation=mutation, probe=True)  # fmt: skip
-    run["ranks"] = run["probe"]
-    return run
+    return br.pretrain(tmp, tag, RECIPE, f"train.train_iters={STEPS}",
+                       f"validation.eval_interval={STEPS}", "train.global_batch_size=4", *extra,
+                       mutation=mutation, probe=True)  # fmt: skip
 
 
 def _losses(run: dict) -> tuple[list[float], list[float]]:
@@ -34,15 +32,15 @@ def _losses(run: dict) -> tuple[list[float], list[float]]:
 def test_tiny_hopper_fp8_gather_on_equals_off_through_bridge(tmp_path):
     on = _train(tmp_path, "on")
     off = _train(tmp_path, "off", "mixed_precision.fp8_param_gather=false")
-    for rank in on["ranks"] + off["ranks"]:
+    for rank in on["probe"] + off["probe"]:
         # Blockwise FP8 compute in both runs (the CPU linears of the blockwise recipe).
         assert rank["linears"].get("BlockwiseColumnParallelLinear", 0) > 0, rank
         assert rank["linears"].get("BlockwiseRowParallelLinear", 0) > 0, rank
         assert "MXFP8ColumnParallelLinear" not in rank["linears"], rank
-    for rank in on["ranks"]:
+    for rank in on["probe"]:
         # ON: persistent Float8BlockwiseQTensor weights, gathered as FP8 codes + scales.
         assert rank["blockwise_weights"] > 0 and rank["blockwise_groups"] > 0, rank
-    for rank in off["ranks"]:
+    for rank in off["probe"]:
         assert rank["blockwise_weights"] == 0 and rank["blockwise_groups"] == 0, rank
     train_on, eval_on = _losses(on)
     assert len(train_on) == STEPS and train_on[-1] < train_on[0], train_on
@@ -52,5 +50,5 @@ def test_tiny_hopper_fp8_gather_on_equals_off_through_bridge(tmp_path):
     # GEMMs read last step's weights. After 3 steps the FP8 forward may still round the
     # small difference away; the losses (the evals after step 3 at least) differ.
     stale = _train(tmp_path, "stale-columnwise", mutation="blockwise_columnwise")
-    assert stale["ranks"][0]["blockwise_groups"] > 0
+    assert stale["probe"][0]["blockwise_groups"] > 0
     assert _losses(stale) != _losses(off)
