@@ -232,6 +232,8 @@ GRAD_SYNC_MODES = ("reduce_to_owner", "all_reduce")
 #: expert runs when that lowers the busiest rank's Newton-Schulz work by more than
 #: :data:`AUTO_SPLIT_GAIN`, else whole).
 GROUPED_WEIGHT_OWNERSHIP = ("whole", "expert", "auto")
+#: How a fused QKV weight that Muon orthogonalizes as its Q, K and V parts is owned.
+QKV_OWNERSHIP = ("split", "whole")
 AUTO_SPLIT_GAIN = 0.02
 
 

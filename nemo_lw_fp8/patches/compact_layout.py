@@ -101,8 +101,9 @@ def _make_shard_params(original):
             return original(self, optimizers, full_param_layouts)
         if not compact.shards(chunks[0].ddp_config):
             return original(self, optimizers, full_param_layouts)
-        ownership = plugin_config.grouped_weight_ownership(chunks[0].ddp_config)
-        compact.shard(self, optimizers, ownership)
+        ddp_config = chunks[0].ddp_config
+        ownership = plugin_config.grouped_weight_ownership(ddp_config)
+        compact.shard(self, optimizers, ownership, plugin_config.qkv_ownership(ddp_config))
         compact.attach_groups(self, chunks)
         return None
 
