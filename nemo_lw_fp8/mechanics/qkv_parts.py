@@ -21,6 +21,10 @@ whole first and quantized once), so every rank ends with the bytes whole ownersh
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass, replace
+from typing import Any
+
 import torch
 
 from .expert_slices import _COPIED_ATTRS, PartOfWeight, _quantized, _shape_only
@@ -162,3 +166,99 @@ def write_back(part: QKVPart, target: torch.Tensor, values: torch.Tensor) -> Non
     """Write the part's ``values`` (flat) into its rows of ``target`` (shaped like, or a flat
     copy of, the fused weight)."""
     part.rows_of(target).copy_(values.view(part.groups, part.rows, part.hidden))
+
+
+# --------------------------------------------------------------------------- checkpoint entries
+#
+# megatron's optimizers find a parameter's checkpoint entry by identity (``id(entry.data) ==
+# id(param)``), so a part has none of its own. Each part gets a ``ShardedTensorFactory`` whose
+# ``data`` is the part (megatron re-keys it and swaps in the fp32 master or Muon momentum):
+# building it gives one flattened piece of the fused weight's own entry per query group (the
+# part's rows of that group are one contiguous run of the weight's local chunk), so the pieces
+# land in the weight's tensor, at the weight's key.
+
+
+@dataclass(frozen=True)
+class PartGeometry:
+    """Where one part's rows lie in the fused weight's local chunk."""
+
+    groups: int
+    group_rows: int
+    row_offset: int
+    rows: int
+    hidden: int
+
+    @classmethod
+    def of(cls, part: QKVPart) -> PartGeometry:
+        return cls(part.groups, part.group_rows, part.row_offset, part.rows, part.hidden)
+
+
+def _build(template: Any, geometry: PartGeometry, key, data, replica_id, flattened_range):
+    if flattened_range is not None:
+        raise ValueError("a QKV part's entry is not itself written flattened")
+    g = geometry
+    values = data.reshape(g.groups, g.rows, g.hidden)
+    out = {}
+    for group in range(g.groups):
+        start = (group * g.group_rows + g.row_offset) * g.hidden
+        out[group] = replace(
+            template,
+            key=key,
+            data=values[group].reshape(-1),
+            dtype=data.dtype,
+            replica_id=replica_id,
+            flattened_range=slice(start, start + g.rows * g.hidden),
+        )
+    return out
+
+
+def _merge(geometry: PartGeometry, loaded: dict) -> torch.Tensor:
+    g = geometry
+    return torch.stack(
+        [loaded[group].reshape(g.rows, g.hidden) for group in sorted(loaded)]
+    ).reshape(g.groups * g.rows, g.hidden)
+
+
+def part_entry(whole: Any, part: QKVPart) -> Any:
+    """The checkpoint entry of ``part``, built from its fused weight's entry ``whole``."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    geometry = PartGeometry.of(part)
+    return ShardedTensorFactory(
+        key=whole.key,
+        data=part,
+        build_fn=functools.partial(_build, whole.without_data(), geometry),
+        merge_fn=functools.partial(_merge, geometry),
+        replica_id=whole.replica_id,
+    )
+
+
+def part_entries(model_sharded_state_dict: Any, params: list[torch.Tensor]) -> dict[str, Any]:
+    """Entries for the QKV parts among ``params`` (an optimizer's parameters)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    parts = [p for p in params if is_part(p)]
+    if not parts:
+        return {}
+    by_weight = {
+        id(entry.data): entry
+        for entry in nested_values(model_sharded_state_dict)
+        if isinstance(entry, ShardedTensor) and entry.data is not None
+    }
+    out = {}
+    for index, part in enumerate(parts):
+        whole = by_weight.get(id(part.parent))
+        if whole is None or whole.flattened_range is not None:
+            raise RuntimeError(
+                f"{part!r}: the model's sharded state dict has no plain entry for its fused QKV "
+                "weight, so its optimizer state has nowhere to go. Fix: "
+                "optimizer.qkv_ownership='whole'."
+            )
+        if tuple(whole.local_shape) != tuple(part.parent.shape):
+            raise RuntimeError(
+                f"{part!r}: the fused weight's entry has local shape {whole.local_shape}, not "
+                f"the weight's {tuple(part.parent.shape)}. Fix: optimizer.qkv_ownership='whole'."
+            )
+        out[f"qkv_part_{index}"] = part_entry(whole, part)
+    return out

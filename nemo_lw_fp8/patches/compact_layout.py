@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from .. import config as plugin_config
 from .. import symbols
-from ..mechanics import compact, grouped_checkpoint, owner_reduce
+from ..mechanics import compact, grouped_checkpoint, owner_reduce, qkv_parts
 from ..state import optimizer_state
 from .framework import Override, Patch, register
 
@@ -113,16 +113,21 @@ def _make_shard_params(original):
 
 def _make_sharded_state_dict(original):
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        """Give the runs of experts this optimizer owns their entries: each a slice, along the
-        expert dimension, of its grouped weight's entry (see ``mechanics.grouped_checkpoint``),
-        so their fp32 masters and Muon momentum are saved and loaded like whole parameters."""
+        """Give the runs of experts and QKV parts this optimizer owns their entries: a run is a
+        slice, along the expert dimension, of its grouped weight's entry (see
+        ``mechanics.grouped_checkpoint``), a QKV part its rows of the fused weight's entry, one
+        flattened piece per query group (``mechanics.qkv_parts``), so their fp32 masters and
+        Muon momentum are saved and loaded like whole parameters."""
         params = [
             param
             for opt in getattr(self, "chained_optimizers", [self])
             for group in getattr(opt, "float16_groups", [])
             for param in group
         ]
-        runs = grouped_checkpoint.run_entries(model_sharded_state_dict, params)
+        runs = {
+            **grouped_checkpoint.run_entries(model_sharded_state_dict, params),
+            **qkv_parts.part_entries(model_sharded_state_dict, params),
+        }
         if runs:
             model_sharded_state_dict = {**model_sharded_state_dict, RUNS_KEY: runs}
         return original(self, model_sharded_state_dict, is_loading, **kwargs)

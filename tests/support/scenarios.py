@@ -89,6 +89,8 @@ class Scenario:
     grad_accum_fusion: bool = False
     #: Compact layout: how single grouped expert weights are owned ("whole", "expert", "auto").
     grouped_weight_ownership: str = "whole"
+    #: Compact layout: fused QKV weights owned as their Q, K, V parts ("split") or "whole".
+    qkv_ownership: str = "split"
     #: Compact layout: how Muon gradients are synced ("reduce_to_owner", "all_reduce"; None:
     #: ``LayerWiseConfig``'s default).
     grad_sync: str | None = None
