@@ -173,9 +173,11 @@ def write_back(part: QKVPart, target: torch.Tensor, values: torch.Tensor) -> Non
 # megatron's optimizers find a parameter's checkpoint entry by identity (``id(entry.data) ==
 # id(param)``), so a part has none of its own. Each part gets a ``ShardedTensorFactory`` whose
 # ``data`` is the part (megatron re-keys it and swaps in the fp32 master or Muon momentum):
-# building it gives one flattened piece of the fused weight's own entry per query group (the
-# part's rows of that group are one contiguous run of the weight's local chunk), so the pieces
-# land in the weight's tensor, at the weight's key.
+# building it gives one piece of the fused weight's own tensor per query group (the part's rows
+# of that group, a row range of the weight's local chunk), at the weight's key, on an irregular
+# grid (``axis_fragmentations=None``: megatron-core 0.19.2 hands such entries to PyTorch's
+# distributed checkpoint, which matches pieces by offset, so state saved under one ownership
+# loads under the other).
 
 
 @dataclass(frozen=True)
@@ -195,19 +197,28 @@ class PartGeometry:
 
 def _build(template: Any, geometry: PartGeometry, key, data, replica_id, flattened_range):
     if flattened_range is not None:
-        raise ValueError("a QKV part's entry is not itself written flattened")
+        raise ValueError("a QKV part's entry is not written flattened")
     g = geometry
     values = data.reshape(g.groups, g.rows, g.hidden)
+    # Prepended axes (e.g. the layer of a stacked key) become singleton local axes: megatron
+    # hands irregular pieces to PyTorch's checkpoint only without prepended axes.
+    prepend = template.prepend_axis_num
+    row_axis = prepend  # the local chunk's rows in the global tensor
+    lead = (1,) * prepend
     out = {}
     for group in range(g.groups):
-        start = (group * g.group_rows + g.row_offset) * g.hidden
+        offset = list(template.global_offset)
+        offset[row_axis] += group * g.group_rows + g.row_offset
         out[group] = replace(
             template,
             key=key,
-            data=values[group].reshape(-1),
+            data=values[group].view(*lead, g.rows, g.hidden),
             dtype=data.dtype,
+            local_shape=(*lead, g.rows, g.hidden),
+            global_offset=tuple(offset),
+            axis_fragmentations=None,
+            prepend_axis_num=0,
             replica_id=replica_id,
-            flattened_range=slice(start, start + g.rows * g.hidden),
         )
     return out
 
