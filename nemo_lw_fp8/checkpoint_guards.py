@@ -22,10 +22,7 @@ CHECKPOINT_FIXED_FIELDS: tuple[tuple[str, str], ...] = tuple(
         "moe_shared_expert_intermediate_size", "mtp_num_layers", "vocab_size",
         "experimental_attention_variant", "fp8", "fp8_recipe",
     )
-) + (("optimizer", "optimizer"), ("optimizer", "qkv_ownership"))  # fmt: skip
-
-#: What a field reads as in a checkpoint saved before the field existed.
-_SAVED_DEFAULTS: dict[tuple[str, str], Any] = {("optimizer", "qkv_ownership"): "whole"}
+) + (("optimizer", "optimizer"),)  # fmt: skip
 
 
 def checkpoint_mismatch(saved: dict[str, Any], current: dict[str, Any], where: str) -> str | None:
@@ -33,9 +30,8 @@ def checkpoint_mismatch(saved: dict[str, Any], current: dict[str, Any], where: s
     between a checkpoint's saved config and this run's (both as ``{section: {field: value}}``)."""
     differences = []
     for section, name in CHECKPOINT_FIXED_FIELDS:
-        fallback = _SAVED_DEFAULTS.get((section, name))
-        old = (saved.get(section) or {}).get(name, fallback)
-        new = (current.get(section) or {}).get(name, fallback)
+        old = (saved.get(section) or {}).get(name)
+        new = (current.get(section) or {}).get(name)
         if old != new:
             differences.append(f"{section}.{name}: {old!r} in the checkpoint, {new!r} here")
     if not differences:

@@ -127,16 +127,12 @@ def _layer_wise_state(optimizer, module: torch.nn.Module) -> dict[str, torch.Ten
 
 
 def round_trips(directory: str, sharding: str) -> dict:
-    """Train, save, build again (other initial values), load; then the control: parts whose
-    state is not written. (A resume under the other QKV ownership is refused by the
-    ``checkpoint-mismatch`` rule: the layer-wise optimizer's saved param lists follow ownership.)"""
+    """Train, save, build under the other QKV ownership (other initial values), load; twice
+    (split -> whole -> split), then the control: parts whose query groups are put back in the
+    wrong order."""
     import os
 
     from megatron.core import parallel_state
-    from megatron.core.dist_checkpointing.mapping import (
-        LocalNonpersistentObject,
-        ShardedTensorFactory,
-    )
 
     from nemo_lw_fp8.mechanics import qkv_parts
     from tests.support import dist_checkpoints as ckpt
@@ -167,18 +163,16 @@ def round_trips(directory: str, sharding: str) -> dict:
         return {"saved": saved, "fresh": fresh, "loaded": loaded,
                 "parts": parts + qkv_parts_owned(optimizer)}  # fmt: skip
 
-    out = {"split->split": round_trip("a", "split")}
+    out = {"split->whole": round_trip("a", "whole"), "whole->split": round_trip("b", "split")}
 
-    def unwritten(whole, part):
-        """A part's entry that writes nothing and loads back what the optimizer holds."""
-        return ShardedTensorFactory(
-            whole.key, part,
-            lambda key, t, replica_id, flattened_range: {"kept": LocalNonpersistentObject(t)},
-            lambda loaded: loaded["kept"], whole.replica_id,
-        )  # fmt: skip
+    original_merge = qkv_parts._merge
+
+    def groups_reversed(geometry, loaded: dict) -> torch.Tensor:
+        keys = sorted(loaded)
+        return original_merge(geometry, dict(zip(keys, [loaded[k] for k in reversed(keys)])))
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(qkv_parts, "part_entry", unwritten)
+        mp.setattr(qkv_parts, "_merge", groups_reversed)
         out["control"] = round_trip("c", "split")
     return out
 
@@ -197,7 +191,7 @@ def _merged(results: list[dict], case: str, what: str) -> dict[str, torch.Tensor
 @pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
 def test_qkv_part_state_round_trips_across_ownerships(tmp_path, sharding):
     results = run_on_ranks(round_trips, str(tmp_path), sharding, timeout=600)
-    for case in ("split->split",):
+    for case in ("split->whole", "whole->split"):
         assert any(r[case]["parts"] for r in results), case
         saved, loaded = _merged(results, case, "saved"), _merged(results, case, "loaded")
         fresh = _merged(results, case, "fresh")
@@ -207,8 +201,8 @@ def test_qkv_part_state_round_trips_across_ownerships(tmp_path, sharding):
         assert all(not torch.equal(saved[n], fresh[n]) for n in masters), case
         differ = [n for n in saved if not torch.equal(saved[n], loaded[n])]
         assert not differ, f"{case}: {differ}"
-    # Control: parts whose entries write nothing keep the fresh build's masters.
+    # Control: pieces put back in the wrong query groups are noticed.
+    assert any(r["control"]["parts"] for r in results)
     saved = _merged(results, "control", "saved")
     loaded = _merged(results, "control", "loaded")
-    owned = [n for n in loaded if n.startswith("master:")]
-    assert owned and any(not torch.equal(saved[n], loaded[n]) for n in owned)
+    assert any(not torch.equal(saved[n], loaded[n]) for n in saved)
