@@ -83,7 +83,7 @@ class Settings:
     #: Compact layout: how a single grouped weight is owned ("whole", "expert", "auto").
     grouped_weight_ownership: str = "whole"
     #: Compact layout: fused QKV weights owned as their Q, K, V parts ("split") or "whole".
-    qkv_ownership: str = "whole"
+    qkv_ownership: str = "split"
     #: Compact layout: how Muon gradients are synced ("reduce_to_owner", "all_reduce").
     layer_wise_grad_sync: str = "reduce_to_owner"
     #: Bridge's ``logger.log_l2_norm_grad_to_tensorboard``: logs every parameter's main_grad.
