@@ -11,9 +11,9 @@ SHA-256 of its fp32 master and of each optimizer state tensor (Muon momentum; Ad
 Keys are what stays fixed when DP size and ownership change: the pipeline stage, the virtual
 chunk, the model's parameter name and, for expert parameters, the expert-parallel rank; a
 grouped expert weight is split into one entry per expert, whether one rank holds the whole
-weight or several hold runs of its experts, and a fused QKV weight into its Q, K, V parts. The Adam state of the sibling DistributedOptimizer
-is put back together over its data-parallel group (each rank holds a byte range of each
-parameter), so every rank of that group records the whole parameter. The union over ranks is
+weight or several hold runs of its experts, and a fused QKV weight into its Q, K, V parts.
+The Adam state of the sibling DistributedOptimizer is put back together over its data-parallel
+group (each rank holds a byte range of each parameter), so every rank of that group records the whole parameter. The union over ranks is
 the run's state; where ranks hold the same entry they must agree.
 """
 
