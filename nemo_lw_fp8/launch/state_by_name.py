@@ -13,8 +13,9 @@ chunk, the model's parameter name and, for expert parameters, the expert-paralle
 grouped expert weight is split into one entry per expert, whether one rank holds the whole
 weight or several hold runs of its experts, and a fused QKV weight into its Q, K, V parts.
 The Adam state of the sibling DistributedOptimizer is put back together over its data-parallel
-group (each rank holds a byte range of each parameter), so every rank of that group records the whole parameter. The union over ranks is
-the run's state; where ranks hold the same entry they must agree.
+group (each rank holds a byte range of each parameter), so every rank of that group records
+the whole parameter. The union over ranks is the run's state; where ranks hold the same entry
+they must agree.
 """
 
 from __future__ import annotations
