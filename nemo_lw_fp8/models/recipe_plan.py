@@ -60,6 +60,7 @@ class RecipeSetup:
     gpu: str
     single_grouped_weight: bool
     ownership: str = "whole"
+    qkv_ownership: str = "split"  # plan --qkv-ownership (LayerWiseConfig.qkv_ownership)
     fp8_param_gather: bool = True
     gather_padding_tolerance: float = 0.1
     bucket_size: int | None = None
@@ -189,7 +190,9 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
         specs = stage_param_specs(arch, par, rank)
         if setup.single_grouped_weight:
             specs = group_experts(specs)
-        signature = tuple((s.shape, s.muon, s.expert_parallel, s.quantized) for s in specs)
+        signature = tuple(
+            (s.shape, s.muon, s.expert_parallel, s.quantized, s.qkv_split) for s in specs
+        )
         if signature not in plans:
             plans[signature] = plan(
                 specs,
@@ -200,6 +203,7 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
                 grad_dtype="fp32" if setup.grad_reduce_in_fp32 else "bf16",
                 gather_padding_tolerance=setup.gather_padding_tolerance,
                 grouped_weight_ownership=setup.ownership,
+                qkv_ownership=setup.qkv_ownership,
             )
         by_rank.append(plans[signature])
 
