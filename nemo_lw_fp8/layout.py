@@ -232,14 +232,12 @@ GRAD_SYNC_MODES = ("reduce_to_owner", "all_reduce")
 #: expert runs when that lowers the busiest rank's Newton-Schulz work by more than
 #: :data:`AUTO_SPLIT_GAIN`, else whole).
 GROUPED_WEIGHT_OWNERSHIP = ("whole", "expert", "auto")
-#: How a fused QKV weight that Muon orthogonalizes as its Q, K and V parts is owned.
-QKV_OWNERSHIP = ("split", "whole")
 AUTO_SPLIT_GAIN = 0.02
 
 #: How a fused ``linear_qkv`` weight that Muon orthogonalizes in parts (megatron's
 #: ``muon_split_qkv``, tagged ``is_qkv`` with ``qkv_split_shapes``) is owned: ``"whole"`` (one
 #: rank, like any parameter) or ``"split"`` (each part, Q / K / V, and the gate with
-#: ``attention_output_gate``, an independent matrix with its own owner).
+#: ``attention_output_gate``, an independent matrix with its own owner; the default).
 QKV_OWNERSHIP = ("whole", "split")
 
 

@@ -43,6 +43,7 @@ OVERRIDES = {
     "train.micro_batch_size": "micro_batch_size",
     "model.moe_single_grouped_weight": "single_grouped_weight",
     "optimizer.grouped_weight_ownership": "ownership",
+    "optimizer.qkv_ownership": "qkv_ownership",
     "optimizer.gather_padding_tolerance": "gather_padding_tolerance",
     "mixed_precision.fp8_param_gather": "fp8_param_gather",
     "ddp.bucket_size": "bucket_size",
