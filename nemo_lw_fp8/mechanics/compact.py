@@ -312,7 +312,10 @@ def shard(
 
 def _muon_splits_qkv(optimizers: list[Any]) -> frozenset[int]:
     """``id`` of every fused QKV weight a Muon among ``optimizers`` orthogonalizes as its Q, K
-    and V parts (megatron's ``muon_split_qkv``, on by default, tags them ``is_qkv``)."""
+    and V parts (megatron's ``muon_split_qkv``, on by default, tags them ``is_qkv``). Blockwise
+    FP8 weights stay whole: their owner quantizes whole 128 x 128 tiles, which span the parts."""
+    from .blockwise import is_blockwise
+
     found = set()
     for opt in optimizers:
         inner = getattr(opt, "optimizer", opt)
@@ -321,7 +324,11 @@ def _muon_splits_qkv(optimizers: list[Any]) -> frozenset[int]:
         is_qkv = getattr(inner, "is_qkv_fn", None) or (lambda p: getattr(p, "is_qkv", False))
         for group in inner.param_groups:
             for param in group["params"]:
-                if is_qkv(param) and qkv_parts.split_shapes(param) is not None:
+                if (
+                    is_qkv(param)
+                    and qkv_parts.split_shapes(param) is not None
+                    and not is_blockwise(param)
+                ):
                     found.add(id(param))
     return frozenset(found)
 

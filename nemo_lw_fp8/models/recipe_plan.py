@@ -99,7 +99,13 @@ def recipe_setup(name: str, overrides: list[str] = ()) -> RecipeSetup:  # type: 
         arch = get_architecture(model)
         par = parallelism(arch, recipes.VARIANT_GPU[variant])
         gpu = VARIANT_GPU[variant]
-    setup = RecipeSetup(key, arch, par, gpu, single_grouped_weight=variant != "hopper")
+    # Hopper recipes gather blockwise FP8 weights, which the plugin keeps whole (their owner
+    # quantizes whole 128 x 128 tiles): no grouped weights, no Q / K / V parts.
+    hopper = variant == "hopper"
+    setup = RecipeSetup(
+        key, arch, par, gpu, single_grouped_weight=not hopper,
+        qkv_ownership="whole" if hopper else RecipeSetup.qkv_ownership,
+    )  # fmt: skip
     changes: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
