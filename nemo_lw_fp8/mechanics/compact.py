@@ -281,7 +281,8 @@ def shard(
     for group in param_groups:
         (expert if group.get("is_expert_parallel", False) else dense).extend(group["params"])
     record = optimizer_state(optimizer)
-    split_qkv = _muon_splits_qkv(optimizers) if qkv_ownership == "split" else frozenset()
+    split = qkv_ownership == "split" and not _blockwise_fp8(record.model_chunks or [])
+    split_qkv = _muon_splits_qkv(optimizers) if split else frozenset()
     per_rank: dict[int, list[list[torch.nn.Parameter]]] = {}
     dense_loads = [0] * dp_size
     for kind, (params, size, rank) in enumerate(
@@ -308,6 +309,13 @@ def shard(
             for piece in record.pieces[param]
             if record.owner_of[piece] == local
         ]
+
+
+def _blockwise_fp8(model_chunks: list[Any]) -> bool:
+    """Whether the model computes in blockwise FP8 (Hopper): its fused QKV weights stay whole
+    whether or not the run gathers FP8 weights, so FP8 param gather on and off own alike."""
+    return any(getattr(getattr(c, "config", None), "fp8_recipe", None) == "blockwise"
+               for c in model_chunks)  # fmt: skip
 
 
 def _muon_splits_qkv(optimizers: list[Any]) -> frozenset[int]:
