@@ -305,7 +305,7 @@ def count_grad_sync(scenario: Scenario) -> dict:
     # the owner layout: more than in owner order when an owner's params are not adjacent.
     owner_of = {id(piece): r for p in plans for r, seg in enumerate(p.segments) for piece in seg}
     backprop_runs = sum(
-        len(owner_reduce.owner_spans([(owner_of[id(p)], 1) for p in b.params_list]))
+        len(owner_reduce.owner_spans([(owner_of.get(id(p), -1), 1) for p in b.params_list]))
         for g in groups
         for b in g.buckets
     )

@@ -65,6 +65,29 @@ def test_grad_norm_counts_every_part_once():
         assert a["grad_norms"] == pytest.approx(b["grad_norms"], rel=1e-6, abs=0)
 
 
+def test_planner_counts_the_parts_reduces():
+    """The planner (``models.traffic``) lays a split QKV weight's gradient out as the mechanism
+    does: the reduces per step it plans for the worst rank are the ones the ranks issue
+    (counted through ``torch.distributed``, DP 4), with parts and without."""
+    from nemo_lw_fp8.models import ParamSpec
+    from nemo_lw_fp8.models.traffic import rank_traffic
+    from tests.test_compact_grad_sync import count_grad_sync
+    from tests.test_planner_megatron import model_params
+
+    specs = [ParamSpec(**row) for row in run_on_ranks(model_params, SPLIT, world_size=4)[0]]
+    issued = {}
+    for ownership in ("split", "whole"):
+        scenario = SPLIT.with_(qkv_ownership=ownership, snapshots=False)
+        counts = run_on_ranks(count_grad_sync, scenario, world_size=4)
+        for c in counts:
+            assert c["reduces"] == c["planned_reduces"] * c["steps"], c
+        planned = rank_traffic([specs], 4, fp8_param_gather=False, qkv_ownership=ownership)
+        issued[ownership] = max(c["planned_reduces"] for c in counts)
+        assert planned["compact_owner_reduce"]["grad_reduces"] == issued[ownership], ownership
+    # Parts owned apart add the runs of their query groups.
+    assert issued["split"] > issued["whole"]
+
+
 def train_splitting_regardless(scenario: Scenario) -> dict:
     """Mutation: parts owned apart even though Muon orthogonalizes the fused weight whole."""
     from nemo_lw_fp8.mechanics import compact, qkv_parts
