@@ -227,3 +227,55 @@ def test_qkv_part_state_round_trips_across_ownerships(tmp_path, sharding):
     saved = _merged(results, "control", "saved")
     loaded = _merged(results, "control", "loaded")
     assert any(not torch.equal(saved[n], loaded[n]) for n in saved)
+
+
+# --------------------------------------------------------------------------- reloads
+
+
+def reload_after_weights_change(scenario: Scenario) -> dict:
+    """Train a step, write new values into every fused QKV weight (as a checkpoint load without
+    optimizer state does), ``reload_model_params``; each owned part's master against its rows
+    of the new weight."""
+    from megatron.core import parallel_state
+
+    from nemo_lw_fp8.mechanics import masters, qkv_parts
+    from tests.support.scenarios import build_model
+    from tests.support.training import train_step, wrap_and_build_optimizer
+
+    model, optimizer = wrap_and_build_optimizer(*build_model(scenario), scenario)
+    train_step(scenario, model, optimizer, 0, parallel_state.get_data_parallel_rank())
+    with torch.no_grad():
+        for name, param in model[0].module.named_parameters():
+            if name.endswith("linear_qkv.weight"):
+                param.copy_(torch.randn_like(param.float()).to(param.dtype))
+    optimizer.reload_model_params()
+    def leaves(opt) -> list:
+        children = getattr(opt, "chained_optimizers", None)
+        if children is None:
+            return [opt] if hasattr(opt, "float16_groups") else []
+        return [leaf for child in children for leaf in leaves(child)]
+
+    checked, stale = 0, 0
+    for child in leaves(optimizer):
+        for param, main in masters.model_main_pairs(child):
+            if qkv_parts.is_part(param):
+                checked += 1
+                stale += int(not torch.equal(main, qkv_parts.model_values(param).float()))
+    return {"checked": checked, "stale": stale}
+
+
+def test_reload_reads_parts_from_their_fused_weight():
+    results = run_on_ranks(reload_after_weights_change, SPLIT.with_(overlap=False))
+    assert sum(r["checked"] for r in results) > 0
+    assert all(r["stale"] == 0 for r in results), results
+    # Control: megatron's own reload copies the part's own (now stale) bf16 copy.
+    stale = run_on_ranks(reload_without_the_step, SPLIT.with_(overlap=False))
+    assert any(r["stale"] for r in stale), stale
+
+
+def reload_without_the_step(scenario: Scenario) -> dict:
+    from nemo_lw_fp8.mechanics import masters
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(masters, "read_parts_from_their_weights", lambda optimizer: None)
+        return reload_after_weights_change(scenario)
