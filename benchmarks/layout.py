@@ -9,8 +9,10 @@ stock 0.19.2 padded, compact with all-reduce (upstream #5388 / #5479), the plugi
 owner-reduce path, and Adam (DistributedOptimizer); upstream main's padded figures from
 ``../shared/notes/upstream-main-2026-08.md`` beside them. Computed by
 :func:`nemo_lw_fp8.models.traffic.rank_traffic` (megatron's own layout code on meta tensors).
+``--qkv-ownership whole`` plans ``linear_qkv`` weights owned whole (the default, ``split``, owns
+the Q / K / V parts Muon orthogonalizes separately on their own).
 
-    python benchmarks/layout.py [--json] [--only NAME]
+    python benchmarks/layout.py [--json] [--only NAME] [--qkv-ownership {split,whole}]
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--only", help="rows whose config contains this text")
+    parser.add_argument(
+        "--qkv-ownership", choices=("split", "whole"), default="split",
+        help="linear_qkv weights owned as their Q / K / V parts (split) or whole",
+    )  # fmt: skip
     args = parser.parse_args()
     start = time.perf_counter()
     rows = []
@@ -49,10 +55,10 @@ def main() -> None:
         setup = recipe_setup(name)
         rows += pipeline_rows(
             name, setup.arch, setup.par, single_grouped_weight=setup.single_grouped_weight,
-            ownership=setup.ownership,
+            ownership=setup.ownership, qkv_ownership=args.qkv_ownership,
         )  # fmt: skip
     for model, dp, ep in WHOLE:
-        rows += whole_model_rows(model, dp, ep)
+        rows += whole_model_rows(model, dp, ep, qkv_ownership=args.qkv_ownership)
     rows = [r for r in rows if not args.only or args.only in r["config"]]
     elapsed = time.perf_counter() - start
     if args.json:
@@ -61,7 +67,8 @@ def main() -> None:
     print("\n".join(format_rows(rows, UPSTREAM_MAIN)))
     print(
         "\nPer rank and step, worst rank; wire: bytes sent, fp32 gradients, Muon + Adam buffers; "
-        f"MXFP8 param gather; megatron's default buckets. Planned in {elapsed:.1f} s."
+        f"MXFP8 param gather; megatron's default buckets; linear_qkv owned "
+        f"{args.qkv_ownership}. Planned in {elapsed:.1f} s."
     )
 
 

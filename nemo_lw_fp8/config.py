@@ -58,6 +58,13 @@ class LayerWiseConfig:
     lowers the busiest rank's Newton-Schulz work by more than 2 % (``"auto"``). The arithmetic is
     the same in all three.
 
+    ``qkv_ownership`` (compact): ``"split"`` (the default) owns the Q, K and V parts of a fused
+    ``linear_qkv`` weight as matrices of their own wherever megatron's Muon orthogonalizes them
+    apart (``muon_split_qkv``, on by default), so ranks that would own no large matrix own the
+    small K and V parts (their gradients then need not travel); ``"whole"``: one owner per
+    weight. The arithmetic is the same in both; a checkpoint saved under one loads under the
+    other.
+
     ``grad_sync`` (compact): ``"reduce_to_owner"`` (the default) reduces each Muon gradient in
     place to the rank that owns the matrix only (each bucket's gradients lie in owner order, one
     reduce per owner's span, one launch per bucket group);
@@ -74,6 +81,7 @@ class LayerWiseConfig:
     layout: str = "compact"
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     grouped_weight_ownership: str = "whole"
+    qkv_ownership: str = "split"
     grad_sync: str = "reduce_to_owner"
     bucket_cap_numel: int | None = None
 
@@ -88,6 +96,7 @@ class LayerWiseConfig:
             "layer_wise_layout": self.layout,
             "gather_padding_tolerance": self.gather_padding_tolerance,
             "grouped_weight_ownership": self.grouped_weight_ownership,
+            "qkv_ownership": self.qkv_ownership,
             "layer_wise_grad_sync": self.grad_sync,
             "bucket_cap_numel": self.bucket_cap_numel,
         }
@@ -126,6 +135,11 @@ def gather_padding_tolerance(ddp_config: Any) -> float:
 def grouped_weight_ownership(ddp_config: Any) -> str:
     found = read(ddp_config)
     return "whole" if found is None else found.grouped_weight_ownership
+
+
+def qkv_ownership(ddp_config: Any) -> str:
+    found = read(ddp_config)
+    return "whole" if found is None else found.qkv_ownership
 
 
 def grad_sync(ddp_config: Any) -> str:

@@ -27,6 +27,7 @@ from .layout import (
     GRAD_SYNC_MODES,
     GROUPED_WEIGHT_OWNERSHIP,
     LAYER_WISE_LAYOUTS,
+    QKV_OWNERSHIP,
 )
 
 
@@ -81,6 +82,8 @@ class Settings:
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     #: Compact layout: how a single grouped weight is owned ("whole", "expert", "auto").
     grouped_weight_ownership: str = "whole"
+    #: Compact layout: fused QKV weights owned as their Q, K, V parts ("split") or "whole".
+    qkv_ownership: str = "split"
     #: Compact layout: how Muon gradients are synced ("reduce_to_owner", "all_reduce").
     layer_wise_grad_sync: str = "reduce_to_owner"
     #: Bridge's ``logger.log_l2_norm_grad_to_tensorboard``: logs every parameter's main_grad.
@@ -540,6 +543,15 @@ def _ownership_value(s: Settings) -> str | None:
     return None
 
 
+def _qkv_ownership_value(s: Settings) -> str | None:
+    if s.layer_wise and s.qkv_ownership not in QKV_OWNERSHIP:
+        return (
+            f"qkv_ownership={s.qkv_ownership!r} is not an ownership mode. Fix: use 'split' "
+            "(Q, K and V parts owned apart where Muon splits them) or 'whole'."
+        )
+    return None
+
+
 def _split_ownership_needs_compact(s: Settings) -> str | None:
     split = s.grouped_weight_ownership in ("expert", "auto")
     if s.layer_wise and split and s.layer_wise_layout != "compact":
@@ -605,6 +617,7 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
          _ownership_value),
     Rule("grouped-weight-split-ownership-needs-compact", "expert runs need the compact gather",
          _split_ownership_needs_compact),
+    Rule("qkv-ownership-name", "QKV ownership is split or whole", _qkv_ownership_value),
 )
 RULES = RULES + INTEGRATION_RULES
 

@@ -234,6 +234,12 @@ GRAD_SYNC_MODES = ("reduce_to_owner", "all_reduce")
 GROUPED_WEIGHT_OWNERSHIP = ("whole", "expert", "auto")
 AUTO_SPLIT_GAIN = 0.02
 
+#: How a fused ``linear_qkv`` weight that Muon orthogonalizes in parts (megatron's
+#: ``muon_split_qkv``, tagged ``is_qkv`` with ``qkv_split_shapes``) is owned: ``"whole"`` (one
+#: rank, like any parameter) or ``"split"`` (each part, Q / K / V, and the gate with
+#: ``attention_output_gate``, an independent matrix with its own owner; the default).
+QKV_OWNERSHIP = ("whole", "split")
+
 
 @dataclass(frozen=True)
 class Piece:

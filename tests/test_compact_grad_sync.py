@@ -52,14 +52,18 @@ def ordered_grad_sync():
     import torch.distributed as dist
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
+    from nemo_lw_fp8.mechanics import owner_reduce
+
     group_cls = pgb._ParamAndGradBucketGroup
     originals = {
         "all_reduce": dist.all_reduce,
         "reduce": dist.reduce,
         "reduce_scatter": pgb.dist_reduce_scatter_func,
         "start": group_cls.start_grad_sync,
+        "owner_start": owner_reduce.start_grad_sync,
     }
-    depth = {"n": 0}
+    #: ``n``: inside a grad sync; ``ordered``: collectives summed in rank order so far.
+    depth = {"n": 0, "ordered": 0}
 
     def summed(tensor, group):
         parts = [torch.empty_like(tensor) for _ in range(group.size())]
@@ -72,12 +76,14 @@ def ordered_grad_sync():
     def all_reduce(tensor, *args, **kwargs):
         if not depth["n"]:
             return originals["all_reduce"](tensor, *args, **kwargs)
+        depth["ordered"] += 1
         tensor.copy_(summed(tensor, kwargs["group"]))
 
     def reduce(tensor, *args, **kwargs):
         if not depth["n"]:
             return originals["reduce"](tensor, *args, **kwargs)
         group = kwargs["group"]
+        depth["ordered"] += 1
         total = summed(tensor, group)
         if group.rank() == kwargs["group_dst"]:
             tensor.copy_(total)
@@ -86,6 +92,7 @@ def ordered_grad_sync():
         if not depth["n"]:
             return originals["reduce_scatter"](output, input, *args, **kwargs)
         group = kwargs["group"]
+        depth["ordered"] += 1
         output.copy_(summed(input, group).view(group.size(), -1)[group.rank()])
 
     def start_grad_sync(self, *args, **kwargs):
@@ -95,12 +102,22 @@ def ordered_grad_sync():
         finally:
             depth["n"] -= 1
 
+    def owner_start_grad_sync(*args, **kwargs):
+        # Reached from the plugin's own start_grad_sync, which a later ``nemo_lw_fp8.apply()``
+        # (every plugin scenario's build calls it) may have put back over the class attribute.
+        depth["n"] += 1
+        try:
+            return originals["owner_start"](*args, **kwargs)
+        finally:
+            depth["n"] -= 1
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(dist, "all_reduce", all_reduce)
         mp.setattr(dist, "reduce", reduce)
         mp.setattr(pgb, "dist_reduce_scatter_func", reduce_scatter)
         mp.setattr(group_cls, "start_grad_sync", start_grad_sync)
-        yield
+        mp.setattr(owner_reduce, "start_grad_sync", owner_start_grad_sync)
+        yield depth
 
 
 def train_recorded(scenario: Scenario, ordered: bool = False) -> dict:
@@ -130,9 +147,10 @@ def train_recorded(scenario: Scenario, ordered: bool = False) -> dict:
     with contextlib.ExitStack() as stack:
         mp = stack.enter_context(pytest.MonkeyPatch.context())
         mp.setattr(training, "wrap_and_build_optimizer", keep)
-        if ordered:
-            stack.enter_context(ordered_grad_sync())
+        counts = stack.enter_context(ordered_grad_sync()) if ordered else None
         result = train(scenario)
+    if counts is not None and not counts["ordered"]:
+        raise RuntimeError("ordered_grad_sync summed no grad sync in rank order")
     state = optimizer_snapshot(seen["optimizer"], seen["module"])
     result["state"] = {k: v for k, v in state.items() if k.startswith("layerwise:")}
     result["grad_norms"] = norms
@@ -287,7 +305,7 @@ def count_grad_sync(scenario: Scenario) -> dict:
     # the owner layout: more than in owner order when an owner's params are not adjacent.
     owner_of = {id(piece): r for p in plans for r, seg in enumerate(p.segments) for piece in seg}
     backprop_runs = sum(
-        len(owner_reduce.owner_spans([(owner_of[id(p)], 1) for p in b.params_list]))
+        len(owner_reduce.owner_spans([(owner_of.get(id(p), -1), 1) for p in b.params_list]))
         for g in groups
         for b in g.buckets
     )

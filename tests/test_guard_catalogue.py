@@ -108,6 +108,7 @@ CASES: list[tuple[str, dict, str]] = [
     ("expert runs on the padded layout", GOOD | dict(layer_wise_layout="padded",
                                                     grouped_weight_ownership="expert"),
      "grouped-weight-split-ownership-needs-compact"),
+    ("unknown QKV ownership", GOOD | dict(qkv_ownership="per-head"), "qkv-ownership-name"),
 ]
 
 

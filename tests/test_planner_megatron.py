@@ -34,8 +34,11 @@ def model_params(scenario: Scenario) -> list[dict]:
     from tests.support.scenarios import build_model
 
     module, config = build_model(scenario)  # applies the plugin's routing of grouped weights
+    from megatron.core.optimizer.emerging_optimizers import _get_qkv_split_shapes
     from megatron.core.optimizer.layer_wise_optimizer import is_managed_by_layer_wise_optimizer
 
+    # What megatron's Muon tags a fused QKV weight with (``is_qkv``, ``qkv_split_shapes``).
+    split = tuple(_get_qkv_split_shapes(config))
     rows = []
     for name, param in module.named_parameters():
         # Routed experts by name: megatron marks them (allreduce=False) only at EP > 1.
@@ -52,6 +55,9 @@ def model_params(scenario: Scenario) -> list[dict]:
                 ),
                 "expert_index": int(index.group(1)) if index else None,
                 "num_experts": config.num_moe_experts if expert else 0,
+                "qkv_split": split
+                if name.endswith("linear_qkv.weight") and param.shape[0] % sum(split) == 0
+                else None,
             }
         )
     return rows
@@ -61,6 +67,8 @@ def allocation(scenario: Scenario) -> dict:
     """What megatron allocated on this rank: DDP buffers, fp32 masters, Newton-Schulz work."""
     from megatron.core import parallel_state
 
+    from nemo_lw_fp8 import layout
+    from nemo_lw_fp8.mechanics import qkv_parts
     from nemo_lw_fp8.mechanics.compact import newton_schulz_cost
     from nemo_lw_fp8.mechanics.expert_slices import is_slice
     from tests.support.scenarios import build_model
@@ -88,7 +96,12 @@ def allocation(scenario: Scenario) -> dict:
             for model_group, main_group in pairs:
                 for param, main in zip(model_group, main_group, strict=True):
                     counts["muon"] += main.numel()
-                    counts["newton_schulz"] += newton_schulz_cost(param)
+                    # Muon orthogonalizes a fused QKV weight as its parts (muon_split_qkv).
+                    if qkv_parts.split_shapes(param) is None:
+                        counts["newton_schulz"] += newton_schulz_cost(param)
+                    else:
+                        shapes = qkv_parts.part_shapes(param)
+                        counts["newton_schulz"] += sum(layout.newton_schulz_cost(s) for s in shapes)
                     counts["expert_runs"] += is_slice(param)
 
     walk(optimizer)

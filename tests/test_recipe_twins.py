@@ -68,6 +68,10 @@ def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
     on = twin_run(recipe, "on", save=recipe in RESUMED)
     off = twin_run(recipe, "off", *br.GATHER_OFF)
     assert len(br.losses(on)) == 2 and len(br.eval_losses(on)) == 3, on
+    # Q / K / V parts owned apart (qkv_ownership="split") wherever a fused linear_qkv is not
+    # blockwise FP8 (DeepSeek's MLA has none); the same pieces with the gather off.
+    splits = not _blockwise(recipe) and not recipe.startswith("deepseek")
+    assert (on["qkv_parts"] > 0) == splits and on["qkv_parts"] == off["qkv_parts"], on
     assert br.losses(on) == br.losses(off)  # exact float equality
     assert br.grad_norms(on) == br.grad_norms(off)
     assert br.eval_losses(on) == br.eval_losses(off)

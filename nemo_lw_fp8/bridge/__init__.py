@@ -57,16 +57,17 @@ LAYOUTS = LAYER_WISE_LAYOUTS
 class LayerWiseMuonConfig(_BridgeOptimizerConfig):
     """Bridge's ``OptimizerConfig`` for layer-wise Muon, plus the plugin's settings.
 
-    The four fields are :class:`nemo_lw_fp8.LayerWiseConfig`'s, flat so that YAML and
+    These fields are :class:`nemo_lw_fp8.LayerWiseConfig`'s, flat so that YAML and
     ``key=value`` overrides reach them (``optimizer.layer_wise_layout=padded``):
     ``layer_wise_layout`` (its ``layout``), ``gather_padding_tolerance``,
-    ``grouped_weight_ownership``, ``layer_wise_grad_sync`` (its ``grad_sync``) and
-    ``bucket_cap_numel``; :meth:`plugin_config` builds and checks the object.
+    ``grouped_weight_ownership``, ``qkv_ownership``, ``layer_wise_grad_sync`` (its
+    ``grad_sync``) and ``bucket_cap_numel``; :meth:`plugin_config` builds and checks the object.
     """
 
     layer_wise_layout: str = LayerWiseConfig.layout
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     grouped_weight_ownership: str = LayerWiseConfig.grouped_weight_ownership
+    qkv_ownership: str = LayerWiseConfig.qkv_ownership
     layer_wise_grad_sync: str = LayerWiseConfig.grad_sync
     bucket_cap_numel: int | None = LayerWiseConfig.bucket_cap_numel
 
@@ -76,6 +77,7 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
             layout=self.layer_wise_layout,
             gather_padding_tolerance=self.gather_padding_tolerance,
             grouped_weight_ownership=self.grouped_weight_ownership,
+            qkv_ownership=self.qkv_ownership,
             grad_sync=self.layer_wise_grad_sync,
             bucket_cap_numel=self.bucket_cap_numel,
         )
@@ -111,6 +113,7 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
             "use_layer_wise_param_layout": self.layer_wise_layout != "legacy",
             "gather_padding_tolerance": self.gather_padding_tolerance,
             "grouped_weight_ownership": self.grouped_weight_ownership,
+            "qkv_ownership": self.qkv_ownership,
             "layer_wise_grad_sync": self.layer_wise_grad_sync,
             "bucket_cap_numel": self.bucket_cap_numel,
         }
@@ -133,6 +136,7 @@ def layer_wise_muon_fp8_with_cosine_annealing(
     layer_wise_layout: str = LayerWiseConfig.layout,
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE,
     grouped_weight_ownership: str = LayerWiseConfig.grouped_weight_ownership,
+    qkv_ownership: str = LayerWiseConfig.qkv_ownership,
     layer_wise_grad_sync: str = LayerWiseConfig.grad_sync,
     overlap_param_gather: bool = True,
     start_weight_decay: float = 0.033,
@@ -166,6 +170,7 @@ def layer_wise_muon_fp8_with_cosine_annealing(
         layer_wise_layout=layer_wise_layout,
         gather_padding_tolerance=gather_padding_tolerance,
         grouped_weight_ownership=grouped_weight_ownership,
+        qkv_ownership=qkv_ownership,
         layer_wise_grad_sync=layer_wise_grad_sync,
     )
     optimizer.plugin_config()  # a bad layout / tolerance / ownership fails here, naming the fix

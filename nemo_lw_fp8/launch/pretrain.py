@@ -134,16 +134,18 @@ def resolve_config(
     return cfg
 
 
-def _count_expert_slices(optimizer: Any) -> int:
-    """Expert runs (``ExpertSlice``) among the pieces of ``optimizer`` and its chained children."""
-    from nemo_lw_fp8.mechanics.expert_slices import is_slice
+def _count_expert_slices(optimizer: Any, kind: Any = None) -> int:
+    """Expert runs (``ExpertSlice``; or pieces of another ``kind``) among the pieces of
+    ``optimizer`` and its chained children (every rank's: each rank knows all pieces)."""
+    from nemo_lw_fp8.mechanics.expert_slices import ExpertSlice
     from nemo_lw_fp8.state import peek
 
+    kind = ExpertSlice if kind is None else kind
     record = peek(optimizer)
     pieces = getattr(record, "pieces", {})
-    count = sum(1 for group in pieces.values() for piece in group if is_slice(piece))
+    count = sum(1 for group in pieces.values() for piece in group if isinstance(piece, kind))
     for child in getattr(optimizer, "chained_optimizers", []):
-        count += _count_expert_slices(child)
+        count += _count_expert_slices(child, kind)
     return count
 
 
@@ -246,6 +248,8 @@ class _LossRecorder:
         #: Optimizer pieces that are expert runs of grouped weights, on this rank (see
         #: ``grouped_weight_ownership``); counted once, at the first step.
         self.expert_slices: int | None = None
+        #: Q / K / V parts of fused QKV weights among the pieces (``qkv_ownership``).
+        self.qkv_parts: int | None = None
         #: Whether this rank reports the run: the first rank of the last pipeline stage, where
         #: megatron reduces the losses (rank 0 unless pipeline parallel).
         self.reports: bool | None = None
@@ -281,7 +285,10 @@ class _LossRecorder:
                     iteration = int(context.state.train_state.step) + 1
                     recorder.progress.report(iteration, losses.get("lm loss"))
                 if recorder.expert_slices is None:
+                    from nemo_lw_fp8.mechanics.qkv_parts import QKVPart
+
                     recorder.expert_slices = _count_expert_slices(context.optimizer)
+                    recorder.qkv_parts = _count_expert_slices(context.optimizer, QKVPart)
                     recorder.reports = _reports_losses()
 
             def on_train_start(self, context: Any) -> None:
@@ -344,6 +351,7 @@ def train(cfg: Any, cpu: bool = False, losses_json: str | None = None) -> _LossR
                     ),
                     "layer_wise_grad_sync": getattr(cfg.optimizer, "layer_wise_grad_sync", None),
                     "expert_slices": recorder.expert_slices,
+                    "qkv_parts": recorder.qkv_parts,
                 },
                 handle,
             )

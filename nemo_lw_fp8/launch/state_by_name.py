@@ -11,10 +11,11 @@ SHA-256 of its fp32 master and of each optimizer state tensor (Muon momentum; Ad
 Keys are what stays fixed when DP size and ownership change: the pipeline stage, the virtual
 chunk, the model's parameter name and, for expert parameters, the expert-parallel rank; a
 grouped expert weight is split into one entry per expert, whether one rank holds the whole
-weight or several hold runs of its experts. The Adam state of the sibling DistributedOptimizer
-is put back together over its data-parallel group (each rank holds a byte range of each
-parameter), so every rank of that group records the whole parameter. The union over ranks is
-the run's state; where ranks hold the same entry they must agree.
+weight or several hold runs of its experts, and a fused QKV weight into its Q, K, V parts.
+The Adam state of the sibling DistributedOptimizer is put back together over its data-parallel
+group (each rank holds a byte range of each parameter), so every rank of that group records
+the whole parameter. The union over ranks is the run's state; where ranks hold the same entry
+they must agree.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ def _sha(tensor: torch.Tensor) -> str:
     digest = hashlib.sha256(str((tuple(data.shape), data.dtype)).encode())
     digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def _rows(tensor: torch.Tensor, group_rows: int, lo: int, rows: int) -> torch.Tensor:
+    """Rows ``[lo, lo + rows)`` of every group of ``group_rows`` rows, as a QKV part holds them."""
+    hidden = tensor.shape[-1]
+    return tensor.reshape(-1, group_rows, hidden)[:, lo : lo + rows].reshape(-1, hidden)
 
 
 class _Names:
@@ -52,9 +59,24 @@ class _Names:
 
     def entries(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """``{name: {kind: sha}}`` for ``param``'s state ``tensors`` (full shape of
-        ``param``, or of an expert run): one entry per expert of a grouped weight."""
+        ``param``, or of an expert run, or of a QKV part): one entry per expert of a grouped
+        weight, one per part (Q, K, V) of a fused QKV weight, however it is owned."""
+        from ..mechanics import qkv_parts
         from ..mechanics.expert_slices import is_slice
 
+        if qkv_parts.is_part(param):
+            base = self.names[id(param.parent)]
+            return {f"{base}/qkv_part{param.index}": {k: _sha(v) for k, v in tensors.items()}}
+        shapes = qkv_parts.split_shapes(param)
+        if shapes is not None:
+            base = self.names[id(param)]
+            starts = [sum(shapes[:j]) for j in range(len(shapes))]
+            out = {}
+            for j, (lo, rows) in enumerate(zip(starts, shapes, strict=True)):
+                out[f"{base}/qkv_part{j}"] = {
+                    k: _sha(_rows(v, sum(shapes), lo, rows)) for k, v in tensors.items()
+                }
+            return out
         if is_slice(param):
             base, first = self.names[id(param.parent)], param.lo
         else:

@@ -17,6 +17,8 @@ follow one parameter through a step without reading the wiring:
 * :mod:`.grouped`       single grouped expert weights as E matrices for Muon;
 * :mod:`.expert_slices` a run of experts of a grouped weight as an optimizer parameter;
 * :mod:`.grouped_checkpoint` single grouped weights and runs of their experts in ``torch_dist``;
+* :mod:`.qkv_parts`     the Q, K or V rows of a fused QKV weight as an optimizer parameter, and
+                        their ``torch_dist`` entries;
 * :mod:`.lifecycle`     the steps features add around the layer-wise optimizer's ``__init__``.
 
 Functions here are called through their module (``staging.stage_owned_masters(...)``), so a

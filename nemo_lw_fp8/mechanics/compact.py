@@ -35,7 +35,7 @@ import torch
 from .. import config as plugin_config
 from .. import layout as layout_math
 from ..state import group_state, optimizer_state, peek
-from . import expert_slices, grouped, owner_gather, owner_reduce
+from . import expert_slices, grouped, owner_gather, owner_reduce, qkv_parts
 
 # --------------------------------------------------------------------------- buffers
 
@@ -198,24 +198,54 @@ def compact_pieces(
     ownership: str,
     local_rank: int = 0,
     initial_loads: list[int] | None = None,
+    split_qkv: frozenset[int] = frozenset(),
 ) -> list[tuple[torch.nn.Parameter, int]]:
     """Per param, what its owners update, as ``(piece, owner rank)``.
 
-    A piece is the parameter itself (whole ownership) or an
-    :class:`~nemo_lw_fp8.mechanics.expert_slices.ExpertSlice` for a run of experts.
+    A piece is the parameter itself (whole ownership), an
+    :class:`~nemo_lw_fp8.mechanics.expert_slices.ExpertSlice` for a run of experts, or a
+    :class:`~nemo_lw_fp8.mechanics.qkv_parts.QKVPart` for the Q, K or V rows of a fused QKV
+    weight whose ``id`` is in ``split_qkv`` (each part is owned as a matrix of its own; a weight
+    whose parts all land on one rank stays whole).
     Deterministic, so every rank builds the same pieces (also for others' params: the gather
     needs to know where each rank's bytes go). ``initial_loads``: Newton-Schulz work the group's
     ranks already have (their dense matrices, when these are expert matrices).
     """
-    costs = [newton_schulz_cost(p) for p in params]
-    sizes = [p.numel() for p in params]
-    units = [1 if ownership == "whole" else expert_units(p) for p in params]
-    pieces = []
+    items: list[tuple[int, int | None]] = []  # (param index, QKV part index or None)
+    costs, sizes, units = [], [], []
+    for i, p in enumerate(params):
+        shapes = qkv_parts.part_shapes(p) if id(p) in split_qkv else None
+        if shapes is not None and len(shapes) > 1:
+            for j, shape in enumerate(shapes):
+                items.append((i, j))
+                costs.append(layout_math.newton_schulz_cost(shape))
+                sizes.append(shape[0] * shape[1])
+                units.append(1)
+            continue
+        items.append((i, None))
+        costs.append(newton_schulz_cost(p))
+        sizes.append(p.numel())
+        units.append(1 if ownership == "whole" else expert_units(p))
     chosen = layout_math.choose_pieces(costs, units, world_size, sizes, ownership, initial_loads)
+    part_owners: dict[int, dict[int, int]] = {}
     for piece in chosen:
-        param = params[piece.index]
-        whole = piece.lo == 0 and piece.hi == units[piece.index]
+        index, part = items[piece.index]
+        if part is not None:
+            part_owners.setdefault(index, {})[part] = piece.owner
+    pieces: list[tuple[torch.nn.Parameter, int]] = []
+    for piece in chosen:
+        index, part = items[piece.index]
+        param = params[index]
         mine = piece.owner == local_rank
+        if part is not None:
+            owners = part_owners[index]
+            if len(set(owners.values())) == 1:  # every part on one rank: the weight stays whole
+                if part == 0:
+                    pieces.append((param, piece.owner))
+                continue
+            pieces.append((qkv_parts.QKVPart(param, part, materialize=mine), piece.owner))
+            continue
+        whole = piece.lo == 0 and piece.hi == units[piece.index]
         if whole:
             entry = param
         else:
@@ -237,9 +267,11 @@ def shards(ddp_config: Any) -> bool:
     return plugin_config.is_compact(ddp_config)
 
 
-def shard(optimizer: Any, optimizers: list[Any], ownership: str) -> None:
+def shard(
+    optimizer: Any, optimizers: list[Any], ownership: str, qkv_ownership: str = "whole"
+) -> None:
     """Ownership for compact buffers; narrows the optimizers' param groups to this rank's
-    pieces (whole params, or expert slices of grouped weights)."""
+    pieces (whole params, expert slices of grouped weights, QKV parts of fused QKV weights)."""
     from megatron.core.utils import get_pg_rank, get_pg_size
 
     dp_size, expt_size = get_pg_size(optimizer.dp_cp), get_pg_size(optimizer.expt_dp)
@@ -249,6 +281,8 @@ def shard(optimizer: Any, optimizers: list[Any], ownership: str) -> None:
     for group in param_groups:
         (expert if group.get("is_expert_parallel", False) else dense).extend(group["params"])
     record = optimizer_state(optimizer)
+    split = qkv_ownership == "split" and not _blockwise_fp8(record.model_chunks or [])
+    split_qkv = _muon_splits_qkv(optimizers) if split else frozenset()
     per_rank: dict[int, list[list[torch.nn.Parameter]]] = {}
     dense_loads = [0] * dp_size
     for kind, (params, size, rank) in enumerate(
@@ -259,12 +293,12 @@ def shard(optimizer: Any, optimizers: list[Any], ownership: str) -> None:
         # rank's whole Newton-Schulz work is balanced (over all its virtual-pipeline chunks: the
         # one layer-wise optimizer holds them all).
         initial = _expert_group_dense_loads(optimizer, dense_loads) if kind == 1 else None
-        for piece, owner in compact_pieces(params, size, ownership, rank, initial):
+        for piece, owner in compact_pieces(params, size, ownership, rank, initial, split_qkv):
             record.pieces.setdefault(expert_slices.parent_of(piece), []).append(piece)
             record.owner_of[piece] = owner
             per_rank[kind][owner].append(piece)
             if kind == 0:
-                dense_loads[owner] += _piece_cost(piece)
+                dense_loads[owner] += _piece_cost(piece, split_qkv)
     optimizer.dp_cp_params_list = per_rank[0]
     optimizer.expt_dp_params_list = per_rank[1] if expert else None
     for group in param_groups:
@@ -277,8 +311,43 @@ def shard(optimizer: Any, optimizers: list[Any], ownership: str) -> None:
         ]
 
 
-def _piece_cost(piece: Any) -> int:
-    """Newton-Schulz cost of an owned piece (a run of experts costs its share)."""
+def _blockwise_fp8(model_chunks: list[Any]) -> bool:
+    """Whether the model computes in blockwise FP8 (Hopper): its fused QKV weights stay whole
+    whether or not the run gathers FP8 weights, so FP8 param gather on and off own alike."""
+    return any(getattr(getattr(c, "config", None), "fp8_recipe", None) == "blockwise"
+               for c in model_chunks)  # fmt: skip
+
+
+def _muon_splits_qkv(optimizers: list[Any]) -> frozenset[int]:
+    """``id`` of every fused QKV weight a Muon among ``optimizers`` orthogonalizes as its Q, K
+    and V parts (megatron's ``muon_split_qkv``, on by default, tags them ``is_qkv``). Blockwise
+    FP8 weights stay whole: their owner quantizes whole 128 x 128 tiles, which span the parts."""
+    from .blockwise import is_blockwise
+
+    found = set()
+    for opt in optimizers:
+        inner = getattr(opt, "optimizer", opt)
+        if not getattr(inner, "split_qkv", False):
+            continue
+        is_qkv = getattr(inner, "is_qkv_fn", None) or (lambda p: getattr(p, "is_qkv", False))
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if (
+                    is_qkv(param)
+                    and qkv_parts.split_shapes(param) is not None
+                    and not is_blockwise(param)
+                ):
+                    found.add(id(param))
+    return frozenset(found)
+
+
+def _piece_cost(piece: Any, split_qkv: frozenset[int] = frozenset()) -> int:
+    """Newton-Schulz cost of an owned piece (a run of experts costs its share; a fused QKV
+    weight that Muon splits costs its parts)."""
+    if qkv_parts.is_part(piece):
+        return layout_math.newton_schulz_cost(tuple(piece.shape))
+    if id(piece) in split_qkv:
+        return sum(layout_math.newton_schulz_cost(s) for s in qkv_parts.part_shapes(piece))
     if expert_slices.is_slice(piece):
         parent = piece.parent
         return newton_schulz_cost(parent) * (piece.hi - piece.lo) // expert_units(parent)
@@ -339,8 +408,8 @@ def _source(param: torch.nn.Parameter) -> torch.Tensor:
 
 
 def unpack(group: Any, plan: CompactGroup, gathered: torch.Tensor) -> None:
-    """Write the gathered segments into the weights. Expert slices of a quantized (MXFP8)
-    grouped weight are assembled into one bf16 tensor first and quantized once, from the same
+    """Write the gathered segments into the weights. Expert slices and QKV parts of a quantized
+    (MXFP8) weight are assembled into one bf16 tensor first and quantized once, from the same
     bytes a whole owner would have sent."""
     from megatron.core.distributed.param_and_grad_buffer import (
         _param_uses_quantized_storage,
@@ -353,13 +422,18 @@ def unpack(group: Any, plan: CompactGroup, gathered: torch.Tensor) -> None:
         for piece in plan.segments[rank]:
             values = gathered[offset : offset + piece.numel()]
             offset += piece.numel()
-            if expert_slices.is_slice(piece) and piece.quantized_parent:
+            if expert_slices.is_part_of_weight(piece) and piece.quantized_parent:
                 parent = piece.parent
                 _, whole = assembled.setdefault(
                     id(parent), (parent, values.new_empty(parent.numel()))
                 )
-                start, end = piece.flat_range
-                whole[start:end].copy_(values)
+                if qkv_parts.is_part(piece):
+                    qkv_parts.write_back(piece, whole, values)
+                else:
+                    start, end = piece.flat_range
+                    whole[start:end].copy_(values)
+            elif qkv_parts.is_part(piece):
+                qkv_parts.write_back(piece, piece.parent.data, values)
             elif _param_uses_quantized_storage(piece):
                 copy_tensor_to_quantized_param(piece, values.view(piece.shape))
             else:
@@ -423,15 +497,20 @@ SYNC = owner_gather.OwnerPackedSync(
 # --------------------------------------------------------------------------- the gradient sync
 
 
-def _ordered_pieces(param: torch.nn.Parameter, record: Any) -> list[Any]:
-    """The pieces of ``param`` in buffer order (runs of experts by their first expert)."""
-    pieces = record.pieces[param]
-    return sorted(pieces, key=lambda p: p.lo if expert_slices.is_slice(p) else 0)
-
-
-def _piece_range(piece: Any, numel: int) -> tuple[int, int]:
-    """Where a piece's elements lie in its param's gradient, flattened."""
-    return piece.flat_range if expert_slices.is_slice(piece) else (0, numel)
+def _owner_runs(param: torch.nn.Parameter, record: Any, numel: int) -> list[tuple[int, int]]:
+    """``(owner, elements)`` of ``param``'s gradient in flattened order: one run for a whole
+    param, one per run of experts, one per query group and part of a split QKV weight."""
+    runs = []
+    for piece in record.pieces[param]:
+        if qkv_parts.is_part(piece):
+            ranges = piece.flat_ranges
+        elif expert_slices.is_slice(piece):
+            ranges = [piece.flat_range]
+        else:
+            ranges = [(0, numel)]
+        runs += [(lo, hi, record.owner_of[piece]) for lo, hi in ranges]
+    runs.sort()
+    return [(owner, hi - lo) for lo, hi, owner in runs]
 
 
 def lay_out_grads_by_owner(
@@ -450,7 +529,7 @@ def lay_out_grads_by_owner(
     """
     params = list(bucket.params_list)
     order = owner_reduce.owner_order(
-        [record.owner_of[_ordered_pieces(p, record)[0]] for p in params]
+        [_owner_runs(p, record, p.numel())[0][0] for p in params]
     )
     grad = bucket.grad_data
     old = grad.clone() if bool(torch.count_nonzero(grad)) else None
@@ -477,9 +556,7 @@ def lay_out_grads_by_owner(
                     bucket_id = index_map[param][2]
                     index_map[param] = (bucket.offset + start, bucket.offset + start + numel,
                                         bucket_id)  # fmt: skip
-            for piece in _ordered_pieces(param, record):
-                lo, hi = _piece_range(piece, numel)
-                pieces.append((record.owner_of[piece], hi - lo))
+            pieces += _owner_runs(param, record, numel)
             start += numel
     if start != grad.numel():
         raise RuntimeError(f"a compact bucket holds {grad.numel()} elements, its params {start}")

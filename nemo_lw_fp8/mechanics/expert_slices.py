@@ -42,8 +42,8 @@ def _quantized(param: torch.Tensor) -> bool:
 
 
 def uses_quantized_storage(param: torch.Tensor) -> bool:
-    """Whether ``param`` (for an expert slice: its grouped weight) has MXFP8 storage."""
-    return _quantized(param.parent if isinstance(param, ExpertSlice) else param)
+    """Whether ``param`` (for a part of a weight: that weight) has MXFP8 storage."""
+    return _quantized(parent_of(param))
 
 
 def _shape_only(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -64,7 +64,14 @@ def expert_view(grouped: torch.Tensor) -> torch.Tensor | None:
     return grouped.data
 
 
-class ExpertSlice(torch.nn.Parameter):
+class PartOfWeight(torch.nn.Parameter):
+    """An optimizer-side stand-in for part of one model weight ``parent``: an
+    :class:`ExpertSlice`, or a :class:`~.qkv_parts.QKVPart`."""
+
+    parent: torch.nn.Parameter
+
+
+class ExpertSlice(PartOfWeight):
     """Experts ``[lo, hi)`` of the grouped weight ``parent`` (see the module docstring).
 
     ``materialize=False``: a run another rank owns (every rank knows every run, to place the
@@ -130,9 +137,14 @@ class ExpertSlice(torch.nn.Parameter):
 
 
 def parent_of(param: torch.Tensor) -> torch.Tensor:
-    """The model parameter ``param`` stands for: the grouped weight of an expert slice, else
-    ``param`` itself."""
-    return param.parent if isinstance(param, ExpertSlice) else param
+    """The model parameter ``param`` stands for: the weight an expert slice or QKV part is
+    part of, else ``param`` itself."""
+    return param.parent if isinstance(param, PartOfWeight) else param
+
+
+def is_part_of_weight(param: torch.Tensor) -> bool:
+    """Whether ``param`` stands for part of a model weight (an expert slice or a QKV part)."""
+    return isinstance(param, PartOfWeight)
 
 
 def is_slice(param: torch.Tensor) -> bool:

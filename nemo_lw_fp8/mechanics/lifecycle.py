@@ -29,7 +29,7 @@ class StepTable:
 AFTER_INIT = StepTable()
 
 #: Their order: the rules first, then each gather's set-up.
-ORDER: tuple[str, ...] = ("muon_fp8_param_gather", "blockwise_fp8_param_gather")
+ORDER: tuple[str, ...] = ("muon_fp8_param_gather", "blockwise_fp8_param_gather", "compact_layout")
 
 
 def build(original_init: Callable, optimizer: Any, *args: Any, model_chunks: Any = None) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import expert_slices
+from . import expert_slices, qkv_parts
 
 
 def float16_children(optimizer: Any) -> list[Any]:
@@ -62,6 +62,8 @@ def init_masters_from_high_precision(optimizer: Any) -> None:
                 continue
             if expert_slices.is_slice(model_param):
                 value = expert_slices.slice_init_value(model_param, value)
+            elif qkv_parts.is_part(model_param):
+                value = qkv_parts.init_value(model_param, value)
             main_param.data.copy_(value.to(main_param.device).view(main_param.shape))
             used[id(parent)] = parent
     for param in used.values():
@@ -79,16 +81,28 @@ def copy_non_quantized_main_params(child: Any) -> None:
 
 
 def copy_model_params_to_main_params(child: Any, state_dict: Any = None) -> None:
-    """megatron's model -> master copy (``reload_model_params``), reading expert slices of
-    MXFP8 grouped weights from their grouped weight (their own bf16 copy is released)."""
+    """megatron's model -> master copy (``reload_model_params``), reading expert slices and QKV
+    parts from the weight they are part of (their own bf16 copy is released or stale)."""
     if state_dict is not None:
         raise AssertionError("Initialize main params from state dict is not supported")
     for model_param, main_param in model_main_pairs(child):
         if expert_slices.is_slice(model_param):
             values = expert_slices.model_values(model_param)
+        elif qkv_parts.is_part(model_param):
+            values = qkv_parts.model_values(model_param)
         else:
             values = model_param.data
         main_param.data.copy_(values)
+
+
+def read_parts_from_their_weights(optimizer: Any) -> None:
+    """megatron's model -> master copy reads QKV parts from their fused weight (a part's own
+    bf16 copy is not the model's value: the gather writes the fused weight)."""
+    for child in float16_children(optimizer):
+        if any(qkv_parts.is_part(param) for param, _ in model_main_pairs(child)):
+            child._copy_model_params_to_main_params = lambda state_dict=None, child=child: (
+                copy_model_params_to_main_params(child, state_dict)
+            )
 
 
 def skip_requantize_on_inner_step(optimizer: Any) -> None:
@@ -103,3 +117,5 @@ def skip_requantize_on_inner_step(optimizer: Any) -> None:
         for model_param, _ in model_main_pairs(child):
             if expert_slices.is_slice(model_param):
                 expert_slices.release_copy(model_param)
+            elif qkv_parts.is_part(model_param):
+                qkv_parts.release_copy(model_param)

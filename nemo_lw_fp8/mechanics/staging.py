@@ -72,8 +72,8 @@ def stage_owned_masters(optimizer: Any) -> None:
     for child in masters.float16_children(optimizer):
         for model_param, main_param in masters.model_main_pairs(child):
             quantized = expert_slices.uses_quantized_storage(model_param)
-            if not quantized or expert_slices.is_slice(model_param):
-                continue  # expert slices exist on compact buckets only, which pack themselves
+            if not quantized or expert_slices.is_part_of_weight(model_param):
+                continue  # parts of weights exist on compact buckets only, which pack themselves
             bucket, start, end = slots[model_param]
             if bucket.param_data is None:
                 continue  # a compact-layout bucket: its gather packs masters itself

@@ -11,7 +11,8 @@ Every form then prints the per-chunk traffic model of the same configuration
 over an exact reduce-scatter, launches, transient peak, padding, Newton-Schulz balance, for the
 padded, compact all-reduce, compact owner-reduce and Adam layouts), the rows
 ``benchmarks/layout.py`` prints, from the same functions; ``--json`` puts them under
-``"traffic"``.
+``"traffic"``. ``--qkv-ownership whole`` plans ``linear_qkv`` weights owned whole instead of as
+the Q / K / V parts Muon orthogonalizes separately (the default, ``split``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import json
 from typing import Any
 
+from ..layout import QKV_OWNERSHIP
 from . import traffic
 from .planner import GRAD_BYTES, MEMORY_FIELDS, plan
 from .shapes import SPECS
@@ -71,7 +73,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['model']}: dp={result['dp']} ep={result['ep']} "
         f"(expert dp {result['expert_dp']}), "
         f"bucket_size={result['bucket_size']}, fp8_param_gather={result['fp8_param_gather']}, "
-        f"grads {result['grad_dtype']}; {result['params']['per_rank']:,} params per rank"
+        f"grads {result['grad_dtype']}, linear_qkv owned {result['qkv_ownership']}; "
+        f"{result['params']['per_rank']:,} params per rank"
     ]
     for i, row in enumerate(rows):
         lines.append(
@@ -161,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--grad-dtype", choices=sorted(GRAD_BYTES), default="fp32")
     parser.add_argument("--gather-padding-tolerance", type=float, default=0.1)
+    parser.add_argument(
+        "--qkv-ownership", choices=QKV_OWNERSHIP, default="split",
+        help="linear_qkv weights Muon splits (muon_split_qkv) owned as their Q / K / V parts "
+        "(split, the default) or whole",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_intermixed_args(argv)
     for name in ("dp", "ep", "tp", "pp", "vpp", "etp", "cp", "bucket_size"):
@@ -172,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.recipe:
         words = ([args.model] if args.model else []) + args.overrides
         setup = recipe_plan.recipe_setup(args.recipe, words)
+        setup.qkv_ownership = args.qkv_ownership
         result = recipe_plan.plan_recipe(setup)
         traffic_of = _pipeline_traffic(setup)
     else:
@@ -195,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 single_grouped_weight=False, bucket_size=args.bucket_size,
                 fp8_param_gather=not args.no_fp8_param_gather,
                 gather_padding_tolerance=args.gather_padding_tolerance,
-                grad_reduce_in_fp32=args.grad_dtype == "fp32",
+                grad_reduce_in_fp32=args.grad_dtype == "fp32", qkv_ownership=args.qkv_ownership,
             )  # fmt: skip
             result = recipe_plan.plan_recipe(setup)
             result["recipe"] = None
@@ -215,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                     grad_dtype=args.grad_dtype,
                     overlap_grad_reduce=not args.no_overlap_grad_reduce,
                     gather_padding_tolerance=args.gather_padding_tolerance,
+                    qkv_ownership=args.qkv_ownership,
                 )
             except ValueError as exc:
                 raise UsageError(str(exc), "see nemo-lw-fp8 plan --help") from None
@@ -224,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                     return traffic.whole_model_rows(
                         args.model, args.dp, args.ep or 1, bucket_size=args.bucket_size,
                         fp8_param_gather=not args.no_fp8_param_gather, grad_bytes=grad_bytes,
+                        qkv_ownership=args.qkv_ownership,
                     )  # fmt: skip
 
     rows, why_not = None, "not modelled for this model (no architecture)"
@@ -258,7 +269,8 @@ def _pipeline_traffic(setup: Any):
         return traffic.pipeline_rows(
             setup.recipe, setup.arch, setup.par,
             single_grouped_weight=setup.single_grouped_weight, ownership=setup.ownership,
-            bucket_size=setup.bucket_size, fp8_param_gather=setup.fp8_param_gather,
+            qkv_ownership=setup.qkv_ownership, bucket_size=setup.bucket_size,
+            fp8_param_gather=setup.fp8_param_gather,
             grad_bytes=GRAD_BYTES["fp32" if setup.grad_reduce_in_fp32 else "bf16"],
         )  # fmt: skip
 

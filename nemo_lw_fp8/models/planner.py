@@ -8,7 +8,8 @@
 * ``compact``: the same optimizers with compact (zero-padding) Muon buffers, ownership as the
   compact patch computes it (:func:`nemo_lw_fp8.layout.choose_pieces` by Newton-Schulz cost, the
   dense and the expert group each on its own; grouped expert weights whole or in runs of
-  experts) and one gather per
+  experts; a ``linear_qkv`` weight Muon splits owned as its Q / K / V parts with
+  ``qkv_ownership="split"``, :mod:`.qkv_split`) and one gather per
   Muon bucket group, even or uneven (:func:`nemo_lw_fp8.layout.even_gather_fits`), as the
   compact patch does it;
 * ``adam_distopt``: Adam on everything through megatron's ``DistributedOptimizer``.
@@ -22,10 +23,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import layout as lo
+from .ownership import our_owners, stock_costs
+from .qkv_split import check_qkv_ownership
 from .shapes import ParamSpec, param_shapes
 
 PARAM_BYTES = 2  # bf16 model parameters and bf16 on the wire (also for MXFP8 param gather)
@@ -65,6 +68,10 @@ ASSUMPTIONS = (
     "(identically shaped) experts the same way.",
     "compact gradients are all-reduced per bucket (upstream PR #5388's compact path); the padded "
     "and Adam layouts reduce-scatter.",
+    "muon_split_qkv on (megatron's default): Muon orthogonalizes a linear_qkv weight as its "
+    "Q / K / V parts (with attention_output_gate Q, gate, K, V). qkv_ownership='split' counts its "
+    "Newton-Schulz work as the parts' in every layout and owns the parts separately in the "
+    "compact one (one gather segment member each); 'whole' owns and counts it as one matrix.",
 )
 
 
@@ -272,60 +279,6 @@ def _rank_view(values: list[int], expert: bool, dp: int, ep: int) -> list[int]:
     return [values[r // ep] for r in range(dp)] if expert else list(values)
 
 
-@dataclass
-class _Ownership:
-    """Our owners, as the compact patch computes them (:func:`nemo_lw_fp8.mechanics.compact.
-    shard`): ``dense[i]`` the pieces of dense Muon spec ``i`` as ``(owner, units)`` (data-parallel
-    ranks); ``expert[i]`` the same for expert spec ``i`` inside every expert-data-parallel group
-    (every group holds the same shapes, so one answer serves all); ``units[i]``: how many pieces
-    spec ``i`` can split into; ``cost[r]``: Newton-Schulz total of global rank ``r``."""
-
-    dense: dict[int, list[tuple[int, int]]]
-    expert: dict[int, list[tuple[int, int]]]
-    units: dict[int, int]
-    cost: list[int]
-    expert_groups: list[dict[int, list[tuple[int, int]]]] = field(default_factory=list)
-
-
-def _expert_units(spec: ParamSpec, ownership: str) -> int:
-    """Experts a Muon spec splits into: E for a single grouped weight ``(E, m, n)`` unless
-    ownership is whole (``mechanics.compact.expert_units``), else 1."""
-    return spec.shape[0] if ownership != "whole" and len(spec.shape) == 3 else 1
-
-
-def _our_owners(specs: list[ParamSpec], dp: int, ep: int, ownership: str) -> _Ownership:
-    """Our owners keyed by spec index, as :func:`nemo_lw_fp8.mechanics.compact.shard` computes
-    them: dense matrices over the data-parallel group first, then each expert-data-parallel
-    group's expert matrices starting from its members' dense work
-    (:func:`nemo_lw_fp8.layout.choose_pieces` with ``initial_loads``, whole or in runs of
-    experts), so each rank's total is balanced. ``expert`` is group 0's table (every group
-    holds the same shapes; their owners differ only through the members' dense work)."""
-    edp = dp // ep
-    units = {i: _expert_units(s, ownership) for i, s in enumerate(specs) if s.muon}
-
-    def owned(members: list[int], world: int, initial: list[int] | None):
-        costs = [lo.newton_schulz_cost(specs[i].shape) for i in members]
-        counts = [units[i] for i in members]
-        sizes = [specs[i].numel for i in members]
-        pieces = lo.choose_pieces(costs, counts, world, sizes, ownership, initial)
-        table: dict[int, list[tuple[int, int]]] = {i: [] for i in members}
-        for piece in pieces:
-            table[members[piece.index]].append((piece.owner, piece.hi - piece.lo))
-        return table, lo.piece_loads(costs, counts, pieces, world)
-
-    dense_members = [i for i, s in enumerate(specs) if s.muon and not s.expert_parallel]
-    expert_members = [i for i, s in enumerate(specs) if s.muon and s.expert_parallel]
-    dense, dense_loads = owned(dense_members, dp, None)
-    cost = list(dense_loads)
-    groups = []
-    for group in lo.default_expert_groups(dp, ep):
-        table, loads = owned(expert_members, edp, [dense_loads[r] for r in group])
-        for k, r in enumerate(group):
-            cost[r] += loads[k]
-        groups.append(table)
-    return _Ownership(dense, groups[0], units, cost, groups)
-
-
 def _param_bytes(buf: _Buffer, numel: int) -> int:
     """Persistent parameter bytes of a buffer on every rank: MXFP8 weights (their bf16 param
     buffer aliases the gradient buffer), or a bf16 buffer of ``numel`` elements."""
@@ -345,6 +298,7 @@ def plan(
     overlap_grad_reduce: bool = True,
     gather_padding_tolerance: float = 0.1,
     grouped_weight_ownership: str = "whole",
+    qkv_ownership: str = "split",
 ) -> dict[str, Any]:
     """Per-rank bytes, Newton-Schulz balance and per-step communication of the three layouts.
 
@@ -354,13 +308,17 @@ def plan(
     elements per DDP bucket, ``None`` for megatron's default. ``grouped_weight_ownership``: how
     the compact layout owns single grouped expert weights ``(E, m, n)`` (``"whole"``,
     ``"expert"``: runs of experts, ``"auto"``; :data:`nemo_lw_fp8.layout.GROUPED_WEIGHT_OWNERSHIP`).
-    Returns a JSON-ready dict
+    ``qkv_ownership``: ``"split"`` owns each ``linear_qkv`` weight Muon splits
+    (``muon_split_qkv``, assumed on) as its Q / K / V parts and counts their Newton-Schulz work
+    as the parts' (in every layout); ``"whole"`` owns and counts it as one matrix
+    (:mod:`.qkv_split`). Returns a JSON-ready dict
     (docs/planner.md describes every field).
     """
     if dp < 1 or ep < 1 or dp % ep:
         raise ValueError(f"need dp >= 1, ep >= 1 and ep dividing dp; got dp={dp}, ep={ep}")
     if grad_dtype not in GRAD_BYTES:
         raise ValueError(f"grad_dtype must be one of {sorted(GRAD_BYTES)}, got {grad_dtype!r}")
+    check_qkv_ownership(qkv_ownership)
     name = model if isinstance(model, str) else "custom"
     all_specs = param_shapes(model) if isinstance(model, str) else list(model)
     edp = dp // ep
@@ -376,14 +334,15 @@ def plan(
 
     # -------------------------------------------------------------- layer-wise (a) and (b)
     buffers = _buffers(specs, fp8_param_gather, layer_wise=True)
-    own = _our_owners(specs, dp, ep, grouped_weight_ownership)
+    own = our_owners(specs, dp, ep, grouped_weight_ownership, qkv_ownership)
 
     def our_pieces(buf: _Buffer, p: int) -> list[tuple[int, int]]:
         """``(elements, owner)`` of each piece of parameter ``p`` of a Muon buffer (owners in
         the buffer's group: data-parallel or expert-data-parallel ranks)."""
-        i = buf.indices[p]
         table = own.expert if buf.expert else own.dense
-        return [(buf.specs[p].numel * n // own.units[i], owner) for owner, n in table[i]]
+        return [
+            (numel, owner) for owner, numel in own.pieces(table, buf.indices[p], buf.specs[p].numel)
+        ]
 
     def our_rank_numel(buf: _Buffer) -> list[int]:
         """Elements each global rank updates in a Muon buffer under our ownership."""
@@ -409,7 +368,9 @@ def plan(
             stock_rank = _rank_view(padded.rank_numel or [], buf.expert, dp, ep)
             compact_rank = our_rank_numel(buf)
             state_bytes = MUON_STATE_BYTES
-            for r, cost in enumerate(_rank_view(padded.rank_cost or [], buf.expert, dp, ep)):
+            for r, cost in enumerate(
+                _rank_view(stock_costs(buf.specs, padded, w, qkv_ownership), buf.expert, dp, ep)
+            ):
                 stock_ns[r] += cost
         else:
             padded = flat = lo.stock_distopt_layout(buf.shapes, w, bucket_size)
@@ -583,6 +544,7 @@ def plan(
         "fp8_param_gather": fp8_param_gather,
         "grad_dtype": grad_dtype,
         "grouped_weight_ownership": grouped_weight_ownership,
+        "qkv_ownership": qkv_ownership,
         "params": {
             "total": sum(s.numel for s in all_specs),
             "trainable": sum(s.numel for s in all_specs if s.trainable),

@@ -43,6 +43,7 @@ OVERRIDES = {
     "train.micro_batch_size": "micro_batch_size",
     "model.moe_single_grouped_weight": "single_grouped_weight",
     "optimizer.grouped_weight_ownership": "ownership",
+    "optimizer.qkv_ownership": "qkv_ownership",
     "optimizer.gather_padding_tolerance": "gather_padding_tolerance",
     "mixed_precision.fp8_param_gather": "fp8_param_gather",
     "ddp.bucket_size": "bucket_size",
@@ -60,6 +61,7 @@ class RecipeSetup:
     gpu: str
     single_grouped_weight: bool
     ownership: str = "whole"
+    qkv_ownership: str = "split"  # plan --qkv-ownership (LayerWiseConfig.qkv_ownership)
     fp8_param_gather: bool = True
     gather_padding_tolerance: float = 0.1
     bucket_size: int | None = None
@@ -97,7 +99,13 @@ def recipe_setup(name: str, overrides: list[str] = ()) -> RecipeSetup:  # type: 
         arch = get_architecture(model)
         par = parallelism(arch, recipes.VARIANT_GPU[variant])
         gpu = VARIANT_GPU[variant]
-    setup = RecipeSetup(key, arch, par, gpu, single_grouped_weight=variant != "hopper")
+    # Hopper recipes gather blockwise FP8 weights, which the plugin keeps whole (their owner
+    # quantizes whole 128 x 128 tiles): no grouped weights, no Q / K / V parts.
+    hopper = variant == "hopper"
+    setup = RecipeSetup(
+        key, arch, par, gpu, single_grouped_weight=not hopper,
+        qkv_ownership="whole" if hopper else RecipeSetup.qkv_ownership,
+    )  # fmt: skip
     changes: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
@@ -189,7 +197,9 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
         specs = stage_param_specs(arch, par, rank)
         if setup.single_grouped_weight:
             specs = group_experts(specs)
-        signature = tuple((s.shape, s.muon, s.expert_parallel, s.quantized) for s in specs)
+        signature = tuple(
+            (s.shape, s.muon, s.expert_parallel, s.quantized, s.qkv_split) for s in specs
+        )
         if signature not in plans:
             plans[signature] = plan(
                 specs,
@@ -200,6 +210,7 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
                 grad_dtype="fp32" if setup.grad_reduce_in_fp32 else "bf16",
                 gather_padding_tolerance=setup.gather_padding_tolerance,
                 grouped_weight_ownership=setup.ownership,
+                qkv_ownership=setup.qkv_ownership,
             )
         by_rank.append(plans[signature])
 

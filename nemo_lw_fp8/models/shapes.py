@@ -43,7 +43,9 @@ class ParamSpec:
 
     ``expert_index`` / ``num_experts`` identify a routed-expert weight so a single EP rank's view
     can be cut (:meth:`local`); a 3-D grouped expert weight ``(E, m, n)`` sets ``num_experts = E``
-    and ``expert_index = None``.
+    and ``expert_index = None``. ``qkv_split``: on a fused ``linear_qkv`` weight, megatron's
+    ``qkv_split_shapes`` (rows of Q, K, V, with ``attention_output_gate`` Q, gate, K, V, per
+    query group), the parts Muon orthogonalizes separately with ``muon_split_qkv``.
     """
 
     name: str
@@ -55,6 +57,7 @@ class ParamSpec:
     embedding_or_output: bool = False
     expert_index: int | None = None
     num_experts: int = 0
+    qkv_split: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -187,10 +190,13 @@ class ModelSpec:
         assert self.kv_channels is not None and self.num_query_groups is not None
         q = heads * self.kv_channels * (2 if self.attention_output_gate else 1)
         kv = 2 * self.num_query_groups * self.kv_channels
+        # megatron's _get_qkv_split_shapes: per query group Q (gate) K V rows
+        per_group = heads // self.num_query_groups * self.kv_channels
+        split = (per_group,) * (2 if self.attention_output_gate else 1) + (self.kv_channels,) * 2
         specs = [
             _matrix(f"{p}.linear_proj.weight", h, heads * self.kv_channels),
             _vector(f"{p}.linear_qkv.layer_norm_weight", h),
-            _matrix(f"{p}.linear_qkv.weight", q + kv, h),
+            replace(_matrix(f"{p}.linear_qkv.weight", q + kv, h), qkv_split=split),
         ]
         if self.qk_layernorm:
             specs += [

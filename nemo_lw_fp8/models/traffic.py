@@ -24,8 +24,11 @@ nothing more.
 * ``adam``: Adam on everything through megatron's DistributedOptimizer.
 
 Ownership of the compact layouts is the rank's one layer-wise optimizer's: over all its chunks
-together (:func:`.planner._our_owners`). Wire bytes are per rank, the worst rank; "exact" is a
-reduce-scatter of the same real gradients with no padding, ``(P - 1) / P`` of them per group.
+together (:func:`.ownership.our_owners`), a ``linear_qkv`` weight Muon splits owned as its
+Q / K / V parts with ``qkv_ownership="split"`` (:mod:`.qkv_split`; the gradient of such a weight
+then interleaves its owners, part by part in every query group). Wire bytes are per rank, the
+worst rank; "exact" is a reduce-scatter of the same real gradients with no padding,
+``(P - 1) / P`` of them per group.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from typing import Any
 
 from .. import layout as lo
 from ..mechanics import owner_reduce
-from .planner import PARAM_BYTES, _bucket_groups, _buffers, _local_specs, _our_owners
+from .ownership import Ownership, our_owners, stock_costs
+from .planner import PARAM_BYTES, _bucket_groups, _buffers, _local_specs
+from .qkv_split import check_qkv_ownership, unit_costs
 from .shapes import ParamSpec
 
 LAYOUTS = ("stock_padded", "compact_all_reduce", "compact_owner_reduce", "adam")
@@ -79,18 +84,22 @@ def rank_traffic(
     grad_bytes: int = 4,
     bucket_cap_numel: int | None = None,
     ownership: str = "whole",
+    qkv_ownership: str = "split",
 ) -> dict[str, Any]:
     """Traffic, padding and Newton-Schulz balance of one pipeline rank holding ``chunk_specs``
     (one list of whole-model :class:`ParamSpec` per virtual-pipeline chunk, all experts; the EP
     rank's share is cut here), over ``dp`` data-parallel and ``dp / ep`` expert-data-parallel
-    ranks. ``bucket_size`` ``None``: megatron's default ``max(40M, 1M * dp)``."""
+    ranks. ``bucket_size`` ``None``: megatron's default ``max(40M, 1M * dp)``.
+    ``qkv_ownership``: as in :func:`.planner.plan` (``"whole"``: the model before Q/K/V split
+    ownership)."""
     if dp % ep:
         raise ValueError(f"ep={ep} must divide dp={dp}")
+    check_qkv_ownership(qkv_ownership)
     edp = dp // ep
     bucket_size = max(40_000_000, 1_000_000 * dp) if bucket_size is None else bucket_size
     local = [_local_specs(list(specs), ep) for specs in chunk_specs]
     merged = [s for specs in local for s in specs]
-    own = _our_owners(merged, dp, ep, ownership)
+    own = our_owners(merged, dp, ep, ownership, qkv_ownership)
     starts = [sum(len(c) for c in local[:k]) for k in range(len(local))]
     sizes = _chunk_bucket_sizes(len(local), pp_rank, bucket_size)
 
@@ -143,7 +152,8 @@ def rank_traffic(
                     continue
                 padded = lo.stock_padded_layout(shapes, w, sizes[c])
                 acc["stock_padded"]["padding_numel"] += padded.numel - buf.numel
-                for r, cost in enumerate(per_global(padded.rank_cost or [], buf.expert)):
+                costs = stock_costs(buf.specs, padded, w, qkv_ownership)
+                for r, cost in enumerate(per_global(costs, buf.expert)):
                     stock_ns[r] += cost
                 for start, end, unpadded in padded.buckets:
                     ring(acc["stock_padded"], w, end - start, unpadded, False)
@@ -209,7 +219,7 @@ def rank_traffic(
                                 spans = [
                                     span
                                     for i, b in g
-                                    for span in _owner_spans(kind[i][2][b], table, own.units)
+                                    for span in _owner_spans(kind[i][2][b], table, own)
                                 ]
                                 for member, r in enumerate(ranks):
                                     if name == "compact_all_reduce":
@@ -221,11 +231,16 @@ def rank_traffic(
                                     a["wire"][r] += sent * grad_bytes
                                     a["exact"][r] += exact * grad_bytes
 
-    dense = [lo.newton_schulz_cost(s.shape) for s in merged if s.muon and not s.expert_parallel]
+    dense = [
+        c for s in merged if s.muon and not s.expert_parallel for c in unit_costs(s, qkv_ownership)
+    ]
     expert_fixed = sum(
         lo.newton_schulz_cost(s.shape) for s in merged if s.muon and s.expert_parallel
     )
-    out: dict[str, Any] = {"dp": dp, "ep": ep, "pp_rank": pp_rank, "chunks": len(local)}
+    out: dict[str, Any] = {
+        "dp": dp, "ep": ep, "pp_rank": pp_rank, "chunks": len(local),
+        "qkv_ownership": qkv_ownership,
+    }  # fmt: skip
     for name in LAYOUTS:
         a = acc[name]
         worst = max(range(dp), key=lambda r: (a["wire"][r], -r))
@@ -243,7 +258,7 @@ def rank_traffic(
         }
         if name != "adam":
             loads = stock_ns if name == "stock_padded" else own.cost
-            bound = lower_bound(_expert_aware_costs(merged, ownership, own), loads)
+            bound = lower_bound(_expert_aware_costs(merged, own, qkv_ownership), loads)
             if edp == 1 and sum(loads):
                 # a rank's own experts cannot move: it carries them plus its largest matrix
                 bound = max(bound, (expert_fixed + max(dense, default=0)) * dp / sum(loads))
@@ -253,27 +268,25 @@ def rank_traffic(
 
 
 def _owner_spans(
-    bucket: list[tuple[int, int]], table: dict, units: dict[int, int]
+    bucket: list[tuple[int, int]], table: dict, own: Ownership
 ) -> list[tuple[int, int]]:
     """The owner reduce's ``(owner, elements)`` spans of one compact bucket (``(spec index,
     elements)`` in backprop order), laid out as the mechanism lays it: params in owner order of
-    their first piece (:func:`.owner_reduce.owner_order`), runs of one owner merged."""
+    the owner of their first element (:func:`.owner_reduce.owner_order`; a split ``linear_qkv``:
+    its first part's), each param's elements in flattened order (a split ``linear_qkv``: per
+    query group, each part's rows), runs of one owner merged."""
     order = owner_reduce.owner_order([table[i][0][0] for i, _ in bucket])
-    pieces = [
-        (owner, n * count // units[i])
-        for i, n in (bucket[k] for k in order)
-        for owner, count in table[i]
-    ]
+    pieces = [run for i, n in (bucket[k] for k in order) for run in own.runs(table, i, n)]
     return owner_reduce.owner_spans(pieces)
 
 
-def _expert_aware_costs(specs: list[ParamSpec], ownership: str, own: Any) -> list[int]:
-    """Costs of the smallest units ownership can hand out: whole matrices, or single experts
-    of a grouped weight owned in runs."""
+def _expert_aware_costs(specs: list[ParamSpec], own: Ownership, qkv_ownership: str) -> list[int]:
+    """Costs of the smallest units ownership can hand out: whole matrices, single experts of a
+    grouped weight owned in runs, or the parts of a split ``linear_qkv``."""
     costs = []
     for i, s in enumerate(specs):
         if s.muon:
-            costs.append(lo.newton_schulz_cost(s.shape) // own.units.get(i, 1))
+            costs += [c // own.units.get(i, 1) for c in unit_costs(s, qkv_ownership)]
     return costs
 
 
@@ -287,6 +300,7 @@ def pipeline_rows(
     *,
     single_grouped_weight: bool,
     ownership: str = "whole",
+    qkv_ownership: str = "split",
     **settings: Any,
 ) -> list[dict[str, Any]]:
     """One row per pipeline rank of ``arch`` under ``par`` (each rank's virtual-pipeline chunks,
@@ -301,13 +315,18 @@ def pipeline_rows(
         chunks = chunk_param_specs(arch, par, rank)
         if single_grouped_weight:
             chunks = [group_experts(c) for c in chunks]
-        result = rank_traffic(chunks, dp, par.ep, pp_rank=rank, ownership=ownership, **settings)
+        result = rank_traffic(
+            chunks, dp, par.ep, pp_rank=rank, ownership=ownership, qkv_ownership=qkv_ownership,
+            **settings,
+        )  # fmt: skip
         config = f"{label} PP{par.pp} VP{par.vpp or 1} EP{par.ep} DP{dp} rank {rank}"
         rows.append({"config": config, "key": None, **result})
     return rows
 
 
-def whole_model_rows(model: str, dp: int, ep: int, **settings: Any) -> list[dict[str, Any]]:
+def whole_model_rows(
+    model: str, dp: int, ep: int, *, qkv_ownership: str = "split", **settings: Any
+) -> list[dict[str, Any]]:
     """The whole model (TP = PP = 1) on ``dp`` ranks, discrete experts owned whole."""
     from .architectures import get_architecture
     from .parallel import ParallelismDefaults
@@ -317,7 +336,10 @@ def whole_model_rows(model: str, dp: int, ep: int, **settings: Any) -> list[dict
     par = ParallelismDefaults(
         recipe="whole", nodes=1, gpus_per_node=dp, ep=ep, global_batch_size=dp
     )
-    result = rank_traffic(chunk_param_specs(arch, par, 0), dp, ep, pp_rank=0, **settings)
+    result = rank_traffic(
+        chunk_param_specs(arch, par, 0), dp, ep, pp_rank=0, qkv_ownership=qkv_ownership,
+        **settings,
+    )  # fmt: skip
     return [{"config": f"{model} whole model EP{ep} DP{dp}", "key": (model, dp, ep), **result}]
 
 

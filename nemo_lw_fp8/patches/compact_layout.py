@@ -2,7 +2,8 @@
 
 Behaviour (selected with ``LayerWiseConfig(layout="compact").attach(ddp_config)``): Muon-managed
 buffers are laid out without padding and act as plain-DDP buffers; ownership minimises the
-largest per-rank Newton-Schulz cost (single grouped expert weights whole or in runs of experts);
+largest per-rank Newton-Schulz cost (single grouped expert weights whole or in runs of experts,
+fused QKV weights whole or as the Q, K and V parts Muon orthogonalizes apart);
 each layer-wise bucket group is gathered with one collective of owner-packed bf16 values, which
 also serves MXFP8 param gather bitwise without staging in the grad buffer; its gradients are
 reduced in place to their owners only (one reduce per owner's span, ``grad_sync="reduce_to_owner"``,
@@ -16,7 +17,8 @@ collective per group instead of #3524's uneven all_gather per bucket, and MXFP8 
 supported (upstream rejected that combination).
 
 Patches: ``LayerWiseDistributedOptimizer.compute_full_param_layout``, ``.shard_params`` and
-``.sharded_state_dict`` (entries for the expert runs this rank owns);
+``.sharded_state_dict`` (entries for the expert runs and QKV parts this rank owns), and a step
+after its ``__init__`` (``reload_model_params`` reads QKV parts from their fused weight);
 ``_ParamAndGradBuffer.__init__`` (effective config), ``partition_buckets`` as DDP calls it,
 ``_ParamAndGradBucketGroup.start_param_sync`` / ``.finish_param_sync`` and ``.start_grad_sync``
 (compact groups only; megatron's ``finish_grad_sync`` waits on the owner reduce's handle).
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 from .. import config as plugin_config
 from .. import symbols
-from ..mechanics import compact, grouped_checkpoint, owner_reduce
+from ..mechanics import compact, grouped_checkpoint, lifecycle, masters, owner_reduce, qkv_parts
 from ..state import optimizer_state
 from .framework import Override, Patch, register
 
@@ -101,8 +103,9 @@ def _make_shard_params(original):
             return original(self, optimizers, full_param_layouts)
         if not compact.shards(chunks[0].ddp_config):
             return original(self, optimizers, full_param_layouts)
-        ownership = plugin_config.grouped_weight_ownership(chunks[0].ddp_config)
-        compact.shard(self, optimizers, ownership)
+        ddp_config = chunks[0].ddp_config
+        ownership = plugin_config.grouped_weight_ownership(ddp_config)
+        compact.shard(self, optimizers, ownership, plugin_config.qkv_ownership(ddp_config))
         compact.attach_groups(self, chunks)
         return None
 
@@ -112,16 +115,21 @@ def _make_shard_params(original):
 
 def _make_sharded_state_dict(original):
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        """Give the runs of experts this optimizer owns their entries: each a slice, along the
-        expert dimension, of its grouped weight's entry (see ``mechanics.grouped_checkpoint``),
-        so their fp32 masters and Muon momentum are saved and loaded like whole parameters."""
+        """Give the runs of experts and QKV parts this optimizer owns their entries: a run is a
+        slice, along the expert dimension, of its grouped weight's entry (see
+        ``mechanics.grouped_checkpoint``), a QKV part its rows of the fused weight's entry, one
+        flattened piece per query group (``mechanics.qkv_parts``), so their fp32 masters and
+        Muon momentum are saved and loaded like whole parameters."""
         params = [
             param
             for opt in getattr(self, "chained_optimizers", [self])
             for group in getattr(opt, "float16_groups", [])
             for param in group
         ]
-        runs = grouped_checkpoint.run_entries(model_sharded_state_dict, params)
+        runs = {
+            **grouped_checkpoint.run_entries(model_sharded_state_dict, params),
+            **qkv_parts.part_entries(model_sharded_state_dict, params),
+        }
         if runs:
             model_sharded_state_dict = {**model_sharded_state_dict, RUNS_KEY: runs}
         return original(self, model_sharded_state_dict, is_loading, **kwargs)
@@ -173,6 +181,12 @@ def _build_overrides() -> list[Override]:
     group_cls = buffer_module._ParamAndGradBucketGroup
     layout_fn = lw.__dict__["compute_full_param_layout"].__func__
     return [
+        # reload_model_params reads QKV parts from their fused weight (mechanics.qkv_parts).
+        Override(
+            lifecycle.AFTER_INIT,
+            FEATURE,
+            lambda optimizer: masters.read_parts_from_their_weights(optimizer),
+        ),
         Override(
             lw,
             "compute_full_param_layout",

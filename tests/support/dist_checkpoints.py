@@ -162,8 +162,15 @@ def optimizer_tensors(optimizer, module: torch.nn.Module) -> dict[str, Any]:
     """Per parameter name: each chained optimizer's fp32 master and state tensors (Muon's
     momentum, Adam's moments on this rank's shards), the live objects; and every param group's
     step."""
+    from nemo_lw_fp8.mechanics import qkv_parts
+
     names = {id(p): n for n, p in module.named_parameters()}
     out: dict[str, Any] = {}
+
+    def _name(param: torch.Tensor) -> str:
+        if qkv_parts.is_part(param):  # a QKV part: its fused weight's name and part index
+            return f"{names[id(param.parent)]}.qkv_part{param.index}"
+        return names[id(param)]
 
     def record(kind: str, name: str, main: torch.Tensor, inner) -> None:
         out[f"{kind}:master:{name}"] = main
@@ -184,7 +191,7 @@ def optimizer_tensors(optimizer, module: torch.nn.Module) -> dict[str, Any]:
             return
         for model_group, main_group in pairs:
             for model_param, main_param in zip(model_group, main_group, strict=True):
-                record(kind, names[id(model_param)], main_param, opt.optimizer)
+                record(kind, _name(model_param), main_param, opt.optimizer)
         steps = [group.get("step") for group in opt.optimizer.param_groups]
         out.setdefault(f"{kind}:steps", []).append(steps)
 

@@ -89,6 +89,10 @@ class Scenario:
     grad_accum_fusion: bool = False
     #: Compact layout: how single grouped expert weights are owned ("whole", "expert", "auto").
     grouped_weight_ownership: str = "whole"
+    #: Compact layout: fused QKV weights owned as their Q, K, V parts ("split") or "whole".
+    qkv_ownership: str = "split"
+    #: ``OptimizerConfig.muon_split_qkv``: Muon orthogonalizes a fused QKV weight's Q, K, V apart.
+    muon_split_qkv: bool = True
     #: Compact layout: how Muon gradients are synced ("reduce_to_owner", "all_reduce"; None:
     #: ``LayerWiseConfig``'s default).
     grad_sync: str | None = None

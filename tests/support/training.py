@@ -60,6 +60,7 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
             if tolerance is None
             else tolerance,
             grouped_weight_ownership=scenario.grouped_weight_ownership,
+            qkv_ownership=scenario.qkv_ownership,
             **chosen,
             bucket_cap_numel=scenario.bucket_cap_numel,
         ).attach(ddp_config)
@@ -83,6 +84,7 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
         use_layer_wise_distributed_optimizer=layer_wise,
         overlap_param_gather=scenario.overlap,
         muon_fp32_matmul_prec="highest",
+        muon_split_qkv=scenario.muon_split_qkv,
         fp8_recipe=scenario.fp8_recipe if scenario.fp8 else None,
         reuse_grad_buf_for_mxfp8_param_ag=_reuse_grad_buf(scenario),
     )
@@ -314,9 +316,23 @@ def _named_master(
     names: dict[int, str], model_param: torch.Tensor, main_param: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """A master by its parameter's name; an expert slice's master as its experts' masters
-    under the discrete names (``<grouped name><expert>``)."""
+    under the discrete names (``<grouped name><expert>``); a fused QKV weight's master as its
+    parts' (``<name>.qkv_part<j>``), whether one rank owns it whole or several own its parts."""
+    from nemo_lw_fp8.mechanics import qkv_parts
     from nemo_lw_fp8.mechanics.expert_slices import is_slice
 
+    if qkv_parts.is_part(model_param):
+        name = names[id(model_param.parent)]
+        return {f"{name}.qkv_part{model_param.index}": main_param.detach().clone()}
+    shapes = qkv_parts.split_shapes(model_param)
+    if shapes is not None:
+        name = names[id(model_param)]
+        grouped = main_param.detach().reshape(-1, sum(shapes), model_param.shape[1])
+        starts = [sum(shapes[:j]) for j in range(len(shapes))]
+        return {
+            f"{name}.qkv_part{j}": grouped[:, lo : lo + rows].reshape(-1, grouped.shape[-1])
+            for j, (lo, rows) in enumerate(zip(starts, shapes, strict=True))
+        }
     if not is_slice(model_param):
         return {names[id(model_param)]: main_param.detach().clone()}
     name = names[id(model_param.parent)]
@@ -324,6 +340,17 @@ def _named_master(
         f"{name}{model_param.lo + k}": member.detach().clone()
         for k, member in enumerate(main_param.unbind(0))
     }
+
+
+def qkv_parts_owned(optimizer) -> int:
+    """How many QKV parts (:class:`nemo_lw_fp8.mechanics.qkv_parts.QKVPart`) this rank owns."""
+    from nemo_lw_fp8.mechanics import qkv_parts
+
+    children = getattr(optimizer, "chained_optimizers", None)
+    if children is not None:
+        return sum(qkv_parts_owned(child) for child in children)
+    groups = getattr(optimizer, "float16_groups", [])
+    return sum(1 for group in groups for param in group if qkv_parts.is_part(param))
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -406,6 +433,7 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
         "digest": digest(params),
         "optimizer": type(optimizer).__name__,
         "layer_wise": uses_layer_wise(optimizer),
+        "qkv_parts": qkv_parts_owned(optimizer),
         "seconds": elapsed,
         **extra,
     }
