@@ -134,18 +134,16 @@ def resolve_config(
     return cfg
 
 
-def _count_expert_slices(optimizer: Any, kind: Any = None) -> int:
-    """Expert runs (``ExpertSlice``; or pieces of another ``kind``) among the pieces of
-    ``optimizer`` and its chained children (every rank's: each rank knows all pieces)."""
-    from nemo_lw_fp8.mechanics.expert_slices import ExpertSlice
+def _count_pieces(optimizer: Any, kind: type) -> int:
+    """Pieces of type ``kind`` (``ExpertSlice``, ``QKVPart``) among the pieces of ``optimizer``
+    and its chained children (every rank's: each rank knows all pieces)."""
     from nemo_lw_fp8.state import peek
 
-    kind = ExpertSlice if kind is None else kind
     record = peek(optimizer)
     pieces = getattr(record, "pieces", {})
     count = sum(1 for group in pieces.values() for piece in group if isinstance(piece, kind))
     for child in getattr(optimizer, "chained_optimizers", []):
-        count += _count_expert_slices(child, kind)
+        count += _count_pieces(child, kind)
     return count
 
 
@@ -285,10 +283,11 @@ class _LossRecorder:
                     iteration = int(context.state.train_state.step) + 1
                     recorder.progress.report(iteration, losses.get("lm loss"))
                 if recorder.expert_slices is None:
+                    from nemo_lw_fp8.mechanics.expert_slices import ExpertSlice
                     from nemo_lw_fp8.mechanics.qkv_parts import QKVPart
 
-                    recorder.expert_slices = _count_expert_slices(context.optimizer)
-                    recorder.qkv_parts = _count_expert_slices(context.optimizer, QKVPart)
+                    recorder.expert_slices = _count_pieces(context.optimizer, ExpertSlice)
+                    recorder.qkv_parts = _count_pieces(context.optimizer, QKVPart)
                     recorder.reports = _reports_losses()
 
             def on_train_start(self, context: Any) -> None:

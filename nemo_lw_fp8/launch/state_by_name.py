@@ -33,12 +33,6 @@ def _sha(tensor: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def _rows(tensor: torch.Tensor, group_rows: int, lo: int, rows: int) -> torch.Tensor:
-    """Rows ``[lo, lo + rows)`` of every group of ``group_rows`` rows, as a QKV part holds them."""
-    hidden = tensor.shape[-1]
-    return tensor.reshape(-1, group_rows, hidden)[:, lo : lo + rows].reshape(-1, hidden)
-
-
 class _Names:
     """Layout-independent names of this rank's model parameters."""
 
@@ -70,13 +64,11 @@ class _Names:
         shapes = qkv_parts.split_shapes(param)
         if shapes is not None:
             base = self.names[id(param)]
-            starts = [sum(shapes[:j]) for j in range(len(shapes))]
-            out = {}
-            for j, (lo, rows) in enumerate(zip(starts, shapes, strict=True)):
-                out[f"{base}/qkv_part{j}"] = {
-                    k: _sha(_rows(v, sum(shapes), lo, rows)) for k, v in tensors.items()
-                }
-            return out
+            split = {k: qkv_parts.parts_of(v, shapes) for k, v in tensors.items()}
+            return {
+                f"{base}/qkv_part{j}": {k: _sha(parts[j]) for k, parts in split.items()}
+                for j in range(len(shapes))
+            }
         if is_slice(param):
             base, first = self.names[id(param.parent)], param.lo
         else:

@@ -70,6 +70,17 @@ class PartOfWeight(torch.nn.Parameter):
 
     parent: torch.nn.Parameter
 
+    @classmethod
+    def _adopt(cls, parent: torch.nn.Parameter, data: torch.Tensor):
+        """A new stand-in over ``data`` that takes from ``parent`` what megatron's optimizers
+        read (:data:`_COPIED_ATTRS`)."""
+        self = torch.Tensor._make_subclass(cls, data, parent.requires_grad)
+        self.parent = parent
+        for name in _COPIED_ATTRS:
+            if hasattr(parent, name):
+                setattr(self, name, getattr(parent, name))
+        return self
+
 
 class ExpertSlice(PartOfWeight):
     """Experts ``[lo, hi)`` of the grouped weight ``parent`` (see the module docstring).
@@ -102,11 +113,8 @@ class ExpertSlice(PartOfWeight):
             # builds the fp32 master (which TE's preserved init value then overwrites).
             with torch.no_grad():
                 data = parent.detach().dequantize()[lo:hi].to(torch.bfloat16).contiguous()
-        self = torch.Tensor._make_subclass(cls, data, parent.requires_grad)
-        self.parent, self.lo, self.hi = parent, lo, hi
-        for name in _COPIED_ATTRS:
-            if hasattr(parent, name):
-                setattr(self, name, getattr(parent, name))
+        self = cls._adopt(parent, data)
+        self.lo, self.hi = lo, hi
         return self
 
     @property

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .expert_slices import _COPIED_ATTRS, PartOfWeight, _quantized, _shape_only
+from .expert_slices import PartOfWeight, _quantized, _shape_only
 
 
 def split_shapes(param: torch.Tensor) -> list[int] | None:
@@ -47,6 +47,18 @@ def part_shapes(param: torch.Tensor) -> list[tuple[int, int]]:
         return [tuple(param.shape)]  # type: ignore[list-item]
     groups = int(param.shape[0]) // sum(shapes)
     return [(groups * rows, int(param.shape[1])) for rows in shapes]
+
+
+def parts_of(tensor: torch.Tensor, shapes: list[int]) -> list[torch.Tensor]:
+    """A tensor shaped like a fused QKV weight (rows per group ``shapes``), cut into its parts as
+    Muon orthogonalizes them: each ``(groups x rows, hidden)``, in split order."""
+    hidden = tensor.shape[-1]
+    grouped = tensor.reshape(-1, sum(shapes), hidden)
+    starts = [sum(shapes[:j]) for j in range(len(shapes))]
+    return [
+        grouped[:, lo : lo + rows].reshape(-1, hidden)
+        for lo, rows in zip(starts, shapes, strict=True)
+    ]
 
 
 def _current_values(parent: torch.Tensor) -> torch.Tensor:
@@ -90,14 +102,11 @@ class QKVPart(PartOfWeight):
                 data = values[:, row_offset : row_offset + rows].reshape(shape).clone()
         else:
             data = _shape_only(shape, torch.bfloat16, parent.device)
-        self = torch.Tensor._make_subclass(cls, data, parent.requires_grad)
-        self.parent, self.index = parent, index
+        self = cls._adopt(parent, data)
+        self.index = index
         self.groups, self.group_rows, self.row_offset, self.rows = (
             groups, group_rows, row_offset, rows
         )  # fmt: skip
-        for name in _COPIED_ATTRS:
-            if hasattr(parent, name):
-                setattr(self, name, getattr(parent, name))
         return self
 
     @property

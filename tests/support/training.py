@@ -327,12 +327,8 @@ def _named_master(
     shapes = qkv_parts.split_shapes(model_param)
     if shapes is not None:
         name = names[id(model_param)]
-        grouped = main_param.detach().reshape(-1, sum(shapes), model_param.shape[1])
-        starts = [sum(shapes[:j]) for j in range(len(shapes))]
-        return {
-            f"{name}.qkv_part{j}": grouped[:, lo : lo + rows].reshape(-1, grouped.shape[-1])
-            for j, (lo, rows) in enumerate(zip(starts, shapes, strict=True))
-        }
+        parts = qkv_parts.parts_of(main_param.detach(), shapes)
+        return {f"{name}.qkv_part{j}": part for j, part in enumerate(parts)}
     if not is_slice(model_param):
         return {names[id(model_param)]: main_param.detach().clone()}
     name = names[id(model_param.parent)]
