@@ -125,6 +125,101 @@ def test_torch_dist_round_trip_is_bitwise(sharding, fully_parallel, tmp_path):
         assert result["final_state_differ"] == [], (rank, result["final_state_differ"])
 
 
+# --------------------------------------------------------------------------- exact resume
+
+#: A master value far below its row block's largest (1.0) but the largest of its column block:
+#: MXFP8's rowwise copy rounds it to zero, the columnwise copy keeps it.
+TINY = 2.0**-20
+
+
+def _plant_row_column_split(main_param: torch.Tensor) -> None:
+    """Make the first 32 x 32 tile of a master one whose weight's columnwise copy cannot be
+    re-made from its rowwise copy: every row's block has amax 1.0 (column 0), column 1's block
+    holds ``TINY`` in every row (rowwise: a zero code; columnwise: exact)."""
+    tile = main_param.data[:32, :32]
+    tile.zero_()
+    tile[:, 0] = 1.0
+    tile[:, 1] = TINY
+
+
+def planted_round_trip(scenario: Scenario, directory: str, rederive: bool) -> dict:
+    """Train, plant :func:`_plant_row_column_split` into each owned MXFP8 master, gather, save;
+    load into a build from another seed (with the load's re-derivation reverted when
+    ``rederive`` is False) and report which weights' rowwise / columnwise values differ."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    from nemo_lw_fp8.mechanics import checkpointing, masters
+    from nemo_lw_fp8.patches import framework
+    from tests.support import dist_checkpoints as ckpt
+    from tests.support.training import train_step
+
+    def layer_wise(optimizer):
+        if isinstance(optimizer, LayerWiseDistributedOptimizer):
+            return optimizer
+        return next(c for c in optimizer.chained_optimizers if layer_wise(c) is not None)
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    model, optimizer = _build(scenario, scenario.seed)
+    for step in range(SAVE_AFTER):
+        train_step(scenario, model, optimizer, step, dp_rank)
+    names = {id(p): n for n, p in model[0].module.named_parameters()}
+    planted = []
+    lw = layer_wise(optimizer)
+    for child in masters.float16_children(lw):
+        for model_param, main_param in masters.model_main_pairs(child):
+            if getattr(model_param, "_rowwise_data", None) is not None:
+                _plant_row_column_split(main_param)
+                planted.append(names[id(model_param)])
+    checkpointing.rederive_weights_from_masters(lw)  # the planted masters reach the weights
+    saved = ckpt.weight_values(model[0].module)
+    ckpt.save_torch_dist(model, optimizer, directory, "dp_reshardable", fully_parallel=True)
+
+    model, optimizer = _build(scenario, scenario.seed + 1)
+    if not rederive:
+        framework.revert(["layer_wise_load_rederive"])
+    ckpt.load_torch_dist(model, optimizer, directory, fully_parallel=True)
+    loaded = ckpt.weight_values(model[0].module)
+    losses = [train_step(scenario, model, optimizer, s, dp_rank) for s in range(SAVE_AFTER, 5)]
+    return {
+        "losses": losses,
+        "planted": planted,
+        # The premise: the saved rowwise copy lost the planted value, the columnwise one kept it.
+        "premise": [
+            bool(saved[f"{n}:rowwise"][0, 1] == 0 and saved[f"{n}:columnwise"][0, 1] == TINY)
+            for n in planted
+        ],
+        "weights_differ": _mismatches(saved, loaded),
+    }
+
+
+def _same_weights(reference: list[dict], results: list[dict]) -> None:
+    for rank, result in enumerate(results):
+        assert result["weights_differ"] == [], (rank, result["weights_differ"])
+
+
+def test_load_rederives_fp8_weights_from_masters(tmp_path):
+    """Exact resume by construction: a load rebuilds every MXFP8 weight from the loaded fp32
+    masters (patch ``layer_wise_load_rederive``), so a weight whose columnwise copy cannot be
+    re-made from the rowwise values the checkpoint holds comes back with both copies intact.
+    Control: with the re-derivation reverted, the planted weights' columnwise copies come back
+    as ``Q_col(D_row(W))`` and differ (others may too, where training left such an element)."""
+    (tmp_path / "on").mkdir(), (tmp_path / "off").mkdir()
+    results = run_on_ranks(planted_round_trip, BASE, str(tmp_path / "on"), True, boot=FP8,
+                           timeout=400)  # fmt: skip
+    assert sum(len(r["planted"]) for r in results) > 0
+    assert all(all(r["premise"]) for r in results)
+    _same_weights(results, results)
+
+    control = run_on_ranks(planted_round_trip, BASE, str(tmp_path / "off"), False, boot=FP8,
+                           timeout=400)  # fmt: skip
+    assert_diverges(results, control, _same_weights)
+    for result in control:
+        differ = set(result["weights_differ"])
+        assert {f"{n}:columnwise" for n in result["planted"]} <= differ
+        assert not any(name.endswith(":rowwise") for name in differ)
+
+
 # --------------------------------------------------------------------------- megatron.training
 
 
@@ -211,9 +306,9 @@ def assert_same_state(before: list[dict], after: list[dict]) -> None:
     for rank, (a, b) in enumerate(zip(before, after, strict=True)):
         assert a["iteration"] == b["iteration"], (rank, a["iteration"], b["iteration"])
         assert a["losses"] == b["losses"], (rank, a["losses"], b["losses"])
-        assert _mismatches(a["weights"], b["weights"]) == [], (rank, "weights")
         differ = _mismatches(a["state"], b["state"])
         assert differ == [], f"rank {rank}: optimizer state differs: {differ}"
+        assert _mismatches(a["weights"], b["weights"]) == [], (rank, "weights")
 
 
 @pytest.mark.parametrize(
@@ -240,17 +335,26 @@ def test_megatron_training_checkpoint_round_trip_is_bitwise(fully_reshardable, t
 
 def test_megatron_training_checkpoint_control_detects_a_changed_state(tmp_path):
     """Control: state changed between the snapshot and the save must come back as a mismatch
-    of exactly the changed entries (a completed run, not a crash)."""
+    of exactly the changed entries (a completed run, not a crash), and the load derives the
+    weights from the loaded masters: only the changed master's weight can differ."""
     results = run_on_ranks(
         training_round_trip, BASE, str(tmp_path), False, mutate=True, boot=FP8, timeout=400
     )
     saved, loaded = [r["saved"] for r in results], [r["loaded"] for r in results]
     assert_diverges(saved, loaded, compare=assert_same_state, match="optimizer state differs")
+    # Every rank holds every weight: the ones whose masters some rank changed may differ.
+    changed = {
+        name.removeprefix("layerwise:master:")
+        for result in results
+        for name in result["mutated"]
+        if name.startswith("layerwise:master:")
+    }
     for rank, result in enumerate(results):
         assert len(result["mutated"]) == 3, rank
         differ = sorted(_mismatches(result["saved"]["state"], result["loaded"]["state"]))
         assert differ == result["mutated"], (rank, differ)
-        assert _mismatches(result["saved"]["weights"], result["loaded"]["weights"]) == [], rank
+        weights = _mismatches(result["saved"]["weights"], result["loaded"]["weights"])
+        assert weights and {w.split(":")[0] for w in weights} <= changed, (rank, weights)
 
 
 # --------------------------------------------------------------------------- the CPU backend

@@ -10,8 +10,10 @@ Two decisions, each read from the run's configuration as megatron-training 0.19.
 * a save with overlapped param gathers first forces the gather, so the weights written are the
   masters of the last step: :func:`save_needs_param_sync`.
 
-And what a load needs: the checkpoint's fit to the run (:func:`check_loadable`), and its RNG
-states at another data-parallel size (:func:`rng_state_for_load`).
+And what a load needs: the checkpoint's fit to the run (:func:`check_loadable`), its RNG
+states at another data-parallel size (:func:`rng_state_for_load`), and after the optimizer's
+state is in, every weight re-derived from the loaded fp32 masters
+(:func:`rederive_weights_from_masters`).
 """
 
 from __future__ import annotations
@@ -192,3 +194,43 @@ def rng_state_for_load(sharded: Any) -> Any:
         merge_fn=lambda loaded: loaded[own],
         replica_id=sharded.replica_id,
     )
+
+
+def rederive_weights_from_masters(optimizer: Any) -> None:
+    """After a layer-wise optimizer's state is loaded: rebuild every weight it manages from the
+    loaded fp32 masters through the gather a step runs.
+
+    Why: a ``torch_dist`` save writes a quantized weight dequantized from its rowwise copy, and
+    a load quantizes both copies again from those values, so an MXFP8 weight's columnwise copy
+    comes back as ``Q_col(D_row(W))``, not ``Q_col(W)`` (they differ where an element is
+    subnormal in its row block but not in its column block), and a blockwise weight's
+    transpose likewise. The masters are saved exactly, so a weight derived from them is the
+    uninterrupted run's weight by construction, whatever the format (MXFP8, blockwise, grouped
+    experts, Q/K/V parts) and whichever load path (Bridge, megatron-training, a direct
+    ``dist_checkpointing`` load) called ``load_state_dict``. As in megatron's and Bridge's own
+    loads, the model's state must be loaded before the optimizer's.
+
+    The sequence is a step's: each child's master -> model copy (the plugin leaves quantized
+    weights to the gather there), then the gather (staged first where the gather reads a staging
+    buffer), synchronous, of the layer-wise optimizer's own buckets.
+    """
+    import torch
+
+    chunks = list(getattr(optimizer, "model_chunks", None) or [])
+    if not chunks:
+        return
+    with torch.no_grad():
+        for child in optimizer.chained_optimizers:
+            if getattr(child, "is_stub_optimizer", False):
+                continue
+            copy = getattr(child, "_copy_main_params_to_model_params", None)
+            if copy is not None:
+                copy()
+        if optimizer.overlap_param_gather:
+            optimizer.prepare_model_params_for_param_sync()
+            for chunk in chunks:
+                chunk.start_param_sync(force_sync=True)
+        elif optimizer.use_buffer_param_sync:
+            optimizer.start_param_sync_for_bucket_group_subset()
+        else:
+            optimizer.allgather_params()

@@ -41,6 +41,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "bridge_save_param_sync",
     "bridge_checkpoint_compat",
     "bridge_checkpoint_rng",
+    "layer_wise_load_rederive",
 )
 
 
