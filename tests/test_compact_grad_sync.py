@@ -153,6 +153,7 @@ def train_recorded(scenario: Scenario, ordered: bool = False) -> dict:
         raise RuntimeError("ordered_grad_sync summed no grad sync in rank order")
     state = optimizer_snapshot(seen["optimizer"], seen["module"])
     result["state"] = {k: v for k, v in state.items() if k.startswith("layerwise:")}
+    result["state_by_part"] = training.state_by_part(seen["optimizer"], seen["module"])
     result["grad_norms"] = norms
     return result
 

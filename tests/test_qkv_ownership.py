@@ -15,11 +15,24 @@ import torch
 from tests.support.harness import run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.scenarios import Scenario
-from tests.support.training import train
+from tests.support.training import state_by_part, train
 
 GPT = Scenario(optimizer="muon", model="gpt", steps=3, snapshots=True)
 SPLIT = GPT.with_(distribution="layerwise_compact", plugin=True, overlap=True,
                   qkv_ownership="split")
+
+
+def _same_params(reference: list[dict], candidate: list[dict]) -> None:
+    _same(reference, candidate, "muon_split_qkv=False")
+
+
+def _owned_apart(results: list[dict]) -> list[str]:
+    """The fused QKV weights whose parts sit on more than one rank."""
+    ranks_of: dict[str, set[int]] = {}
+    for rank, result in enumerate(results):
+        for part in result["qkv_part_names"]:
+            ranks_of.setdefault(part.rsplit(".qkv_part", 1)[0], set()).add(rank)
+    return sorted(weight for weight, ranks in ranks_of.items() if len(ranks) > 1)
 
 
 def _same(reference: list[dict], candidate: list[dict], label: str) -> None:
@@ -42,27 +55,121 @@ def test_split_qkv_ownership_equals_plain_muon(world_size):
 
     reference = run(GPT)
     split = run(SPLIT)
-    # Parts really were owned apart, on more than one rank.
-    assert sum(1 for r in split if r["qkv_parts"]) >= 2, [r["qkv_parts"] for r in split]
+    # Parts really were owned apart: some fused weight has its parts on different ranks.
+    assert _owned_apart(split), [r["qkv_part_names"] for r in split]
     _same(reference, split, f"split DP {world_size}")
+    _same_state_as_plain(reference, split, f"split DP {world_size}")
     whole = run(SPLIT.with_(qkv_ownership="whole"))
     assert not any(r["qkv_parts"] for r in whole)
     _same(reference, whole, f"whole DP {world_size}")
+    _same_state_as_plain(reference, whole, f"whole DP {world_size}")
+
+
+def _same_state_as_plain(plain: list[dict], layer_wise: list[dict], label: str) -> None:
+    """Every layer-wise fp32 master and Muon momentum (over all ranks, by part name) equals
+    plain Muon's (every rank holds all of them there), and every QKV part is among them."""
+    owned: dict[str, torch.Tensor] = {}
+    for result in layer_wise:
+        for name, value in result["state_by_part"].items():
+            assert name not in owned, f"{label}: {name} held by two ranks"
+            owned[name] = value
+    reference = plain[0]["state_by_part"]
+    parts = {name for name in reference if ".qkv_part" in name}
+    assert parts and parts <= owned.keys(), label
+    differ = [name for name in owned if not torch.equal(owned[name], reference[name])]
+    assert not differ, f"{label}: layer-wise state differs from plain Muon's: {differ}"
+
+
+def train_exact_norm(scenario: Scenario, count_a_part_twice: bool = False) -> dict:
+    """:func:`tests.support.training.train` with the grad norm computed order-free
+    (:func:`tests.support.parity.exact_grad_norm`), recording each step's norm and, at the end,
+    the layer-wise fp32 masters and Muon momentum by part name. ``count_a_part_twice``: the
+    control's mutation, each rank's first owned QKV part enters the norm twice."""
+    import contextlib
+
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    from nemo_lw_fp8.mechanics import masters, qkv_parts
+    from tests.support import training
+    from tests.support.parity import exact_grad_norm
+
+    seen: dict = {}
+    norms: list[float] = []
+    build = training.wrap_and_build_optimizer
+
+    def keep(module, config, scenario):
+        model, optimizer = build(module, config, scenario)
+        seen.update(optimizer=optimizer, module=module)
+        step = optimizer.step
+
+        def recorded_step(*args, **kwargs):
+            result = step(*args, **kwargs)
+            norms.append(float(result[1]))
+            return result
+
+        optimizer.step = recorded_step
+        return model, optimizer
+
+    grads_for_norm = MegatronOptimizer.get_grads_for_grad_norm
+
+    def with_a_part_twice(self, grad_norm_group=None):
+        grads = grads_for_norm(self, grad_norm_group)
+        if hasattr(self, "float16_groups"):
+            for model_param, main_param in masters.model_main_pairs(self):
+                if qkv_parts.is_part(model_param):
+                    return [*grads, main_param.grad]
+        return grads
+
+    with contextlib.ExitStack() as stack:
+        mp = stack.enter_context(pytest.MonkeyPatch.context())
+        mp.setattr(training, "wrap_and_build_optimizer", keep)
+        if count_a_part_twice:
+            mp.setattr(MegatronOptimizer, "get_grads_for_grad_norm", with_a_part_twice)
+        stack.enter_context(exact_grad_norm())
+        result = train(scenario)
+    result["grad_norms"] = norms
+    result["state"] = state_by_part(seen["optimizer"], seen["module"])
+    return result
+
+
+def _union(results: list[dict]) -> dict[str, torch.Tensor]:
+    """The layer-wise state of all ranks (each master on exactly one rank)."""
+    merged: dict[str, torch.Tensor] = {}
+    for result in results:
+        for name, value in result["state"].items():
+            assert name not in merged, f"{name} held by two ranks"
+            merged[name] = value
+    return merged
+
+
+def _same_clipped_training(whole: list[dict], split: list[dict]) -> None:
+    """Grad norms (exact: order-free), losses, parameters, and every layer-wise fp32 master and
+    Muon momentum (by part name, over all ranks): equal to the bit."""
+    for rank, (a, b) in enumerate(zip(whole, split, strict=True)):
+        assert a["grad_norms"] == b["grad_norms"], f"rank {rank}: grad norms differ"
+    _same(whole, split, "split vs whole, clipped")
+    a, b = _union(whole), _union(split)
+    assert sorted(a) == sorted(b)
+    differ = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not differ, f"layer-wise state differs: {differ}"
 
 
 def test_grad_norm_counts_every_part_once():
-    """Clipping on: the global grad norm of split ownership is whole ownership's, up to the
-    order its squares are summed in (parts are separate tensors in megatron's l2 sum), and
-    clipping acts on every step."""
-    from tests.test_compact_grad_sync import train_recorded
-
+    """Clipping on (every step clips): split ownership's global grad norm is whole ownership's.
+    megatron sums the squares per tensor and per rank, so ownership changes the summation order
+    and the last bits of the norm, and a clip coefficient one ulp apart grows in bf16 training;
+    the comparison therefore computes the norm order-free (exact squares, one correctly rounded
+    sum) in both runs: each part counted once gives the same norm, the same clip coefficient by
+    construction, and bitwise training. Control: a part counted twice diverges."""
     clipped = SPLIT.with_(clip_grad=0.05)
-    split = run_on_ranks(train_recorded, clipped)
-    whole = run_on_ranks(train_recorded, clipped.with_(qkv_ownership="whole"))
-    assert any(r["qkv_parts"] for r in split)
-    for a, b in zip(split, whole, strict=True):
-        assert min(a["grad_norms"]) > clipped.clip_grad
-        assert a["grad_norms"] == pytest.approx(b["grad_norms"], rel=1e-6, abs=0)
+    split = run_on_ranks(train_exact_norm, clipped)
+    whole = run_on_ranks(train_exact_norm, clipped.with_(qkv_ownership="whole"))
+    assert any(r["qkv_parts"] for r in split) and not any(r["qkv_parts"] for r in whole)
+    assert all(min(r["grad_norms"]) > clipped.clip_grad for r in split)
+    _same_clipped_training(whole, split)
+
+    twice = run_on_ranks(train_exact_norm, clipped, True)
+    assert_diverges(whole, twice, _same_clipped_training, match="grad norms differ")
 
 
 def test_planner_counts_the_parts_reduces():
@@ -114,36 +221,10 @@ def test_weight_stays_whole_where_muon_does_not_split():
     # Control: owning the parts apart there changes the update.
     forced = run_on_ranks(train_splitting_regardless, SPLIT.with_(muon_split_qkv=False))
     assert any(r["qkv_parts"] for r in forced)
-    assert_diverges(reference, forced)
+    assert_diverges(reference, forced, _same_params, match="muon_split_qkv=False")
 
 
 # --------------------------------------------------------------------------- checkpoints
-
-
-def _layer_wise_state(optimizer, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Layer-wise fp32 masters and Muon momentum by name, a fused QKV weight's per part
-    (``tests.support.training.master_snapshot``'s naming), however it is owned."""
-    from tests.support.training import _named_master
-
-    names = {id(p): n for n, p in module.named_parameters()}
-    out: dict[str, torch.Tensor] = {}
-
-    def walk(opt) -> None:
-        for child in getattr(opt, "chained_optimizers", None) or []:
-            walk(child)
-        if not hasattr(opt, "fp32_from_float16_groups"):
-            return
-        for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True):
-            for param, main in zip(models, mains, strict=True):
-                state = opt.optimizer.state.get(main, {})
-                kinds = {"master": main, "momentum": state.get("momentum_buffer")}
-                for kind, value in kinds.items():
-                    if value is not None:
-                        for name, part in _named_master(names, param, value).items():
-                            out[f"{kind}:{name}"] = part
-
-    walk(optimizer)
-    return out
 
 
 def round_trips(directory: str, sharding: str) -> dict:
@@ -173,13 +254,13 @@ def round_trips(directory: str, sharding: str) -> dict:
         where = os.path.join(directory, tag)
         os.makedirs(where, exist_ok=True)
         train_step(scenario, model, optimizer, 0, dp_rank)
-        saved = _layer_wise_state(optimizer, model[0].module)
+        saved = state_by_part(optimizer, model[0].module)
         parts = qkv_parts_owned(optimizer)
         ckpt.save_torch_dist(model, optimizer, where, sharding)
         scenario, model, optimizer = build(ownership)
-        fresh = _layer_wise_state(optimizer, model[0].module)
+        fresh = state_by_part(optimizer, model[0].module)
         ckpt.load_torch_dist(model, optimizer, where)
-        loaded = _layer_wise_state(optimizer, model[0].module)
+        loaded = state_by_part(optimizer, model[0].module)
         return {"saved": saved, "fresh": fresh, "loaded": loaded,
                 "parts": parts + qkv_parts_owned(optimizer)}  # fmt: skip
 

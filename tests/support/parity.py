@@ -8,8 +8,9 @@ is checked: both runs completed and the comparison fails.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -128,3 +129,48 @@ def assert_diverges(
     raise AssertionError(
         f"control did not diverge: {getattr(compare, '__name__', compare)} held bit for bit"
     )
+
+
+# --------------------------------------------------------------------------- order-free norms
+
+
+def _exact_l2_norm(
+    grads_for_norm: list[torch.Tensor] | torch.Tensor,
+    norm_type: float = 2,
+    grad_stats_parallel_group=None,
+) -> torch.Tensor:
+    """megatron's ``get_grad_norm_fp32`` (l2), computed so that no summation order shows.
+
+    Each gradient element squared in float64 is exact (an fp32 or bf16 significand squared fits
+    float64's), every rank's squares are gathered to every rank, and ``math.fsum`` rounds their
+    exact sum once: the result depends on the multiset of gradient values only, not on how
+    ownership split them over ranks and tensors, nor on the CPU's reduction kernels.
+    """
+    import math
+
+    import torch.distributed as dist
+
+    if float(norm_type) != 2.0:
+        raise ValueError(f"exact_grad_norm covers the l2 norm only, not norm_type={norm_type}")
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    local = [g.detach().reshape(-1).to(torch.float64) for g in grads_for_norm]
+    squares = torch.cat(local).square() if local else torch.zeros(0, dtype=torch.float64)
+    everyone: list = [None] * dist.get_world_size(group=grad_stats_parallel_group)
+    dist.all_gather_object(everyone, squares.tolist(), group=grad_stats_parallel_group)
+    total = math.fsum(value for rank in everyone for value in rank)
+    return torch.tensor([math.sqrt(total)], dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def exact_grad_norm() -> Iterator[None]:
+    """Inside the ranks: the optimizers' grad norm as :func:`_exact_l2_norm` (the layer-wise
+    optimizer's and megatron's chained / mixed-precision call sites). Two runs whose gradients
+    hold the same values then clip by the same coefficient by construction."""
+    import pytest
+    from megatron.core.optimizer import layer_wise_optimizer, optimizer
+
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (layer_wise_optimizer, optimizer):
+            mp.setattr(module, "get_grad_norm_fp32", _exact_l2_norm)
+        yield

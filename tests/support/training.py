@@ -312,6 +312,32 @@ def master_snapshot(optimizer, module: torch.nn.Module) -> dict[str, torch.Tenso
     return masters
 
 
+def state_by_part(optimizer, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """fp32 masters and Muon momentum of every mixed-precision optimizer (not the sibling
+    DistributedOptimizer's shards) by name, a fused QKV weight's per part
+    (:func:`master_snapshot`'s naming), however it is owned."""
+
+    names = {id(p): n for n, p in module.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(opt) -> None:
+        for child in getattr(opt, "chained_optimizers", None) or []:
+            walk(child)
+        if not hasattr(opt, "fp32_from_float16_groups"):
+            return
+        for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True):
+            for param, main in zip(models, mains, strict=True):
+                state = opt.optimizer.state.get(main, {})
+                kinds = {"master": main, "momentum": state.get("momentum_buffer")}
+                for kind, value in kinds.items():
+                    if value is not None:
+                        for name, part in _named_master(names, param, value).items():
+                            out[f"{kind}:{name}"] = part
+
+    walk(optimizer)
+    return out
+
+
 def _named_master(
     names: dict[int, str], model_param: torch.Tensor, main_param: torch.Tensor
 ) -> dict[str, torch.Tensor]:
@@ -347,6 +373,22 @@ def qkv_parts_owned(optimizer) -> int:
         return sum(qkv_parts_owned(child) for child in children)
     groups = getattr(optimizer, "float16_groups", [])
     return sum(1 for group in groups for param in group if qkv_parts.is_part(param))
+
+
+def qkv_part_names(optimizer, module: torch.nn.Module) -> list[str]:
+    """The QKV parts this rank owns, as ``<fused weight's name>.qkv_part<j>``."""
+    from nemo_lw_fp8.mechanics import qkv_parts
+
+    names = {id(p): n for n, p in module.named_parameters()}
+    children = getattr(optimizer, "chained_optimizers", None)
+    if children is not None:
+        return [name for child in children for name in qkv_part_names(child, module)]
+    return [
+        f"{names[id(param.parent)]}.qkv_part{param.index}"
+        for group in getattr(optimizer, "float16_groups", [])
+        for param in group
+        if qkv_parts.is_part(param)
+    ]
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -430,6 +472,7 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
         "optimizer": type(optimizer).__name__,
         "layer_wise": uses_layer_wise(optimizer),
         "qkv_parts": qkv_parts_owned(optimizer),
+        "qkv_part_names": qkv_part_names(optimizer, model[0].module),
         "seconds": elapsed,
         **extra,
     }
