@@ -47,7 +47,7 @@ def twin_run(tmp_path_factory):
     done: dict[tuple, dict] = {}
 
     def run(recipe: str, tag: str, *overrides: str, mutation: str = "", save: bool = False):
-        key = (recipe, overrides, mutation, save)
+        key = (recipe, tag, overrides, mutation, save)
         if key not in done:
             tmp = tmp_path_factory.mktemp(f"{recipe}-{tag}")
             nproc = twins.twin_world_size(recipe)

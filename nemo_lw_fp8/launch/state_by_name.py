@@ -99,6 +99,16 @@ def _mixed_precision(opt: Any, names: _Names, out: dict[str, Any]) -> None:
         out.update(names.entries(model_param, tensors))
 
 
+def _collective_device(group: Any) -> torch.device:
+    """Where the tensors of a collective over ``group`` must live: NCCL takes only CUDA
+    tensors (the current device), gloo takes CPU tensors."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _distributed(opt: Any, names: _Names, out: dict[str, Any]) -> None:
     """A DistributedOptimizer (the sibling Adam): each rank's byte ranges, put back together
     over its data-parallel group as int32 sums (exact: the other ranks add zeros)."""
@@ -116,10 +126,11 @@ def _distributed(opt: Any, names: _Names, out: dict[str, Any]) -> None:
     # Every parameter of the optimizer's buffers, in buffer order: the same on every rank of
     # the group (``model_param_gbuf_map`` holds only the parameters of this rank's range).
     every = [param for buffer in getattr(opt, "buffers", ()) for param in buffer.params]
+    device = _collective_device(opt.data_parallel_group)
     for model_param in every:
         numel = model_param.numel()
-        full = torch.zeros(len(kinds), numel, dtype=torch.int32)
-        held = torch.zeros(len(kinds), dtype=torch.int32)
+        full = torch.zeros(len(kinds), numel, dtype=torch.int32, device=device)
+        held = torch.zeros(len(kinds), dtype=torch.int32, device=device)
         shard = mains.get(id(model_param))
         if shard is not None:
             span = opt._get_model_param_range_map(model_param)["param"]
@@ -127,10 +138,11 @@ def _distributed(opt: Any, names: _Names, out: dict[str, Any]) -> None:
             for row, kind in enumerate(kinds):
                 if kind in state:
                     values = state[kind].detach().float().reshape(-1)
-                    full[row, span.start : span.end] = values.view(torch.int32)
+                    full[row, span.start : span.end] = values.view(torch.int32).to(device)
                     held[row] = 1
         dist.all_reduce(full, group=opt.data_parallel_group)
         dist.all_reduce(held, group=opt.data_parallel_group)
+        full, held = full.cpu(), held.cpu()
         tensors = {
             kind: full[row].view(torch.float32).reshape(model_param.shape)
             for row, kind in enumerate(kinds)
@@ -163,13 +175,19 @@ def state_by_name(optimizer: Any, model_chunks: list[Any]) -> dict[str, dict[str
     return out
 
 
+class StateDisagreement(ValueError):
+    """Two ranks hold the same state entry with different values."""
+
+
 def union(records: list[dict[str, dict[str, str]]]) -> dict[str, dict[str, str]]:
-    """The run's state from every rank's :func:`state_by_name`; raises when two ranks hold
-    the same entry with different values."""
+    """The run's state from every rank's :func:`state_by_name`; raises
+    :class:`StateDisagreement` when two ranks hold the same entry with different values."""
     merged: dict[str, dict[str, str]] = {}
     for rank, record in enumerate(records):
         for name, kinds in record.items():
             if name in merged and merged[name] != kinds:
-                raise AssertionError(f"rank {rank} disagrees on {name}: {kinds} vs {merged[name]}")
+                raise StateDisagreement(
+                    f"rank {rank} disagrees on {name}: {kinds} vs {merged[name]}"
+                )
             merged[name] = kinds
     return merged
