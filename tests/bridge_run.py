@@ -76,17 +76,34 @@ def install_mutation(mutation: str) -> None:
 
 
 def install_probe(prefix: str) -> None:
-    """Each rank writes ``{prefix}.rank<N>.json``: what its layer-wise optimizer was built over."""
+    """Each rank writes ``{prefix}.rank<N>.json`` at the end of training: what the run really
+    did, read off the ranks rather than the configuration.
+
+    * ``fp8_weights``: the model parameters held as persistent FP8 tensors (MXFP8, blockwise,
+      grouped), which only an FP8 param gather updates: > 0 proves the gather ON, 0 OFF;
+    * ``reduces``: the ``torch.distributed.reduce`` calls this rank issued (the owner reduce
+      sends each Muon gradient span to its owner with one; the all-reduce sync issues none);
+    * ``linears``, ``blockwise_weights``, ``blockwise_groups``: what the layer-wise optimizer of
+      a blockwise run was built over (the emulated FP8 linears, persistent blockwise weights,
+      blockwise gather plans).
+    """
     if not prefix:
         return
-    # What the layer-wise optimizer was built over, per rank (tests/test_bridge_hopper.py, the
-    # Hopper twins): the emulated FP8 linears, persistent blockwise weights, blockwise plans.
     import json
 
+    import torch.distributed as dist
+
+    import nemo_lw_fp8.launch.pretrain as launch_pretrain
     import nemo_lw_fp8.mechanics.blockwise as blockwise
+    from nemo_lw_fp8.mechanics import expert_slices
 
     _set_up, _attach = blockwise.set_up, blockwise.attach_groups
-    _seen: dict = {"blockwise_groups": 0}
+    _seen: dict = {"blockwise_groups": 0, "reduces": 0}
+    _reduce = dist.reduce
+
+    def _counting_reduce(*args, **kwargs):
+        _seen["reduces"] += 1
+        return _reduce(*args, **kwargs)
 
     def _probe_attach(optimizer):
         _seen["blockwise_groups"] += _attach(optimizer)
@@ -102,10 +119,23 @@ def install_probe(prefix: str) -> None:
         _seen["linears"] = linears
         _seen["blockwise_weights"] = len(blockwise.layer_wise_blockwise_params(optimizer))
         _set_up(optimizer)
+
+    _digest = launch_pretrain.optimizer_state_digest
+
+    def _probing_digest(optimizer):  # on_train_end, every rank
+        _seen["fp8_weights"] = sum(
+            1
+            for chunk in optimizer.model_chunks
+            for param in chunk.parameters()
+            if expert_slices.uses_quantized_storage(param)
+        )
         with open(f"{prefix}.rank{os.environ.get('RANK', '0')}.json", "w") as handle:
             json.dump(_seen, handle)
+        return _digest(optimizer)
 
+    dist.reduce = _counting_reduce
     blockwise.set_up, blockwise.attach_groups = _probe_set_up, _probe_attach
+    launch_pretrain.optimizer_state_digest = _probing_digest
 
 
 install_mutation(os.environ.get("NEMO_LW_FP8_TEST_MUTATION", ""))

@@ -55,7 +55,7 @@ def twin_run(tmp_path_factory):
             saving = saving if save else ()
             done[key] = br.pretrain(
                 tmp, tag, f"twin_{recipe}", *SHORT, *overrides, *saving, nproc=nproc,
-                mutation=mutation, probe=_blockwise(recipe),
+                mutation=mutation, probe=True,
             )  # fmt: skip
             done[key]["checkpoint"] = str(tmp / "ckpt") if save else None
         return done[key]
@@ -78,6 +78,10 @@ def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
     assert on["ranks"] == off["ranks"]
     # Ranks hold different pieces of the model: the digests say something.
     assert len(set(on["ranks"])) == twins.twin_world_size(recipe)
+    # What the ranks did, not what was configured: ON holds persistent FP8 weights on every
+    # rank (only the FP8 param gather updates them), OFF none (nothing FP8 was gathered).
+    assert all(rank["fp8_weights"] > 0 for rank in on["probe"]), on["probe"]
+    assert all(rank["fp8_weights"] == 0 for rank in off["probe"]), off["probe"]
     if _blockwise(recipe):
         # Blockwise FP8 compute in both runs (the CPU blockwise linears), and ON gathers
         # persistent Float8BlockwiseQTensor weights as FP8 codes + scales; OFF has none.
@@ -100,6 +104,9 @@ def test_flagship_twin_owner_reduce_equals_all_reduce(twin_run):
     )
     assert owner["layer_wise_grad_sync"] == "reduce_to_owner"
     assert reduced["layer_wise_grad_sync"] == "all_reduce"
+    # What the ranks issued: reduces to owners in one run, none in the other.
+    assert all(rank["reduces"] > 0 for rank in owner["probe"]), owner["probe"]
+    assert all(rank["reduces"] == 0 for rank in reduced["probe"]), reduced["probe"]
     assert br.losses(owner) == br.losses(reduced)
     assert br.grad_norms(owner) == br.grad_norms(reduced)
     assert br.eval_losses(owner) == br.eval_losses(reduced)
