@@ -85,7 +85,9 @@ def install_probe(prefix: str) -> None:
       sends each Muon gradient span to its owner with one; the all-reduce sync issues none);
     * ``linears``, ``blockwise_weights``, ``blockwise_groups``: what the layer-wise optimizer of
       a blockwise run was built over (the emulated FP8 linears, persistent blockwise weights,
-      blockwise gather plans).
+      blockwise gather plans); ``columnwise_derived``: the gathered blockwise weights whose
+      columnwise copy a receiver derived (with the stale-columnwise mutation: the ones it
+      would have).
     """
     if not prefix:
         return
@@ -98,7 +100,13 @@ def install_probe(prefix: str) -> None:
     from nemo_lw_fp8.mechanics import expert_slices
 
     _set_up, _attach = blockwise.set_up, blockwise.attach_groups
-    _seen: dict = {"blockwise_groups": 0, "reduces": 0}
+    _derive = blockwise.derive_columnwise
+    _seen: dict = {"blockwise_groups": 0, "reduces": 0, "columnwise_derived": 0}
+
+    def _counting_derive(params):
+        _seen["columnwise_derived"] += sum(1 for p in params if blockwise.is_blockwise(p))
+        return _derive(params)
+
     _reduce = dist.reduce
 
     def _counting_reduce(*args, **kwargs):
@@ -135,6 +143,7 @@ def install_probe(prefix: str) -> None:
 
     dist.reduce = _counting_reduce
     blockwise.set_up, blockwise.attach_groups = _probe_set_up, _probe_attach
+    blockwise.derive_columnwise = _counting_derive
     launch_pretrain.optimizer_state_digest = _probing_digest
 
 

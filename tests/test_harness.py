@@ -186,3 +186,54 @@ def test_standins_uninstall_restores_originals():
 def test_unknown_standin_is_refused():
     with pytest.raises(KeyError, match="unknown CPU stand-in"):
         standins.install(("warp_drive",))
+
+
+def _mock_under_the_plugin() -> str:
+    """A task that does what ``ordered_grad_sync`` does: a wrapper over megatron's
+    ``start_grad_sync``, then the plugin applied over it (recording the wrapper as megatron's
+    original), the wrapper's context left before the task ends."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    import nemo_lw_fp8
+
+    group_cls = pgb._ParamAndGradBucketGroup
+    original = group_cls.__dict__["start_grad_sync"]
+
+    def wrapper(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(group_cls, "start_grad_sync", wrapper)
+        nemo_lw_fp8.apply()
+        inside = group_cls.__dict__["start_grad_sync"]
+    return inside.__wrapped__.__qualname__
+
+
+def _start_grad_sync_owner() -> tuple[str, str, bool]:
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    function = pgb._ParamAndGradBucketGroup.__dict__["start_grad_sync"]
+    return function.__module__, function.__qualname__, hasattr(function, "__wrapped__")
+
+
+def test_mocks_never_outlive_their_task():
+    """The plugin's revert after a task would put a task's mock back (it was the plugin's
+    'original'); the harness then restores megatron's own method, recorded at start-up."""
+    inside = run_on_ranks(_mock_under_the_plugin, world_size=1)[0]
+    # Inside the task the plugin wrapped the mock (recorded as megatron's original).
+    assert inside == "_mock_under_the_plugin.<locals>.wrapper"
+    module, qualname, wrapped = run_on_ranks(_start_grad_sync_owner, world_size=1)[0]
+    assert module == "megatron.core.distributed.param_and_grad_buffer"
+    assert qualname == "_ParamAndGradBucketGroup.start_grad_sync" and not wrapped
+    # Control: the plugin's revert alone leaves the task's mock in megatron's place.
+    leftover = run_on_ranks(_what_revert_alone_leaves, world_size=1)[0]
+    assert leftover == "_mock_under_the_plugin.<locals>.wrapper"
+
+
+def _what_revert_alone_leaves() -> str:
+    """Control: the same task, then the plugin's revert (the first half of the clean-up)."""
+    import nemo_lw_fp8
+
+    _mock_under_the_plugin()
+    nemo_lw_fp8.revert()
+    return _start_grad_sync_owner()[1]

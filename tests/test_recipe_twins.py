@@ -24,9 +24,14 @@ from tests.support import bridge_runs as br
 pytestmark = pytest.mark.usefixtures("bridge_installed")
 
 #: Every full recipe's twin. Two iterations with an evaluation after each: the second step's
-#: forward and the evals read the weights the plugin's FP8 gather delivered.
+#: forward and backward and the evals read the weights the plugin's FP8 gather delivered.
+#: Without warm-up: with the recipes' ``lr_warmup_iters`` (1 for two iterations) Bridge's
+#: scheduler starts at ``lr_warmup_init`` = 0, so the first step changed no weight and no
+#: backward ever read a gathered weight that differs from its initial value (why a stale
+#: columnwise copy once left the Hopper twins unchanged).
 TWINS = tuple(name for name in sorted(recipes.RECIPES) if not name.startswith(("tiny_", "twin_")))
-SHORT = ("train.train_iters=2", "validation.eval_interval=1", "validation.eval_iters=1")
+NO_WARMUP = "scheduler.lr_warmup_iters=0"
+SHORT = ("train.train_iters=2", "validation.eval_interval=1", "validation.eval_iters=1", NO_WARMUP)
 
 
 def _blockwise(recipe: str) -> bool:
@@ -151,7 +156,7 @@ def test_flagship_twin_resumes_at_dp4(twin_run, tmp_path, recipe):
     bit for bit (the comparison's control: tests/test_twin_resharding.py)."""
     on = twin_run(recipe, "on", save=True)
     ownership = RESHARDED[recipe]
-    grown = br.pretrain(tmp_path, "dp4", f"twin_{recipe}", "train.train_iters=3",
+    grown = br.pretrain(tmp_path, "dp4", f"twin_{recipe}", "train.train_iters=3", NO_WARMUP,
                         "validation.eval_interval=100", "validation.eval_iters=0",
                         f"checkpoint.load={on['checkpoint']}", "checkpoint.ckpt_step=2",
                         f"optimizer.grouped_weight_ownership={ownership}",
@@ -185,6 +190,23 @@ def test_twin_controls_catch_each_broken_fix(twin_run):
     stale = twin_run("deepseek_v3_mxfp8", "stale", mutation="stage_before_hook_gather")
     assert br.losses(stale) == br.losses(off)
     assert br.eval_losses(stale) != br.eval_losses(off)
+
+
+HOPPER = tuple(recipe for recipe in TWINS if _blockwise(recipe))
+
+
+@pytest.mark.parametrize("recipe", HOPPER)
+def test_hopper_twin_control_stale_columnwise_copy(twin_run, recipe):
+    """Receivers that keep the columnwise copy of gathered blockwise weights stale (TE's dgrad
+    GEMM reads that copy) part from gather off: the second step's backward reads the first
+    step's update through stale copies, so its grad norm and the ranks' state differ."""
+    off = twin_run(recipe, "off", *br.GATHER_OFF)
+    stale = twin_run(recipe, "stale", mutation="blockwise_columnwise")
+    # Receivers existed: gathered weights whose columnwise copy the mutation left stale.
+    assert all(rank["columnwise_derived"] > 0 for rank in stale["probe"]), stale["probe"]
+    assert br.losses(stale)[0] == br.losses(off)[0]  # the first step reads no gathered weight
+    assert br.grad_norms(stale)[1] != br.grad_norms(off)[1]
+    assert stale["ranks"] != off["ranks"]
 
 
 def test_flagship_twin_resumes_bitwise(tmp_path):

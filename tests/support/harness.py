@@ -17,8 +17,9 @@ Design (see ``docs/testing.md``):
   :class:`RankFailure` carries the tracebacks and the stacks. The pool is discarded and the next
   call starts a fresh one. ``RankFailure`` is not an ``AssertionError``: a test that expects a
   comparison to fail cannot be satisfied by a crash.
-* After every task the worker reverts any plugin patches the task applied and restores megatron's
-  parallel state, so tasks do not leak into each other.
+* After every task the worker reverts any plugin patches the task applied, puts megatron's own
+  objects back wherever a task left a mock at an attribute the plugin patches (recorded at
+  start-up), and restores megatron's parallel state, so tasks do not leak into each other.
 """
 
 from __future__ import annotations
@@ -155,13 +156,61 @@ def _init_parallel_state(spec: ParallelSpec) -> None:
     _current_spec = spec
 
 
+#: megatron-core's own objects at every attribute a plugin patch replaces, as the worker found
+#: them at start-up (before any task): ``[(owner, attr, value)]``.
+_TRUE_ORIGINALS: list[tuple[object, str, object]] = []
+
+
+def _record_true_originals() -> None:
+    """Remember what megatron-core holds where the plugin's megatron-core patches write.
+
+    Why: a task may install a mock over such an attribute (e.g. a grad-sync wrapper that sums
+    in rank order) and then apply the plugin, which records the mock as "megatron's original";
+    the plugin's ``revert()`` after the task then puts the mock back, and it would outlive the
+    task in this long-lived process. :func:`_restore_true_originals` undoes any such leftover.
+    """
+    from nemo_lw_fp8 import patches
+    from nemo_lw_fp8.patches import framework
+
+    patches.load_all()
+    for patch in framework.registry().values():
+        if patch.target != "megatron-core":
+            continue
+        try:
+            overrides = patch.build_overrides()
+        except ImportError:  # its targets do not import in this pool (e.g. TE's, without TE)
+            continue
+        for override in overrides:
+            value = framework._own_attr(override.owner, override.attr)
+            _TRUE_ORIGINALS.append((override.owner, override.attr, value))
+
+
+def _restore_true_originals() -> list[str]:
+    """Put megatron-core's own objects back wherever a task left something else; returns what
+    was put back (``owner.attr``)."""
+    from nemo_lw_fp8.patches import framework
+
+    restored = []
+    for owner, attr, value in _TRUE_ORIGINALS:
+        if framework._own_attr(owner, attr) is value:
+            continue
+        if value is framework.MISSING:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, value)
+        restored.append(f"{getattr(owner, '__name__', owner)}.{attr}")
+    return restored
+
+
 def _cleanup_after_task() -> None:
-    """Undo what a task may have left behind in this long-lived process."""
+    """Undo what a task may have left behind in this long-lived process: the plugin's patches,
+    then anything else left at the attributes they patch (mocks a task installed)."""
     import gc
 
     plugin = sys.modules.get("nemo_lw_fp8")
     if plugin is not None and hasattr(plugin, "revert"):
         plugin.revert()
+    _restore_true_originals()
     gc.collect()
 
 
@@ -215,6 +264,7 @@ def _worker_main(
 
         standins.install(boot.standins)
         _init_parallel_state(ParallelSpec())
+        _record_true_originals()
         conn.send_bytes(pickle.dumps(("ready", None)))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
