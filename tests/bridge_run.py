@@ -71,6 +71,20 @@ def install_mutation(mutation: str) -> None:
             return _make_load(load)
 
         compat._make_load = _nudging_make_load
+    elif mutation == "reduce_to_wrong_owner":
+        # Each Muon gradient span is reduced to the next rank instead of its owner (the owner
+        # then steps on its local, unreduced gradient).
+        import torch.distributed as dist
+
+        _reduce = dist.reduce
+
+        def _shifted(tensor, *args, group=None, group_dst=None, **kwargs):
+            if group is None or group_dst is None:
+                return _reduce(tensor, *args, group=group, group_dst=group_dst, **kwargs)
+            return _reduce(tensor, *args, group=group, group_dst=(group_dst + 1) % group.size(),
+                           **kwargs)  # fmt: skip
+
+        dist.reduce = _shifted
     elif mutation:
         raise SystemExit(f"unknown mutation {mutation!r}")
 

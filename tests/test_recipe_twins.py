@@ -116,6 +116,12 @@ def test_flagship_twin_owner_reduce_equals_all_reduce(twin_run):
     assert br.grad_norms(owner) == br.grad_norms(reduced)
     assert br.eval_losses(owner) == br.eval_losses(reduced)
     assert owner["ranks"] == reduced["ranks"]
+    # Control: gradients reduced to the wrong owners (each owner steps on its own unreduced
+    # gradient) part from the all-reduce run.
+    wrong = twin_run("deepseek_v3_mxfp8", "wrong-owner", mutation="reduce_to_wrong_owner")
+    assert all(rank["reduces"] > 0 for rank in wrong["probe"])
+    assert br.losses(wrong)[0] == br.losses(reduced)[0]  # the first forward precedes any sync
+    assert wrong["ranks"] != reduced["ranks"]
 
 
 @pytest.mark.parametrize("recipe", RESUMED)
