@@ -116,16 +116,12 @@ _DUMMY_FUNCTIONS = (
     "bulk_overlap_ag_with_external_gemm",
     "dbias_dgelu",
     "dbias_drelu",
-    "layernorm_bwd",
-    "layernorm_fwd",
     "multi_tensor_adam",
     "multi_tensor_adam_capturable",
     "multi_tensor_adam_capturable_master",
     "multi_tensor_adam_fp8",
     "multi_tensor_sgd",
     "multi_tensor_unscale_l2norm",
-    "rmsnorm_bwd",
-    "rmsnorm_fwd",
 )
 for _name in _DUMMY_FUNCTIONS:
     globals()[_name] = _StrictDummy(_name)
@@ -234,6 +230,18 @@ def multi_tensor_scale_tensor(
     _scale_lists(noop_flag, tensor_lists, scale.detach().float().reshape(-1)[0])
 
 
+from . import te_kernels_gemm, te_kernels_norm, te_kernels_queries  # noqa: E402
+
+#: The modules of TE-module kernels (issue 28); each lists the ``tex`` names it serves in
+#: ``TEX_KERNELS``, registered here before TE is imported (``ops/basic`` imports some by name).
+_KERNEL_MODULES = (te_kernels_gemm, te_kernels_norm, te_kernels_queries)
+_KERNELS = tuple(name for module in _KERNEL_MODULES for name in module.TEX_KERNELS)
+for _module in _KERNEL_MODULES:
+    for _name in _module.TEX_KERNELS:
+        globals()[_name] = getattr(_module, _name)
+del _module, _name
+
+
 __all__ = [
     "CommOverlap",
     "CommOverlapHelper",
@@ -265,6 +273,7 @@ __all__ = [
     "mxfp8_scaling_compute_partial_amax",
     "mxfp8_scaling_partial_cast",
     "quantize",
+    *_KERNELS,
     *_DUMMY_FUNCTIONS,
 ]
 
