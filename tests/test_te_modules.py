@@ -64,6 +64,7 @@ def _mutate(mp: pytest.MonkeyPatch, mutation: str | None) -> None:
 
     if mutation == "usage":
         real = te_kernels_gemm.dequantize_operand
+
         def other_usage(tensor: Any, usage: str) -> torch.Tensor:
             both = all(
                 getattr(tensor, name, None) is not None
@@ -141,7 +142,11 @@ def linear_run(recipe: str, bias: bool, fp8_params: bool, fuse: bool, mutation: 
         )
         with init:
             layer = te.Linear(
-                K, N, bias=bias, params_dtype=torch.bfloat16, device="cpu",
+                K,
+                N,
+                bias=bias,
+                params_dtype=torch.bfloat16,
+                device="cpu",
                 fuse_wgrad_accumulation=fuse,
             )
         with torch.no_grad():
@@ -269,8 +274,14 @@ def norm_linear_run(recipe: str, normalization: str, zero_centered: bool, mutati
     with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(target):
         _mutate(mp, mutation)
         layer = te.LayerNormLinear(
-            K, N, eps=eps, bias=bias, normalization=normalization,
-            zero_centered_gamma=zero_centered, params_dtype=torch.bfloat16, device="cpu",
+            K,
+            N,
+            eps=eps,
+            bias=bias,
+            normalization=normalization,
+            zero_centered_gamma=zero_centered,
+            params_dtype=torch.bfloat16,
+            device="cpu",
         )
         with torch.no_grad():
             layer.weight.copy_(d["w"])
@@ -288,16 +299,28 @@ def norm_linear_run(recipe: str, normalization: str, zero_centered: bool, mutati
             te_out["db"] = layer.bias.grad
 
         config = TransformerConfig(
-            num_layers=1, hidden_size=K, num_attention_heads=4, bf16=True,
-            params_dtype=torch.bfloat16, use_cpu_initialization=True,
-            gradient_accumulation_fusion=False, normalization=normalization,
-            layernorm_epsilon=eps, layernorm_zero_centered_gamma=zero_centered,
+            num_layers=1,
+            hidden_size=K,
+            num_attention_heads=4,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            use_cpu_initialization=True,
+            gradient_accumulation_fusion=False,
+            normalization=normalization,
+            layernorm_epsilon=eps,
+            layernorm_zero_centered_gamma=zero_centered,
         )
         config.fp8 = None if recipe == "bf16" else "e4m3"
         config.fp8_recipe = recipe
         cpu = CPULayerNormColumnParallelLinear(
-            K, N, config=config, init_method=torch.nn.init.zeros_, bias=bias,
-            gather_output=False, skip_bias_add=False, is_expert=False,
+            K,
+            N,
+            config=config,
+            init_method=torch.nn.init.zeros_,
+            bias=bias,
+            gather_output=False,
+            skip_bias_add=False,
+            is_expert=False,
         )
         with torch.no_grad():
             cpu.weight.copy_(d["w"])

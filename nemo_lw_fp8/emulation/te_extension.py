@@ -230,11 +230,23 @@ def multi_tensor_scale_tensor(
     _scale_lists(noop_flag, tensor_lists, scale.detach().float().reshape(-1)[0])
 
 
-from . import te_kernels_gemm, te_kernels_norm, te_kernels_queries  # noqa: E402
+from . import (  # noqa: E402
+    te_kernels_activation,
+    te_kernels_gemm,
+    te_kernels_norm,
+    te_kernels_queries,
+    te_kernels_softmax,
+)
 
 #: The modules of TE-module kernels (issue 28); each lists the ``tex`` names it serves in
 #: ``TEX_KERNELS``, registered here before TE is imported (``ops/basic`` imports some by name).
-_KERNEL_MODULES = (te_kernels_gemm, te_kernels_norm, te_kernels_queries)
+_KERNEL_MODULES = (
+    te_kernels_gemm,
+    te_kernels_norm,
+    te_kernels_activation,
+    te_kernels_softmax,
+    te_kernels_queries,
+)
 _KERNELS = tuple(name for module in _KERNEL_MODULES for name in module.TEX_KERNELS)
 for _module in _KERNEL_MODULES:
     for _name in _module.TEX_KERNELS:

@@ -26,7 +26,9 @@ can be matched exactly:
 * ``grad=True`` with a bias: the bias gradient (cuBLAS ``BGRADB`` epilogue) is the fp32 sum of
   B's rows (the high-precision ``dy`` of the bf16 wgrad GEMM), cast to the output dtype.
 
-Refused by name: comm overlap (userbuffers), bulk overlap, the GELU epilogues, operands of
+Refused by name: blockwise operands when the target GPU is SM >= 10.0 (TE's C++ converts them
+to MXFP8 scaling there, ``convert_block_scaling_to_mxfp8_tensor``: another computation), comm
+overlap (userbuffers), bulk overlap, the GELU epilogues, operands of
 recipes other than MXFP8 and blockwise FP8 (delayed / current per-tensor scaling, NVFP4),
 output quantizers other than MXFP8 and blockwise.
 """
@@ -198,6 +200,13 @@ def generic_gemm(
             raise ValueError(f"GEMM output has invalid dtype (expected {dtype}, found {D.dtype})")
         dtype = D.dtype
 
+    if "blockwise" in (a_kind, b_kind):
+        from nemo_lw_fp8.cpu.te_device import active_target
+
+        target = active_target()
+        if target is not None and target.compute_capability >= (10, 0):
+            # TE's C++ GEMM converts blockwise operands to MXFP8 on SM >= 10.0 (not emulated).
+            raise _refuse(f"blockwise FP8 operands on SM {target.compute_capability} (Blackwell)")
     a = dequantize_operand(A, "rowwise" if transa else "columnwise")
     b = dequantize_operand(B, "columnwise" if transb else "rowwise")
     op_a = a.t() if transa else a

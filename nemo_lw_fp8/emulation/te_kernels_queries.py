@@ -50,9 +50,14 @@ def get_cudnn_version() -> int:
     return _target("get_cudnn_version").cudnn_version
 
 
-def get_fused_attn_backend(*args: Any, **kwargs: Any) -> NVTE_Fused_Attn_Backend:
-    """No fused (cuDNN) attention backend: TE then runs ``UnfusedDotProductAttention``."""
-    return NVTE_Fused_Attn_Backend.NVTE_No_Backend
+def get_fused_attn_backend(params: Any) -> tuple[NVTE_Fused_Attn_Backend, str]:
+    """``(NVTE_No_Backend, reason)`` for any ``FusedAttentionParams`` (2.20.2's call site
+    ``_get_fused_attn_backend`` in ``attention/dot_product_attention/utils.py`` unpacks a pair):
+    no cuDNN on CPU, so TE runs ``UnfusedDotProductAttention``."""
+    return (
+        NVTE_Fused_Attn_Backend.NVTE_No_Backend,
+        "no cuDNN fused attention in the CPU emulation of transformer_engine_torch",
+    )
 
 
 def get_num_cublas_streams() -> int:
