@@ -554,3 +554,51 @@ def test_device_answers_are_scoped():
     assert r["backend"] == -1
     assert r["blackwell_capability"] == [10, 0] and r["mxfp8_on_blackwell"]
     assert r["restored"] == [True, True, True, True], r["restored"]
+
+
+def grouped_data_movement() -> dict[str, Any]:
+    """``split_quantize`` and the row padding kernels on edge cases (an empty split, a split
+    that is not a multiple of 32 for blockwise)."""
+    import transformer_engine_torch as tex
+
+    from nemo_lw_fp8.emulation import blockwise as bw
+    from nemo_lw_fp8.emulation import mxfp8 as mx
+
+    gen = torch.Generator().manual_seed(9)
+    r: dict[str, Any] = {"losses": []}
+    x = _spread(160, 256, gen)
+    names = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+    for kind, splits in (("mxfp8", [64, 0, 96]), ("blockwise-1d", [40, 0, 120])):
+        parts = tex.split_quantize(x, splits, [_quantizer(kind) for _ in splits])
+        same = []
+        for part, chunk in zip(parts, torch.split(x, splits), strict=True):
+            if kind == "mxfp8":
+                want = mx.quantize(chunk.contiguous()) if chunk.numel() else None
+            else:
+                want = bw.quantize(chunk.contiguous(), block_dim=1) if chunk.numel() else None
+            if want is None:
+                same.append(tuple(part.size()) == (0, 256))
+                continue
+            same.append(all(torch.equal(getattr(part, "_" + n), getattr(want, n)) for n in names))
+        r[f"split_quantize_{kind}"] = same
+    rows, padded = [5, 0, 33], [32, 0, 64]
+    src = torch.randn(sum(rows), 8, generator=gen).bfloat16()
+    out = torch.full((sum(padded), 8), float("nan"), dtype=torch.bfloat16)
+    tex.fused_multi_row_padding(src, out, rows, padded)
+    want = torch.zeros(sum(padded), 8, dtype=torch.bfloat16)
+    want[0:5], want[32:65] = src[0:5], src[5:38]
+    r["padding"] = torch.equal(out, want)
+    back = torch.empty_like(src)
+    tex.fused_multi_row_unpadding(out, back, padded, rows)
+    r["unpadding"] = torch.equal(back, src)
+    return r
+
+
+def test_grouped_data_movement_is_exact():
+    """Exact kernels of TE's discrete grouped path: ``split_quantize`` gives each split the
+    project's bytes (MXFP8 and 1x128 blockwise, an empty split included); row padding writes
+    each chunk at its padded offset with zero padding rows, unpadding restores the input."""
+    r = run_on_ranks(grouped_data_movement, world_size=1, boot=BOOT)[0]
+    assert r["split_quantize_mxfp8"] == [True] * 3, r
+    assert r["split_quantize_blockwise-1d"] == [True] * 3, r
+    assert r["padding"] and r["unpadding"], r

@@ -415,3 +415,68 @@ def test_te_layernorm_linear_control_diverges():
     )
     what = assert_diverges(reference, mutated, compare=_te_equals_reference)
     assert "'dx'" in what
+
+
+def grouped_linear_run(mutation: str | None) -> dict[str, Any]:
+    """TE's ``GroupedLinear`` (discrete weights, the Hopper path: ``split_quantize`` +
+    ``te_general_grouped_gemm``) under blockwise FP8 against one ``BlockwiseFP8Linear`` per
+    expert on its split of the tokens (one expert gets none)."""
+    import transformer_engine.pytorch as te
+
+    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
+
+    fp8_recipe, target = _recipe("blockwise")
+    splits, experts = [64, 0, 96], 3
+    gen = torch.Generator().manual_seed(13)
+    weights = [(_spread(N, K, gen) * 0.05).bfloat16() for _ in range(experts)]
+    biases = [torch.randn(N, generator=gen).bfloat16() for _ in range(experts)]
+    x0 = _spread(sum(splits), K, gen).bfloat16()
+    dy = _spread(sum(splits), N, gen).bfloat16()
+    with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(target):
+        _mutate(mp, mutation)
+        layer = te.GroupedLinear(
+            experts, K, N, bias=True, params_dtype=torch.bfloat16, device="cpu"
+        )
+        with torch.no_grad():
+            for i in range(experts):
+                getattr(layer, f"weight{i}").copy_(weights[i])
+                getattr(layer, f"bias{i}").copy_(biases[i])
+        x = x0.clone().requires_grad_()
+        with te.autocast(enabled=True, recipe=fp8_recipe):
+            y = layer(x, splits)
+        y.backward(dy)
+        te_out = {"out": y.detach(), "dx": x.grad}
+        for i in range(experts):
+            te_out[f"dw{i}"] = getattr(layer, f"weight{i}").grad
+            te_out[f"db{i}"] = getattr(layer, f"bias{i}").grad
+
+        x2 = x0.clone().requires_grad_()
+        cpu = []
+        with te.autocast(enabled=True, recipe=fp8_recipe):
+            outs = []
+            for i, part in enumerate(torch.split(x2, splits)):
+                linear = BlockwiseFP8Linear(K, N, fp8_params=False)
+                with torch.no_grad():
+                    linear.weight.copy_(weights[i])
+                    linear.bias.copy_(biases[i])
+                cpu.append(linear)
+                outs.append(linear(part))
+        y2 = torch.cat(outs)
+        y2.backward(dy)
+        ref = {"out": y2.detach(), "dx": x2.grad}
+        for i, linear in enumerate(cpu):
+            ref[f"dw{i}"] = linear.weight.grad
+            ref[f"db{i}"] = linear.bias.grad
+    return {"losses": [float(y.float().sum())], "te": te_out, "ref": ref}
+
+
+def test_te_grouped_linear_equals_cpu_linears_per_expert():
+    """TE's ``GroupedLinear`` with discrete weights under blockwise FP8 (Hopper target) = the
+    project's ``BlockwiseFP8Linear`` applied to each expert's split, bitwise: output, dgrad,
+    every expert's wgrad and bias grad (an expert without tokens included); control: the wrong
+    operand usage diverges."""
+    reference = run_on_ranks(grouped_linear_run, None, world_size=1, boot=BOOT)
+    _te_equals_reference(reference, reference)
+    mutated = run_on_ranks(grouped_linear_run, "usage", world_size=1, boot=BOOT)
+    assert_diverges(reference, mutated, compare=_te_equals_reference)

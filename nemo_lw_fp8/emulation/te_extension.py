@@ -233,6 +233,7 @@ def multi_tensor_scale_tensor(
 from . import (  # noqa: E402
     te_kernels_activation,
     te_kernels_gemm,
+    te_kernels_grouped,
     te_kernels_norm,
     te_kernels_queries,
     te_kernels_softmax,
@@ -242,6 +243,7 @@ from . import (  # noqa: E402
 #: ``TEX_KERNELS``, registered here before TE is imported (``ops/basic`` imports some by name).
 _KERNEL_MODULES = (
     te_kernels_gemm,
+    te_kernels_grouped,
     te_kernels_norm,
     te_kernels_activation,
     te_kernels_softmax,
