@@ -115,6 +115,33 @@ def upstream_status() -> list[ChangeStatus]:
     return rows
 
 
+def expert_paths() -> dict[str, object]:
+    """Which expert implementation the recipes' MoE layers take on which GPU (TE's CuTe-DSL
+    fused grouped MLP or the op fuser's unfused ops; :mod:`nemo_lw_fp8.launch.te_env`), and on
+    this machine with its environment."""
+    import os
+
+    from .launch import te_env
+
+    capability, frontend = te_env.this_machine()
+    rows = []
+    for variant, recipe in (("mxfp8", "deepseek_v3_mxfp8"), ("hopper", "deepseek_v3_hopper")):
+        for gpu, path in te_env.recipe_paths(recipe):
+            rows.append({"recipes": f"*_{variant}", "gpu": gpu, "path": path})
+        # The launchers export what the recipe needs unless the environment says otherwise.
+        env_set = not te_env.contradictions(te_env.for_recipe(recipe), os.environ)
+        here = te_env.expert_path(te_env.recipe_model(recipe), capability, frontend, env_set)
+        rows.append({"recipes": f"*_{variant}", "gpu": "this machine (launched)", "path": here})
+    return {
+        "compute_capability": None if capability is None else "{}.{}".format(*capability),
+        "cudnn_frontend": frontend,
+        "environment": {
+            name: os.environ.get(name) for name in (te_env.CUTEDSL_ENV, te_env.SINGLE_PARAM_ENV)
+        },
+        "rows": rows,
+    }
+
+
 def collect() -> dict[str, object]:
     versions = {"python": platform.python_version()}
     versions.update({label: _package_version(dist) for label, dist in PACKAGES})
@@ -123,6 +150,7 @@ def collect() -> dict[str, object]:
         "accelerator": accelerator(),
         "fp8_backend": fp8_backend(),
         "upstream": [asdict(row) for row in upstream_status()],
+        "expert_path": expert_paths(),
     }
 
 
@@ -141,6 +169,18 @@ def render(report: dict[str, object]) -> str:
     lines.append(f"{'change':<7} {'status':<20} {'what':<52} reason")
     for row in report["upstream"]:
         lines.append(f"#{row['pr']:<6} {row['status']:<20} {row['title']:<52} {row['reason']}")
+    paths = report.get("expert_path")
+    if paths:
+        env = ", ".join(
+            f"{k}={v if v is not None else 'unset'}" for k, v in paths["environment"].items()
+        )
+        lines += ["", "expert path (the recipes' MoE layers; docs/recipes.md, Launch environment):"]
+        lines.append(
+            f"  here: compute capability {paths['compute_capability'] or 'none (no GPU)'}, "
+            f"nvidia-cudnn-frontend {paths['cudnn_frontend'] or 'not installed'}, {env}"
+        )
+        for row in paths["rows"]:
+            lines.append(f"  {row['recipes']:<9} {row['gpu']:<38} {row['path']}")
     return "\n".join(lines)
 
 

@@ -70,6 +70,15 @@ class Settings:
     grouped_linear_single_param: bool | None = None
     moe_grouped_gemm: bool = True
     use_transformer_engine_op_fuser: bool = True
+    # --- the launch environment of TE's op-fuser experts (issue 28; docs/recipes.md) ---
+    #: TransformerConfig: MoE experts (None / 0: a dense model).
+    num_moe_experts: int | None = None
+    #: TransformerConfig: gated experts (SwiGLU with ``activation_func`` silu).
+    gated_linear_unit: bool = False
+    #: TransformerConfig: the activation (a function, or its name).
+    activation_func: Any = None
+    #: TE / megatron switch ``NVTE_CUTEDSL_FUSED_GROUPED_MLP``; None: read the environment.
+    cutedsl_fused_grouped_mlp: bool | None = None
     # --- recipes and launchers (issue 7); None = not known at this call site ---
     #: FP8 format (``--fp8-format`` / Bridge ``fp8``); None when FP8 is off.
     fp8: str | None = None
@@ -401,6 +410,52 @@ GROUPED_WEIGHT_RULES: tuple[Rule, ...] = (
 RULES = RULES + GROUPED_WEIGHT_RULES
 
 
+# --------------------------------------------------------------------------- the launch
+# environment TE's op-fuser experts need (issue 28; docs/recipes.md, "Launch environment")
+
+#: megatron-core 0.19.2 builds op-fuser GLU experts only with this set (TE's CuTe-DSL switch).
+CUTEDSL_ENV = "NVTE_CUTEDSL_FUSED_GROUPED_MLP"
+
+
+def _env_flag(value: bool | None, name: str) -> bool:
+    if value is not None:
+        return value
+    import os
+
+    try:
+        return int(os.environ.get(name, "0")) > 0
+    except ValueError:
+        return False
+
+
+def _op_fuser_glu_env(s: Settings) -> str | None:
+    activation = s.activation_func
+    name = activation if isinstance(activation, str) else getattr(activation, "__name__", None)
+    glu = s.gated_linear_unit and name in ("silu", "quick_gelu")
+    fused = s.num_moe_experts and s.moe_grouped_gemm and s.use_transformer_engine_op_fuser
+    if not (glu and fused) or _env_flag(s.cutedsl_fused_grouped_mlp, CUTEDSL_ENV):
+        return None
+    return (
+        f"MoE experts with {name} GLU through TE's op fuser "
+        f"(model.use_transformer_engine_op_fuser=True) need {CUTEDSL_ENV}=1 in the launch "
+        "environment: without it megatron-core 0.19.2's TEGroupedMLP asserts 'Fused GroupedMLP "
+        "is not supported for this configuration.' at model build (_is_fused_impl_supported). "
+        f"Fix: export {CUTEDSL_ENV}=1 on every rank before transformer_engine is imported "
+        "(nemo-lw-fp8 pretrain, nemo llm pretrain, nemo-lw-fp8 slurm and the recipes' env_vars "
+        f"set it; remove a {CUTEDSL_ENV}=0 from the environment or --env), or set "
+        "model.use_transformer_engine_op_fuser=False with discrete expert weights."
+    )
+
+
+LAUNCH_ENV_RULES: tuple[Rule, ...] = (
+    Rule(
+        "op-fuser-glu-experts-env",
+        f"op-fuser GLU experts need {CUTEDSL_ENV}=1",
+        _op_fuser_glu_env,
+    ),
+)
+
+
 # --------------------------------------------------------------------------- recipes and
 # launchers (issue 7): what a Megatron-Bridge config can combine (docs/recipes.md)
 
@@ -620,6 +675,9 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
     Rule("qkv-ownership-name", "QKV ownership is split or whole", _qkv_ownership_value),
 )
 RULES = RULES + INTEGRATION_RULES
+# A recipe / launcher-level rule too (its case is in tests/test_guard_catalogue.py).
+INTEGRATION_RULES = INTEGRATION_RULES + LAUNCH_ENV_RULES
+RULES = RULES + LAUNCH_ENV_RULES
 
 
 class _RecordingView:

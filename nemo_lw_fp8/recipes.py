@@ -147,7 +147,11 @@ def build(
         cfg.model.moe_single_grouped_weight = True
         # megatron 0.19.2 trains single grouped weights only through TE's op fuser.
         cfg.model.use_transformer_engine_op_fuser = True
-        cfg.env_vars[SINGLE_GROUPED_WEIGHT_ENV] = "1"
+    # What the layers need in the launch environment (NVTE_GROUPED_LINEAR_SINGLE_PARAM,
+    # NVTE_CUTEDSL_FUSED_GROUPED_MLP): one place computes it (launch/te_env.py).
+    from .launch import te_env
+
+    cfg.env_vars.update(te_env.as_dict(te_env.needs(cfg.model)))
     return cfg
 
 

@@ -109,6 +109,9 @@ CASES: list[tuple[str, dict, str]] = [
                                                     grouped_weight_ownership="expert"),
      "grouped-weight-split-ownership-needs-compact"),
     ("unknown QKV ownership", GOOD | dict(qkv_ownership="per-head"), "qkv-ownership-name"),
+    ("op-fuser SwiGLU experts without the CuTe-DSL switch", GOOD | dict(
+        num_moe_experts=8, gated_linear_unit=True, activation_func="silu",
+        cutedsl_fused_grouped_mlp=False), "op-fuser-glu-experts-env"),
 ]
 
 

@@ -20,6 +20,12 @@ helpers megatron-core uses (grad-norm and clipping), and nothing else:
 * ``multi_tensor_l2norm``, ``multi_tensor_scale``, ``multi_tensor_scale_tensor``;
 * the distributed-optimizer cast: ``mxfp8_scaling_compute_partial_amax``,
   ``multi_tensor_compute_scale_inv_e8m0``, ``mxfp8_scaling_partial_cast``;
+* the kernels TE 2.20.2's own modules call (issue 28), in ``te_kernels_*.py`` and registered
+  here from their ``TEX_KERNELS``: ``generic_gemm``, ``bgrad_quantize``, the norms, SwiGLU, the
+  unfused-attention softmax kernels, the discrete grouped GEMM with ``split_quantize`` and row
+  padding, and the version / workspace / attention-backend queries (answered as the target GPU
+  of :mod:`nemo_lw_fp8.cpu.te_device`); docs/testing.md, "TE's kernels, emulated", lists each as
+  exact or stand-in;
 * the ``DType`` enum with exactly the members TE's Python side mirrors, and the other enums TE
   reads at import time (values of enums no emulated kernel uses are placeholders);
 * strict dummies for the other names TE imports at module load: calling one, or constructing
@@ -88,9 +94,8 @@ class _StrictDummy:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
             f"transformer_engine_torch.{self.__name__} is not implemented by {_BACKEND} "
-            "(only the MXFP8 and blockwise FP8 quantize/dequantize, multi-tensor norm/scale "
-            "and MXFP8/blockwise distributed-cast kernels are); this code path needs a GPU with "
-            "real Transformer Engine"
+            "(see docs/testing.md, \"TE's kernels, emulated\", for those that are); this code "
+            "path needs a GPU with real Transformer Engine"
         )
 
     def __repr__(self) -> str:
@@ -116,16 +121,12 @@ _DUMMY_FUNCTIONS = (
     "bulk_overlap_ag_with_external_gemm",
     "dbias_dgelu",
     "dbias_drelu",
-    "layernorm_bwd",
-    "layernorm_fwd",
     "multi_tensor_adam",
     "multi_tensor_adam_capturable",
     "multi_tensor_adam_capturable_master",
     "multi_tensor_adam_fp8",
     "multi_tensor_sgd",
     "multi_tensor_unscale_l2norm",
-    "rmsnorm_bwd",
-    "rmsnorm_fwd",
 )
 for _name in _DUMMY_FUNCTIONS:
     globals()[_name] = _StrictDummy(_name)
@@ -234,6 +235,32 @@ def multi_tensor_scale_tensor(
     _scale_lists(noop_flag, tensor_lists, scale.detach().float().reshape(-1)[0])
 
 
+from . import (  # noqa: E402
+    te_kernels_activation,
+    te_kernels_gemm,
+    te_kernels_grouped,
+    te_kernels_norm,
+    te_kernels_queries,
+    te_kernels_softmax,
+)
+
+#: The modules of TE-module kernels (issue 28); each lists the ``tex`` names it serves in
+#: ``TEX_KERNELS``, registered here before TE is imported (``ops/basic`` imports some by name).
+_KERNEL_MODULES = (
+    te_kernels_gemm,
+    te_kernels_grouped,
+    te_kernels_norm,
+    te_kernels_activation,
+    te_kernels_softmax,
+    te_kernels_queries,
+)
+_KERNELS = tuple(name for module in _KERNEL_MODULES for name in module.TEX_KERNELS)
+for _module in _KERNEL_MODULES:
+    for _name in _module.TEX_KERNELS:
+        globals()[_name] = getattr(_module, _name)
+del _module, _name
+
+
 __all__ = [
     "CommOverlap",
     "CommOverlapHelper",
@@ -265,6 +292,7 @@ __all__ = [
     "mxfp8_scaling_compute_partial_amax",
     "mxfp8_scaling_partial_cast",
     "quantize",
+    *_KERNELS,
     *_DUMMY_FUNCTIONS,
 ]
 
@@ -276,6 +304,7 @@ def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(name)
     raise AttributeError(
-        f"transformer_engine_torch.{name} is not provided by {_BACKEND}; only the MXFP8 and "
-        "blockwise FP8 kernels and the names TE 2.20.2 reads at import time are"
+        f"transformer_engine_torch.{name} is not provided by {_BACKEND}; only the kernels listed "
+        "in docs/testing.md (\"TE's kernels, emulated\") and the names TE 2.20.2 reads at import "
+        "time are"
     )

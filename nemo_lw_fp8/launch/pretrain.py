@@ -102,8 +102,25 @@ def resolve_config(
     emulation otherwise, so a configuration can be checked on any machine.
     """
     check_command_line(recipe, config_file, overrides)
+    from . import te_env
+
+    # What the recipe's TE layers need (docs/recipes.md, "Launch environment"). TE reads
+    # NVTE_CUTEDSL_FUSED_GROUPED_MLP when its op fuser is imported, so on a GPU it goes into the
+    # environment before Bridge imports TE; the CPU boot exports it after TE's import (with it
+    # set, importing TE's op fuser asks the CUDA driver for the compute capability).
+    exported = {} if cpu or dry_run else te_env.export_for_launch(recipe, overrides)
+    if exported and te_env.te_ops_imported():
+        import warnings
+
+        warnings.warn(
+            f"{te_env.CUTEDSL_ENV} was exported after transformer_engine was imported: TE's "
+            "CuTe-DSL grouped MLP fusion is not registered in this process (the op fuser "
+            "runs its ops unfused). Export it before Python starts to get it.",
+            stacklevel=2,
+        )
     if cpu or dry_run:
         _boot_cpu()
+        te_env.export_for_launch(recipe, overrides)
     import nemo_lw_fp8
     from nemo_lw_fp8 import bridge, recipes
 

@@ -94,7 +94,7 @@ def write_sbatch(
     if not srun_words:
         raise config_error("--srun-cmd", "must not be empty")
     extra = [check_text("--torchrun-arg", a) for a in torchrun_extra]
-    env_vars = resolve_env(gpu_arch, env)
+    env_vars = resolve_env(gpu_arch, env, recipe, cpu)
     cli_args = pretrain_args(recipe, config_file=config_file, overrides=overrides, cpu=cpu)
     log_dir = output_dir.rstrip("/") or "/"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .slurm_settings import check_env, check_gpu_arch
+from .slurm_settings import check_env, check_gpu_arch, config_error
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,46 @@ ARCH_ENV: dict[str, tuple[EnvVar, ...]] = {
 }
 
 
-def resolve_env(gpu_arch: str, env: Mapping[str, str] | None = None) -> list[EnvVar]:
-    """The defaults for ``gpu_arch`` with ``env`` layered on top (user values win)."""
+def recipe_env(recipe: str, cpu: bool = False) -> tuple[EnvVar, ...]:
+    """What recipe ``recipe``'s TE layers need (:mod:`.te_env`), exported before Python starts
+    so TE sees it at import. ``cpu``: without the variables TE reads at import (with them set,
+    importing TE's op fuser asks the CUDA driver; ``pretrain --cpu`` exports them after its TE
+    boot). A name that is no shipped recipe needs nothing known here."""
+    from .. import recipes
+    from . import te_env
+
+    if recipes._key(recipe) not in recipes.RECIPES:
+        return ()
+    return tuple(
+        EnvVar(var.name, var.value, var.why)
+        for var in te_env.for_recipe(recipe)
+        if not (cpu and var.before_import)
+    )
+
+
+def resolve_env(
+    gpu_arch: str,
+    env: Mapping[str, str] | None = None,
+    recipe: str | None = None,
+    cpu: bool = False,
+) -> list[EnvVar]:
+    """The defaults for ``gpu_arch`` (and what ``recipe``'s layers need) with ``env`` layered on
+    top (user values win; one that contradicts the recipe is refused, rule
+    ``op-fuser-glu-experts-env`` / ``grouped-weight-te-switch``)."""
     check_gpu_arch(gpu_arch)
     user = check_env(env or {})
+    needed = recipe_env(recipe, cpu) if recipe is not None else ()
+    if needed:
+        from ..guards import ConfigError
+        from . import te_env
+
+        try:
+            full = {var.name: var.value for var in recipe_env(recipe)}
+            te_env.check_environment(recipe, full | user)
+        except ConfigError as error:
+            raise config_error("--env", str(error)) from None
     resolved: list[EnvVar] = []
-    for var in (*COMMON_ENV, *ARCH_ENV[gpu_arch]):
+    for var in (*COMMON_ENV, *ARCH_ENV[gpu_arch], *needed):
         if var.name in user:
             resolved.append(
                 EnvVar(

@@ -57,8 +57,10 @@ def slurm_executor(
     cpu: bool = False,
     tunnel: Any = None,
     packager: Any = None,
+    recipe: str | None = None,
 ) -> Any:
-    """A nemo-run ``SlurmExecutor`` with the torchrun launcher and the same environment.
+    """A nemo-run ``SlurmExecutor`` with the torchrun launcher and the same environment
+    (with ``recipe``: also what its TE layers need, ``te_env``).
 
     ``ntasks_per_node=gpus_per_node`` states one rank per GPU; nemo-run's torchrun launcher then
     submits one task per node whose torchrun starts that many ranks (it rewrites
@@ -74,7 +76,7 @@ def slurm_executor(
         ("--partition", partition), ("--account", account), ("--job-name", job_name)
     )
     mounts = check_mounts(container_mounts)
-    env_vars = {var.name: shlex.quote(var.value) for var in resolve_env(gpu_arch, env)}
+    env_vars = {var.name: shlex.quote(var.value) for var in resolve_env(gpu_arch, env, recipe, cpu)}
     kwargs: dict[str, Any] = dict(
         account=account,
         partition=partition,
@@ -132,7 +134,7 @@ def submit_nemo_run(
     """
     run = _import_nemo_run()
     script = pretrain_script(recipe, config_file=config_file, overrides=overrides, cpu=cpu)
-    executor = slurm_executor(cpu=cpu, **executor_kwargs)
+    executor = slurm_executor(cpu=cpu, recipe=recipe, **executor_kwargs)
     title = name or re.sub(r"[^A-Za-z0-9_-]", "_", recipe)
     if not dryrun:
         with run.Experiment(title, executor=executor) as exp:

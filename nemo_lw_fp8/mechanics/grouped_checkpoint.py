@@ -188,3 +188,91 @@ def run_entries(model_sharded_state_dict: Any, params: list[torch.Tensor]) -> di
         _, lo, _ = _experts_of(whole)  # type: ignore[misc]
         out[f"expert_run_{index}"] = narrow(whole, piece, lo + piece.lo, lo + piece.hi)
     return out
+
+
+# --------------------------------------------------------------------------- TE's own modules
+#
+# megatron-core 0.19.2's ``TEGroupedLinear._sharded_state_dict_grouped`` (TE 2.20.2's
+# ``GroupedLinear`` with ``single_grouped_weight=True``) writes a single grouped weight as E
+# per-expert entries ``<prefix>weight0 .. weight{E-1}`` whose data are the ``GroupedTensor``'s
+# members, and ``TEGroupedMLP.sharded_state_dict`` wraps fc1's in the SwiGLU factory. The two
+# functions below put one :func:`factory` in their place, whose ``data`` is the parameter: built,
+# it gives the very entries TE wrote (same keys, offsets, shapes, replica ids), so the files are
+# TE's, and megatron's optimizers (identity lookup) and expert runs find the grouped weight.
+
+
+def te_layout(linear: Any, prefix: str, sharded_offsets: tuple, metadata: dict | None,
+              tp_axis: int) -> GroupedLayout:  # fmt: skip
+    """Where TE's ``TEGroupedLinear`` (``linear``, E local experts) writes its experts: global
+    index ``ep_rank * E + e`` of ``EP * E``, tensor-parallel along ``tp_axis`` of its TP group,
+    ``<prefix>weight`` (``<g>.<prefix>weight`` with singleton local shards). Not gated: fc1's
+    halves are the enclosing ``TEGroupedMLP``'s business (:func:`te_gated`)."""
+    from megatron.core.utils import get_pg_rank, get_pg_size
+
+    experts = linear.num_gemms
+    ep = linear._pg_collection.ep
+    tp = linear._tp_group
+    metadata = metadata or {}
+    return GroupedLayout(
+        sharded_offsets=tuple(sharded_offsets),
+        first_global_expert=get_pg_rank(ep) * experts,
+        num_global_experts=get_pg_size(ep) * experts,
+        tp_axis=tp_axis,
+        tp_rank=get_pg_rank(tp),
+        tp_size=get_pg_size(tp),
+        gated=False,
+        singleton_local_shards=bool(metadata.get("singleton_local_shards", False)),
+        tail=f"{prefix}weight",
+        tp_group=tp,
+        dp_group=metadata.get("dp_cp_group"),
+    )
+
+
+def te_grouped_weight_entries(linear: Any, entries: dict, prefix: str, sharded_offsets: tuple,
+                              metadata: dict | None, tp_axis: int) -> dict:  # fmt: skip
+    """``entries`` (what ``TEGroupedLinear._sharded_state_dict_grouped`` returned) with a single
+    grouped weight's E per-expert entries replaced by one :func:`factory` over the parameter,
+    at the place of the first; the replica id is the one TE gave its experts. Discrete weights
+    (``weight0..N`` parameters), ``_extra_state`` and biases are left as TE wrote them."""
+    weight = linear._parameters.get("weight")
+    if not getattr(linear, "single_grouped_weight", False) or weight is None:
+        return entries
+    experts = linear.num_gemms
+    keys = [f"{prefix}weight{index}" for index in range(experts)]
+    if not all(key in entries for key in keys):
+        return entries
+    layout = te_layout(linear, prefix, sharded_offsets, metadata, tp_axis)
+    whole = factory(f"{prefix}weight", weight, layout, 0, experts, entries[keys[0]].replica_id)
+    out = {}
+    for key, value in entries.items():
+        if key == keys[0]:
+            out[f"{prefix}weight"] = whole
+        elif key not in keys:
+            out[key] = value
+    return out
+
+
+def te_gated(mlp: Any, entries: dict, prefix: str, metadata: dict | None) -> dict:
+    """``entries`` (what ``TEGroupedMLP.sharded_state_dict`` returned) with fc1's grouped-weight
+    factory writing each expert in its ``[W; V]`` halves, as megatron's SwiGLU factory does for
+    TE's per-expert entries (the MLP's TP group, the metadata's ``dp_cp_group``)."""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    if not mlp.config.gated_linear_unit:
+        return entries
+    key = f"{prefix}linear_fc1.weight"
+    entry = entries.get(key)
+    found = _experts_of(entry)
+    if found is None:
+        return entries
+    layout, lo, hi = found
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    gated = replace(layout, gated=True, tp_group=mlp.tp_group, dp_group=metadata["dp_cp_group"])
+    return {
+        **entries,
+        key: replace(
+            entry,
+            build_fn=functools.partial(_build, gated, lo, hi),
+            merge_fn=functools.partial(_merge, gated),
+        ),
+    }

@@ -134,7 +134,21 @@ def format_verdict(result: dict[str, Any]) -> str:
             f"verdict: DOES NOT FIT - compact peak {state:.1f} GB > {memory:.0f} GB before "
             "activations; more PP or EP, or a larger GPU"
         )
+    for row in result.get("expert_path") or ():
+        lines.append(f"experts on {row['gpu']}: {row['path']}")
     return "\n".join(lines)
+
+
+def expert_path_rows(recipe: str, gpu: str) -> list[dict[str, str]]:
+    """Which expert implementation recipe ``recipe`` takes on ``gpu`` (and on the GPU family
+    its variant is for), with and without nvidia-cudnn-frontend where that decides it
+    (:func:`nemo_lw_fp8.launch.te_env.recipe_paths`)."""
+    from ..launch import te_env
+
+    model = te_env.recipe_model(recipe)
+    family = "gb200" if model["fp8_recipe"] == "mxfp8" else "h100"
+    gpus = tuple(dict.fromkeys((gpu, family)))
+    return [{"gpu": name, "path": path} for name, path in te_env.recipe_paths(recipe, gpus)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = recipe_plan.recipe_setup(args.recipe, words)
         setup.qkv_ownership = args.qkv_ownership
         result = recipe_plan.plan_recipe(setup)
+        result["expert_path"] = expert_path_rows(args.recipe, setup.gpu)
         traffic_of = _pipeline_traffic(setup)
     else:
         if args.model is None or args.overrides:

@@ -33,6 +33,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "restage_forced_sync",
     "compact_layout",
     "grouped_weight_layerwise",
+    "te_grouped_checkpoint",
     "blockwise_fp8_param_gather",
     "mla_local_attention",
     "bridge_layer_wise_wrap",
