@@ -108,21 +108,25 @@ OP_FUSER_GLU = dict(num_moe_experts=8, gated_linear_unit=True, activation_func=_
 
 
 def test_guard_refuses_op_fuser_glu_experts_without_the_variable(monkeypatch):
-    monkeypatch.delenv(te_env.CUTEDSL_ENV, raising=False)
+    # what a launcher will export, given: missing is refused
     with pytest.raises(guards.ConfigError) as caught:
-        guards.check(guards.Settings(**OP_FUSER_GLU))
+        guards.check(guards.Settings(**OP_FUSER_GLU, cutedsl_fused_grouped_mlp=False))
     assert caught.value.rule == "op-fuser-glu-experts-env"
     assert f"export {te_env.CUTEDSL_ENV}=1" in str(caught.value) and "Fix:" in str(caught.value)
-    monkeypatch.setenv(te_env.CUTEDSL_ENV, "0")  # a contradicting launch environment
+    monkeypatch.setenv(te_env.CUTEDSL_ENV, "0")  # a contradicting process environment
     assert [r for r, _ in guards.violations(guards.Settings(**OP_FUSER_GLU))] == [
         "op-fuser-glu-experts-env"
     ]
     monkeypatch.setenv(te_env.CUTEDSL_ENV, "1")
     assert guards.violations(guards.Settings(**OP_FUSER_GLU)) == []
-    # not a GLU the op fuser fuses, or no op fuser: nothing needed
+    # unset and not given: the recipe's env_vars may still give it (Bridge exports them)
     monkeypatch.delenv(te_env.CUTEDSL_ENV)
-    assert guards.violations(guards.Settings(**OP_FUSER_GLU | dict(gated_linear_unit=False))) == []
-    settings = guards.Settings(**OP_FUSER_GLU | dict(use_transformer_engine_op_fuser=False))
+    assert guards.violations(guards.Settings(**OP_FUSER_GLU)) == []
+    # not a GLU the op fuser fuses, or no op fuser: nothing needed
+    off = dict(cutedsl_fused_grouped_mlp=False)
+    settings = guards.Settings(**OP_FUSER_GLU | off | dict(gated_linear_unit=False))
+    assert guards.violations(settings) == []
+    settings = guards.Settings(**OP_FUSER_GLU | off | dict(use_transformer_engine_op_fuser=False))
     assert guards.violations(settings) == []
 
 
