@@ -242,3 +242,24 @@ def test_mxfp8_recipe_builds_from_the_te_spec_with_its_environment(name, bridge_
     )
     assert built.startswith("built: ") and int(built.split()[1]) > 0, built
     assert control.startswith(f"AssertionError: {ASSERTION}"), control
+
+
+def test_pretrain_exports_before_transformer_engine_is_imported():
+    """What ``resolve_config`` runs before it imports Bridge (the GPU path) imports neither TE
+    nor megatron, so TE's op fuser sees the variable when it registers its fusions."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "os.environ.pop('NVTE_CUTEDSL_FUSED_GROUPED_MLP', None)\n"
+        "from nemo_lw_fp8.launch import pretrain, te_env\n"
+        "pretrain.check_command_line('deepseek_v3_mxfp8', None, [])\n"
+        "print(te_env.export_for_launch('deepseek_v3_mxfp8', []),\n"
+        "      os.environ['NVTE_CUTEDSL_FUSED_GROUPED_MLP'],\n"
+        "      'transformer_engine' in sys.modules, 'megatron.core' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "{'NVTE_CUTEDSL_FUSED_GROUPED_MLP': '1'} 1 False False"
