@@ -77,7 +77,8 @@ class Settings:
     gated_linear_unit: bool = False
     #: TransformerConfig: the activation (a function, or its name).
     activation_func: Any = None
-    #: TE / megatron switch ``NVTE_CUTEDSL_FUSED_GROUPED_MLP``; None: read the environment.
+    #: TE / megatron switch ``NVTE_CUTEDSL_FUSED_GROUPED_MLP``; None: read the environment
+    #: (where only a value set to 0 is refused: unset, the recipe's env_vars may still give it).
     cutedsl_fused_grouped_mlp: bool | None = None
     # --- recipes and launchers (issue 7); None = not known at this call site ---
     #: FP8 format (``--fp8-format`` / Bridge ``fp8``); None when FP8 is off.
@@ -417,13 +418,17 @@ RULES = RULES + GROUPED_WEIGHT_RULES
 CUTEDSL_ENV = "NVTE_CUTEDSL_FUSED_GROUPED_MLP"
 
 
-def _env_flag(value: bool | None, name: str) -> bool:
+def _env_flag(value: bool | None, name: str) -> bool | None:
+    """``value`` when given, else the environment's ``name`` (None: unset)."""
     if value is not None:
         return value
     import os
 
+    text = os.environ.get(name)
+    if text is None:
+        return None
     try:
-        return int(os.environ.get(name, "0")) > 0
+        return int(text) > 0
     except ValueError:
         return False
 
@@ -433,7 +438,10 @@ def _op_fuser_glu_env(s: Settings) -> str | None:
     name = activation if isinstance(activation, str) else getattr(activation, "__name__", None)
     glu = s.gated_linear_unit and name in ("silu", "quick_gelu")
     fused = s.num_moe_experts and s.moe_grouped_gemm and s.use_transformer_engine_op_fuser
-    if not (glu and fused) or _env_flag(s.cutedsl_fused_grouped_mlp, CUTEDSL_ENV):
+    # Unset in the environment and not given: not a contradiction here, the recipe's env_vars
+    # (exported by Bridge before it builds) or the launchers may still set it; the launchers
+    # pass what they export (launch/te_env.py, check_environment).
+    if not (glu and fused) or _env_flag(s.cutedsl_fused_grouped_mlp, CUTEDSL_ENV) is not False:
         return None
     return (
         f"MoE experts with {name} GLU through TE's op fuser "

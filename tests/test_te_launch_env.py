@@ -108,21 +108,25 @@ OP_FUSER_GLU = dict(num_moe_experts=8, gated_linear_unit=True, activation_func=_
 
 
 def test_guard_refuses_op_fuser_glu_experts_without_the_variable(monkeypatch):
-    monkeypatch.delenv(te_env.CUTEDSL_ENV, raising=False)
+    # what a launcher will export, given: missing is refused
     with pytest.raises(guards.ConfigError) as caught:
-        guards.check(guards.Settings(**OP_FUSER_GLU))
+        guards.check(guards.Settings(**OP_FUSER_GLU, cutedsl_fused_grouped_mlp=False))
     assert caught.value.rule == "op-fuser-glu-experts-env"
     assert f"export {te_env.CUTEDSL_ENV}=1" in str(caught.value) and "Fix:" in str(caught.value)
-    monkeypatch.setenv(te_env.CUTEDSL_ENV, "0")  # a contradicting launch environment
+    monkeypatch.setenv(te_env.CUTEDSL_ENV, "0")  # a contradicting process environment
     assert [r for r, _ in guards.violations(guards.Settings(**OP_FUSER_GLU))] == [
         "op-fuser-glu-experts-env"
     ]
     monkeypatch.setenv(te_env.CUTEDSL_ENV, "1")
     assert guards.violations(guards.Settings(**OP_FUSER_GLU)) == []
-    # not a GLU the op fuser fuses, or no op fuser: nothing needed
+    # unset and not given: the recipe's env_vars may still give it (Bridge exports them)
     monkeypatch.delenv(te_env.CUTEDSL_ENV)
-    assert guards.violations(guards.Settings(**OP_FUSER_GLU | dict(gated_linear_unit=False))) == []
-    settings = guards.Settings(**OP_FUSER_GLU | dict(use_transformer_engine_op_fuser=False))
+    assert guards.violations(guards.Settings(**OP_FUSER_GLU)) == []
+    # not a GLU the op fuser fuses, or no op fuser: nothing needed
+    off = dict(cutedsl_fused_grouped_mlp=False)
+    settings = guards.Settings(**OP_FUSER_GLU | off | dict(gated_linear_unit=False))
+    assert guards.violations(settings) == []
+    settings = guards.Settings(**OP_FUSER_GLU | off | dict(use_transformer_engine_op_fuser=False))
     assert guards.violations(settings) == []
 
 
@@ -238,3 +242,24 @@ def test_mxfp8_recipe_builds_from_the_te_spec_with_its_environment(name, bridge_
     )
     assert built.startswith("built: ") and int(built.split()[1]) > 0, built
     assert control.startswith(f"AssertionError: {ASSERTION}"), control
+
+
+def test_pretrain_exports_before_transformer_engine_is_imported():
+    """What ``resolve_config`` runs before it imports Bridge (the GPU path) imports neither TE
+    nor megatron, so TE's op fuser sees the variable when it registers its fusions."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "os.environ.pop('NVTE_CUTEDSL_FUSED_GROUPED_MLP', None)\n"
+        "from nemo_lw_fp8.launch import pretrain, te_env\n"
+        "pretrain.check_command_line('deepseek_v3_mxfp8', None, [])\n"
+        "print(te_env.export_for_launch('deepseek_v3_mxfp8', []),\n"
+        "      os.environ['NVTE_CUTEDSL_FUSED_GROUPED_MLP'],\n"
+        "      'transformer_engine' in sys.modules, 'megatron.core' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "{'NVTE_CUTEDSL_FUSED_GROUPED_MLP': '1'} 1 False False"

@@ -576,3 +576,69 @@ def test_te_row_parallel_bias_is_added_after_the_cast():
     run = run_on_ranks(megatron_te_linear_run, "mxfp8", "row", False, True, world_size=1, boot=BOOT)
     what = assert_diverges(run, run, compare=_te_equals_reference)
     assert "['out']" in what, what
+
+
+def attention_run() -> dict[str, Any]:
+    """megatron's ``TEDotProductAttention`` (TE's ``DotProductAttention``: no fused backend on
+    CPU, so ``UnfusedDotProductAttention`` with the emulated softmax kernels) against megatron's
+    local ``DotProductAttention``, causal, bf16, forward and backward."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nemo_lw_fp8.cpu import te_device
+
+    sq, b, heads, dim = 64, 2, 4, 32
+    config = TransformerConfig(
+        num_layers=1, hidden_size=heads * dim, num_attention_heads=heads, kv_channels=dim,
+        bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=True,
+        attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=True,
+        apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(21)
+    q0, k0, v0 = (torch.randn(sq, b, heads, dim, generator=gen).bfloat16() for _ in range(3))
+    dout = torch.randn(sq, b, heads * dim, generator=gen).bfloat16()
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    model_parallel_cuda_manual_seed(1234)  # megatron's attention forks its RNG (dropout 0)
+    results = {}
+    with te_device.target_gpu(te_device.BLACKWELL):
+        for side, cls in (("te", TEDotProductAttention), ("local", DotProductAttention)):
+            # megatron's own fused softmax is a CUDA extension: the local layer takes torch's
+            config.masked_softmax_fusion = side == "te"
+            attn = cls(config, 1, AttnMaskType.causal, "self", pg_collection=pgs)
+            q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+            out = attn(q, k, v, None, attn_mask_type=AttnMaskType.causal)
+            out.backward(dout.reshape(out.shape))
+            results[side] = {"out": out.detach().reshape(sq, b, -1), "dq": q.grad,
+                             "dk": k.grad, "dv": v.grad, "cls": type(attn).__name__}  # fmt: skip
+            if side == "te":
+                results["te_backend"] = type(attn.unfused_attention).__name__
+    scores = torch.einsum("sbhd,tbhd->bhst", q0.float(), k0.float()) / dim**0.5
+    return {
+        "losses": [],
+        "backend": results["te_backend"],
+        "relative": {
+            key: float(
+                (results["te"][key].float() - results["local"][key].float()).abs().max()
+                / results["local"][key].float().abs().max()
+            )
+            for key in ("out", "dq", "dk", "dv")
+        },
+        "max_score": float(scores.abs().max()),
+    }
+
+
+def test_te_attention_matches_megatron_local_attention():
+    """TE's attention on its unfused backend (the emulated softmax kernels) agrees with
+    megatron's local ``DotProductAttention`` within the bf16 roundings both make: scores,
+    probabilities, the output and each gradient are rounded to bf16 (2^-8 relative) in each
+    path, a score's rounding moves its probability by up to ``2^-8 * |score|`` relative; bound
+    ``2^-8 * (4 + 2 * max|score|)`` of each tensor's largest value."""
+    r = run_on_ranks(attention_run, world_size=1, boot=BOOT)[0]
+    assert r["backend"] == "UnfusedDotProductAttention", r
+    bound = 2.0**-8 * (4 + 2 * r["max_score"])
+    for key, relative in r["relative"].items():
+        assert relative <= bound, (key, relative, bound)
