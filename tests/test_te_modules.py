@@ -418,16 +418,18 @@ def test_te_layernorm_linear_control_diverges():
     assert "'dx'" in what
 
 
-def grouped_linear_run(mutation: str | None) -> dict[str, Any]:
-    """TE's ``GroupedLinear`` (discrete weights, the Hopper path: ``split_quantize`` +
-    ``te_general_grouped_gemm``) under blockwise FP8 against one ``BlockwiseFP8Linear`` per
-    expert on its split of the tokens (one expert gets none)."""
+def grouped_linear_run(recipe: str, mutation: str | None) -> dict[str, Any]:
+    """TE's ``GroupedLinear`` (discrete weights: ``split_quantize`` + ``te_general_grouped_gemm``)
+    against one CPU linear of the recipe per expert on its split of the tokens (one expert gets
+    none)."""
     import transformer_engine.pytorch as te
 
     from nemo_lw_fp8.cpu import te_device
     from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
+    from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear
 
-    fp8_recipe, target = _recipe("blockwise")
+    fp8_recipe, target = _recipe(recipe)
+    cpu_linear = MXFP8Linear if recipe == "mxfp8" else BlockwiseFP8Linear
     splits, experts = [64, 0, 96], 3
     gen = torch.Generator().manual_seed(13)
     weights = [(_spread(N, K, gen) * 0.05).bfloat16() for _ in range(experts)]
@@ -457,7 +459,7 @@ def grouped_linear_run(mutation: str | None) -> dict[str, Any]:
         with te.autocast(enabled=True, recipe=fp8_recipe):
             outs = []
             for i, part in enumerate(torch.split(x2, splits)):
-                linear = BlockwiseFP8Linear(K, N, fp8_params=False)
+                linear = cpu_linear(K, N, fp8_params=False)
                 with torch.no_grad():
                     linear.weight.copy_(weights[i])
                     linear.bias.copy_(biases[i])
@@ -472,14 +474,18 @@ def grouped_linear_run(mutation: str | None) -> dict[str, Any]:
     return {"losses": [float(y.float().sum())], "te": te_out, "ref": ref}
 
 
-def test_te_grouped_linear_equals_cpu_linears_per_expert():
-    """TE's ``GroupedLinear`` with discrete weights under blockwise FP8 (Hopper target) = the
-    project's ``BlockwiseFP8Linear`` applied to each expert's split, bitwise: output, dgrad,
-    every expert's wgrad and bias grad (an expert without tokens included); control: the wrong
-    operand usage diverges."""
-    reference = run_on_ranks(grouped_linear_run, None, world_size=1, boot=BOOT)
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_te_grouped_linear_equals_cpu_linears_per_expert(recipe):
+    """TE's ``GroupedLinear`` with discrete weights (its default split-quantize path; the
+    grouped-tensor path is opt-in through ``use_grouped_tensor`` or
+    ``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM``, or forced by single grouped weights) on the
+    recipe's target = the project's ``BlockwiseFP8Linear`` /
+    ``MXFP8Linear`` applied to each expert's split, bitwise: output, dgrad, every expert's wgrad
+    and bias grad (an expert without tokens included); control: the wrong operand usage
+    diverges."""
+    reference = run_on_ranks(grouped_linear_run, recipe, None, world_size=1, boot=BOOT)
     _te_equals_reference(reference, reference)
-    mutated = run_on_ranks(grouped_linear_run, "usage", world_size=1, boot=BOOT)
+    mutated = run_on_ranks(grouped_linear_run, recipe, "usage", world_size=1, boot=BOOT)
     assert_diverges(reference, mutated, compare=_te_equals_reference)
 
 

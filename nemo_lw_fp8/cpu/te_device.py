@@ -237,8 +237,12 @@ def _install(target: TargetGPU) -> list[Callable[[], None]]:
         wrapped = getattr(original, "__wrapped__", None)
         undo += _replace_everywhere([original, *([wrapped] if wrapped else [])], answer, name)
     gemm.get_cublas_workspace.cache_clear()
+    own = torch.Tensor.__dict__.get("is_cuda")  # None: inherited from the C base class
     torch.Tensor.is_cuda = property(_is_cuda)  # type: ignore[assignment,method-assign]
-    undo.append(lambda: delattr(torch.Tensor, "is_cuda"))
+    if own is None:
+        undo.append(lambda: delattr(torch.Tensor, "is_cuda"))
+    else:
+        undo.append(lambda: setattr(torch.Tensor, "is_cuda", own))
     torch.cuda.is_available = _is_available
     undo.append(lambda: setattr(torch.cuda, "is_available", _REAL_IS_AVAILABLE))
     torch.cuda.is_current_stream_capturing = _is_current_stream_capturing
