@@ -211,8 +211,9 @@ def rederive_weights_from_masters(optimizer: Any) -> None:
     loads, the model's state must be loaded before the optimizer's.
 
     The sequence is a step's: each child's master -> model copy (the plugin leaves quantized
-    weights to the gather there), then the gather (staged first where the gather reads a staging
-    buffer), synchronous, of the layer-wise optimizer's own buckets.
+    weights to the gather there), then the gather, synchronous: without overlapped gathers the
+    one a step runs over the layer-wise optimizer's own buckets; with them the forced sync
+    megatron runs before a save (staged first where the gather reads a staging buffer).
     """
     import torch
 
