@@ -81,34 +81,17 @@ def _same_state_as_plain(plain: list[dict], layer_wise: list[dict], label: str) 
 
 
 def train_exact_norm(scenario: Scenario, count_a_part_twice: bool = False) -> dict:
-    """:func:`tests.support.training.train` with the grad norm computed order-free
-    (:func:`tests.support.parity.exact_grad_norm`), recording each step's norm and, at the end,
-    the layer-wise fp32 masters and Muon momentum by part name. ``count_a_part_twice``: the
-    control's mutation, each rank's first owned QKV part enters the norm twice."""
+    """:func:`tests.test_compact_grad_sync.train_recorded` (each step's grad norm, the
+    layer-wise state by part name) with the grad norm computed order-free
+    (:func:`tests.support.parity.exact_grad_norm`). ``count_a_part_twice``: the control's
+    mutation, each rank's first owned QKV part enters the norm twice."""
     import contextlib
 
     from megatron.core.optimizer.optimizer import MegatronOptimizer
 
     from nemo_lw_fp8.mechanics import masters, qkv_parts
-    from tests.support import training
     from tests.support.parity import exact_grad_norm
-
-    seen: dict = {}
-    norms: list[float] = []
-    build = training.wrap_and_build_optimizer
-
-    def keep(module, config, scenario):
-        model, optimizer = build(module, config, scenario)
-        seen.update(optimizer=optimizer, module=module)
-        step = optimizer.step
-
-        def recorded_step(*args, **kwargs):
-            result = step(*args, **kwargs)
-            norms.append(float(result[1]))
-            return result
-
-        optimizer.step = recorded_step
-        return model, optimizer
+    from tests.test_compact_grad_sync import train_recorded
 
     grads_for_norm = MegatronOptimizer.get_grads_for_grad_norm
 
@@ -121,22 +104,18 @@ def train_exact_norm(scenario: Scenario, count_a_part_twice: bool = False) -> di
         return grads
 
     with contextlib.ExitStack() as stack:
-        mp = stack.enter_context(pytest.MonkeyPatch.context())
-        mp.setattr(training, "wrap_and_build_optimizer", keep)
         if count_a_part_twice:
+            mp = stack.enter_context(pytest.MonkeyPatch.context())
             mp.setattr(MegatronOptimizer, "get_grads_for_grad_norm", with_a_part_twice)
         stack.enter_context(exact_grad_norm())
-        result = train(scenario)
-    result["grad_norms"] = norms
-    result["state"] = state_by_part(seen["optimizer"], seen["module"])
-    return result
+        return train_recorded(scenario)
 
 
 def _union(results: list[dict]) -> dict[str, torch.Tensor]:
     """The layer-wise state of all ranks (each master on exactly one rank)."""
     merged: dict[str, torch.Tensor] = {}
     for result in results:
-        for name, value in result["state"].items():
+        for name, value in result["state_by_part"].items():
             assert name not in merged, f"{name} held by two ranks"
             merged[name] = value
     return merged
