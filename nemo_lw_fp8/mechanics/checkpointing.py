@@ -232,6 +232,11 @@ def rederive_weights_from_masters(optimizer: Any) -> None:
             for chunk in chunks:
                 chunk.start_param_sync(force_sync=True)
         elif optimizer.use_buffer_param_sync:
+            # A step stages the owned masters in the buffer the gather reads (MXFP8 with grad
+            # buffer reuse) before this gather; so must a load.
+            stage = getattr(optimizer, "_copy_main_params_to_param_buffer", None)
+            if stage is not None:
+                stage()
             optimizer.start_param_sync_for_bucket_group_subset()
         else:
             optimizer.allgather_params()
