@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from . import scope_guards
+
 # The checkpoint-load rules: a module of their own, listed here with every other rule.
 from .checkpoint_guards import CHECKPOINT_FIXED_FIELDS as CHECKPOINT_FIXED_FIELDS
 from .checkpoint_guards import CHECKPOINT_RULES as CHECKPOINT_RULES
@@ -103,6 +105,10 @@ class Settings:
     #: ``OptimizerConfig.fp8_recipe`` when the recipe itself was read elsewhere (the parameters'
     #: types, ``TransformerConfig``); None: not set or not known at this call site.
     optimizer_fp8_recipe: str | None = None
+    #: TransformerConfig / ``--context-parallel-size`` (rule ``layer-wise-context-parallel``).
+    context_parallel_size: int = 1
+    #: Bridge ``checkpoint.ckpt_format`` / ``--ckpt-format``; None: not known at this call site.
+    ckpt_format: str | None = None
     #: Where each value was read (``(field, "DistributedDataParallelConfig.fp8_param_gather")``
     #: pairs); a rule's message names the sources of the fields it read. Empty: not recorded.
     sources: tuple[tuple[str, str], ...] = ()
@@ -683,6 +689,15 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
     Rule("qkv-ownership-name", "QKV ownership is split or whole", _qkv_ownership_value),
 )
 RULES = RULES + INTEGRATION_RULES
+#: Settings outside what the plugin is tested on (nemo_lw_fp8/scope_guards.py).
+SCOPE_RULES: tuple[Rule, ...] = (
+    Rule("layer-wise-context-parallel", "layer-wise Muon is tested with context parallel 1",
+         scope_guards.layer_wise_context_parallel),
+    Rule("layer-wise-checkpoint-format", "layer-wise runs save and resume torch_dist",
+         scope_guards.layer_wise_ckpt_format),
+)
+INTEGRATION_RULES = INTEGRATION_RULES + SCOPE_RULES
+RULES = RULES + SCOPE_RULES
 # A recipe / launcher-level rule too (its case is in tests/test_guard_catalogue.py).
 INTEGRATION_RULES = INTEGRATION_RULES + LAUNCH_ENV_RULES
 RULES = RULES + LAUNCH_ENV_RULES

@@ -67,6 +67,8 @@ GUARD_CASES = {
     "grad-norms-logged": ("tiny_deepseek_v3", ["logger.log_l2_norm_grad_to_tensorboard=true"]),
     "expert-runs-padded": ("tiny_deepseek_v3", [
         "optimizer.layer_wise_layout=padded", "optimizer.grouped_weight_ownership=expert"]),
+    "context-parallel": ("tiny_deepseek_v3", ["model.context_parallel_size=2"]),
+    "torch-checkpoints": ("tiny_deepseek_v3", ["checkpoint.ckpt_format=torch"]),
 }
 
 

@@ -112,6 +112,11 @@ CASES: list[tuple[str, dict, str]] = [
     ("op-fuser SwiGLU experts without the CuTe-DSL switch", GOOD | dict(
         num_moe_experts=8, gated_linear_unit=True, activation_func="silu",
         cutedsl_fused_grouped_mlp=False), "op-fuser-glu-experts-env"),
+    ("context parallel 2", GOOD | dict(context_parallel_size=2), "layer-wise-context-parallel"),
+    ("per-rank torch checkpoints", GOOD | dict(ckpt_format="torch"),
+     "layer-wise-checkpoint-format"),
+    ("fsdp_dtensor checkpoints", EXPERT_RUNS | dict(ckpt_format="fsdp_dtensor"),
+     "layer-wise-checkpoint-format"),
 ]
 
 
@@ -120,6 +125,9 @@ CASES: list[tuple[str, dict, str]] = [
 )
 def test_the_supported_combinations_pass(good):
     assert guards.violations(Settings(**good)) == []
+    # The settings the scope rules read, at the values every test runs.
+    tested = good | dict(context_parallel_size=1, ckpt_format="torch_dist")
+    assert guards.violations(Settings(**tested)) == []
 
 
 @pytest.mark.parametrize(("case", "settings", "rule"), CASES, ids=[c[0] for c in CASES])

@@ -157,6 +157,8 @@ EXPECTED_RULES = {
     "bad-grad-sync": "compact-grad-sync-name",
     "grad-norms-logged": "compact-owner-grads-not-logged",
     "expert-runs-padded": "grouped-weight-split-ownership-needs-compact",
+    "context-parallel": "layer-wise-context-parallel",
+    "torch-checkpoints": "layer-wise-checkpoint-format",
 }
 
 

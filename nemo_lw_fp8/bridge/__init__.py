@@ -201,7 +201,9 @@ def settings_from_config(cfg: Any) -> Any:
     mixed = cfg.mixed_precision if not isinstance(cfg.mixed_precision, str) else None
     # Bridge copies the mixed-precision preset onto model, DDP and optimizer configs before it
     # validates, so the preset wins over their own (default) FP8 fields.
-    for source in (cfg.model, cfg.ddp, cfg.optimizer, mixed, getattr(cfg, "logger", None)):
+    sources = (cfg.model, cfg.ddp, cfg.optimizer, mixed, getattr(cfg, "logger", None),
+               getattr(cfg, "checkpoint", None))
+    for source in sources:
         if source is None:
             continue
         for name in names:
