@@ -56,7 +56,22 @@ def checkpoint_missing_files(missing: list[str], where: str) -> str | None:
     )
 
 
+def checkpoint_truncated_files(short: dict[str, tuple[int, int]], where: str) -> str | None:
+    """Rule ``checkpoint-truncated-shard``: files shorter than the checkpoint's metadata needs
+    (``short``: file -> (bytes on disk, bytes needed))."""
+    if not short:
+        return None
+    named = [f"{name} ({have} of {need} bytes)" for name, (have, need) in sorted(short.items())]
+    return (
+        f"the checkpoint {where} is incomplete: {len(short)} file(s) are shorter than its "
+        f"metadata says ({', '.join(named[:4])}{', ...' if len(named) > 4 else ''}). Fix: copy "
+        "the whole iteration directory again (an interrupted copy leaves this), or load an "
+        "earlier iteration (checkpoint.ckpt_step=N). Nothing was loaded."
+    )
+
+
 CHECKPOINT_RULES: tuple[tuple[str, str], ...] = (
     ("checkpoint-mismatch", "a resume keeps the model's shapes, FP8 recipe and optimizer"),
     ("checkpoint-missing-shard", "every file the checkpoint's metadata lists is there"),
+    ("checkpoint-truncated-shard", "every file is as long as the checkpoint's metadata says"),
 )

@@ -24,6 +24,7 @@ from .checkpoint_guards import CHECKPOINT_FIXED_FIELDS as CHECKPOINT_FIXED_FIELD
 from .checkpoint_guards import CHECKPOINT_RULES as CHECKPOINT_RULES
 from .checkpoint_guards import checkpoint_mismatch as checkpoint_mismatch
 from .checkpoint_guards import checkpoint_missing_files as checkpoint_missing_files
+from .checkpoint_guards import checkpoint_truncated_files as checkpoint_truncated_files
 from .layout import (
     DEFAULT_GATHER_PADDING_TOLERANCE,
     GRAD_SYNC_MODES,
@@ -745,6 +746,7 @@ def check(settings: Settings) -> None:
 
 
 # --------------------------------------------------------------------------- checkpoint loads:
-# the rules ``checkpoint-mismatch`` and ``checkpoint-missing-shard`` (CHECKPOINT_RULES) live in
-# nemo_lw_fp8/checkpoint_guards.py (imported above): they read a saved run's config and files, not
-# Settings, and are checked when Bridge loads a checkpoint (mechanics/checkpointing.py).
+# the rules ``checkpoint-mismatch``, ``-missing-shard`` and ``-truncated-shard``
+# (CHECKPOINT_RULES) live in nemo_lw_fp8/checkpoint_guards.py (imported above): they read a
+# saved run's config and files, not Settings, and are checked when Bridge loads a checkpoint
+# (mechanics/checkpointing.py).

@@ -1,6 +1,6 @@
 """A checkpoint the run cannot resume from is refused before anything is loaded, with the
-difference and the fix (rules ``checkpoint-mismatch`` and ``checkpoint-missing-shard``, patch
-``bridge_checkpoint_compat``)."""
+difference and the fix (rules ``checkpoint-mismatch``, ``checkpoint-missing-shard`` and
+``checkpoint-truncated-shard``, patch ``bridge_checkpoint_compat``)."""
 
 from __future__ import annotations
 
@@ -45,10 +45,29 @@ def test_missing_files_are_listed(tmp_path):
     assert checkpointing.missing_files(str(tmp_path)) == [".metadata"]
 
 
+def test_truncated_files_are_listed(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"a": torch.ones(64), "b": torch.zeros(8)}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert checkpointing.truncated_files(str(tmp_path)) == {}  # control: a complete copy
+    shard = next(tmp_path.glob("*.distcp"))
+    size = shard.stat().st_size
+    with open(shard, "r+b") as handle:  # an interrupted copy: one byte short
+        handle.truncate(size - 1)
+    short = checkpointing.truncated_files(str(tmp_path))
+    assert list(short) == [shard.name] and short[shard.name][0] == size - 1
+    assert short[shard.name][1] <= size  # what the metadata needs lies inside the full file
+    message = guards.checkpoint_truncated_files(short, str(tmp_path))
+    assert shard.name in message and f"{size - 1} of" in message and "ckpt_step" in message
+    assert guards.checkpoint_truncated_files({}, str(tmp_path)) is None
+
+
 @pytest.mark.usefixtures("bridge_installed")
 def test_bridge_refuses_another_recipe_and_a_missing_shard(tmp_path):
     """Saved by tiny DeepSeek-V3: loading it into tiny Qwen3 stops at the config comparison on
-    every rank; with one shard file gone, the same recipe stops before reading tensors."""
+    every rank; with one shard file cut short, then gone, the same recipe stops before reading
+    tensors."""
     ckpt = tmp_path / "ckpt"
     br.pretrain(tmp_path, "save", "tiny_deepseek_v3", "train.train_iters=1",
                 "validation.eval_interval=1", f"checkpoint.save={ckpt}",
@@ -59,6 +78,10 @@ def test_bridge_refuses_another_recipe_and_a_missing_shard(tmp_path):
     assert "model.multi_latent_attention: True in the checkpoint, False here" in other
 
     shard = sorted((ckpt / "iter_0000001").glob("*.distcp"))[-1]
+    with open(shard, "r+b") as handle:
+        handle.truncate(shard.stat().st_size // 2)
+    cut = br.pretrain_refused(tmp_path, "cut", "tiny_deepseek_v3", *load)
+    assert "[nemo_lw_fp8:checkpoint-truncated-shard]" in cut and shard.name in cut
     shard.unlink()
     missing = br.pretrain_refused(tmp_path, "missing", "tiny_deepseek_v3", *load)
     assert "[nemo_lw_fp8:checkpoint-missing-shard]" in missing and shard.name in missing

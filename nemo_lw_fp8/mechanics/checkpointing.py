@@ -111,13 +111,42 @@ def missing_files(iteration_dir: str) -> list[str]:
     return [name for name in listed if not os.path.exists(os.path.join(iteration_dir, name))]
 
 
-def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
-    """Refuse, before anything is loaded, a checkpoint this run cannot resume from: one written
-    by another model / FP8 recipe / optimizer, or one missing files (rules
-    ``checkpoint-mismatch`` and ``checkpoint-missing-shard``)."""
+def truncated_files(iteration_dir: str) -> dict[str, tuple[int, int]]:
+    """Files of a ``torch_dist`` checkpoint shorter than its metadata says they are, as
+    ``{file: (bytes on disk, bytes the metadata needs)}`` (an interrupted copy leaves these; the
+    load would otherwise stop deep inside ``torch.distributed.checkpoint`` on an ``EOFError``)."""
     import os
 
-    from ..guards import ConfigError, checkpoint_mismatch, checkpoint_missing_files
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.exists(os.path.join(iteration_dir, ".metadata")):
+        return {}
+    storage = FileSystemReader(iteration_dir).read_metadata().storage_data or {}
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    short = {}
+    for name, need in needed.items():
+        path = os.path.join(iteration_dir, name)
+        if os.path.exists(path) and os.path.getsize(path) < need:
+            short[name] = (os.path.getsize(path), need)
+    return short
+
+
+def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
+    """Refuse, before anything is loaded, a checkpoint this run cannot resume from: one written
+    by another model / FP8 recipe / optimizer, or one missing files or holding truncated ones
+    (rules ``checkpoint-mismatch``, ``checkpoint-missing-shard``,
+    ``checkpoint-truncated-shard``)."""
+    import os
+
+    from ..guards import (
+        ConfigError,
+        checkpoint_mismatch,
+        checkpoint_missing_files,
+        checkpoint_truncated_files,
+    )
 
     load = _LOADING_INTO.get()
     if load is None:
@@ -132,6 +161,9 @@ def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
         message = checkpoint_missing_files(missing_files(iteration_dir), iteration_dir)
         if message:
             raise ConfigError("checkpoint-missing-shard", message)
+        message = checkpoint_truncated_files(truncated_files(iteration_dir), iteration_dir)
+        if message:
+            raise ConfigError("checkpoint-truncated-shard", message)
 
 
 def saved_rng_data_parallel_size(iteration_dir: str, key: str) -> int | None:

@@ -6,8 +6,9 @@ error naming tensors, one of FP8 recipe MXFP8 loaded into a blockwise run (or th
 without complaint, and a checkpoint missing one of its ``.distcp`` files fails on the ranks that
 read it while the others wait in a collective. With this patch the load stops first, on every
 rank, with a message naming each differing field (model shapes, FP8 recipe, optimizer) or the
-missing files, and the fix: :func:`nemo_lw_fp8.mechanics.checkpointing.check_loadable`, rules
-``checkpoint-mismatch`` and ``checkpoint-missing-shard`` in :mod:`nemo_lw_fp8.guards`.
+missing or truncated files, and the fix:
+:func:`nemo_lw_fp8.mechanics.checkpointing.check_loadable`, rules ``checkpoint-mismatch``,
+``checkpoint-missing-shard`` and ``checkpoint-truncated-shard`` in :mod:`nemo_lw_fp8.guards`.
 
 Mirrors: no upstream change.
 
