@@ -94,5 +94,6 @@ PATCH = register(
         requires=("compact_layout",),
         upstream_title="overlapped param gather for the layer-wise optimizer (Bridge's wrap)",
         target="megatron-bridge",
+        tested_versions=("0.6.2",),
     )
 )

@@ -71,5 +71,6 @@ PATCH = register(
         detect_native=_detect_native,
         build_overrides=_build_overrides,
         target="megatron-bridge",
+        tested_versions=("0.6.2",),
     )
 )

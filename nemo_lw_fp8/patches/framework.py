@@ -11,11 +11,16 @@ puts back the very same objects. :func:`original` keeps every original reachable
 from __future__ import annotations
 
 import gc
+import importlib
+import importlib.abc
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from .fingerprints import UpstreamChanged, fingerprint, recorded, target_name
 
 #: Set to 1 to apply patches on a megatron-core version they were not tested on.
 ALLOW_UNTESTED_ENV = "NEMO_LW_FP8_ALLOW_UNTESTED_MEGATRON"
@@ -24,7 +29,7 @@ _MISSING = object()
 
 
 class UntestedMegatronVersion(RuntimeError):
-    """The installed megatron-core is not one the patch was tested on."""
+    """The installed megatron-core (or Megatron-Bridge) is not one the patch was tested on."""
 
 
 class LateApplyWarning(UserWarning):
@@ -51,6 +56,7 @@ class Patch:
     #: Whether the installed stack already behaves as this patch makes it: ``(native, reason)``.
     detect_native: Callable[[], tuple[bool, str]]
     build_overrides: Callable[[], list[Override]]
+    #: Versions of ``target`` (megatron-core or Megatron-Bridge) the patch was tested on.
     tested_versions: tuple[str, ...] = ("0.19.2",)
     requires: tuple[str, ...] = ()
     #: The upstream change's title, as ``doctor`` lists it ("" for the plugin's own patches).
@@ -103,13 +109,31 @@ def megatron_core_version() -> str:
         return package_info.__version__
 
 
+def installed_version(target: str) -> str:
+    """The installed version of a patch's ``target`` package."""
+    if target == "megatron-core":
+        return megatron_core_version()
+    from importlib.metadata import version
+
+    return version(target)
+
+
+def version_key(patch: Patch) -> str:
+    """``"<target> <installed version>"``: where the fingerprint record files a patch."""
+    return f"{patch.target} {installed_version(patch.target)}"
+
+
+def _untested_allowed(allow_untested: bool) -> bool:
+    return allow_untested or os.environ.get(ALLOW_UNTESTED_ENV) == "1"
+
+
 def _check_version(patch: Patch, allow_untested: bool) -> None:
-    installed = megatron_core_version()
+    installed = installed_version(patch.target)
     if installed in patch.tested_versions:
         return
-    if allow_untested or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+    if _untested_allowed(allow_untested):
         warnings.warn(
-            f"nemo_lw_fp8 patch {patch.name!r} was tested on megatron-core "
+            f"nemo_lw_fp8 patch {patch.name!r} was tested on {patch.target} "
             f"{', '.join(patch.tested_versions)}, not {installed}; applying anyway because "
             f"{ALLOW_UNTESTED_ENV}=1 / allow_untested=True.",
             stacklevel=4,
@@ -117,10 +141,32 @@ def _check_version(patch: Patch, allow_untested: bool) -> None:
         return
     raise UntestedMegatronVersion(
         f"nemo_lw_fp8 patch {patch.name!r} (mirrors Megatron-LM PR #{patch.upstream_pr}) was "
-        f"tested on megatron-core {', '.join(patch.tested_versions)}, but megatron-core "
-        f"{installed} is installed. Install megatron-core=={patch.tested_versions[-1]}, or set "
+        f"tested on {patch.target} {', '.join(patch.tested_versions)}, but {patch.target} "
+        f"{installed} is installed. Install {patch.target}=={patch.tested_versions[-1]}, or set "
         f"{ALLOW_UNTESTED_ENV}=1 (or apply(..., allow_untested=True)) to try it at your own risk."
     )
+
+
+def _check_fingerprints(patch: Patch, overrides: list[Override], allow_untested: bool) -> None:
+    """Refuse to wrap upstream objects that differ from those the patch was tested over.
+
+    Patches without a record (a test's own patch) and runs that allow untested versions are
+    not checked; an applied patch's replacement counts as the original it replaced.
+    """
+    expected = recorded(version_key(patch), patch.name)
+    if expected is None or _untested_allowed(allow_untested):
+        return
+    for override in overrides:
+        name = target_name(override.owner, override.attr)
+        found = fingerprint(unpatched_own_attr(override.owner, override.attr), _MISSING)
+        if expected.get(name) != found:
+            raise UpstreamChanged(
+                f"nemo_lw_fp8 patch {patch.name!r} wraps {name}, which is not the code it was "
+                f"tested over in {version_key(patch)} (fingerprint {found}, recorded "
+                f"{expected.get(name, 'nothing')}): upstream changed what this patch wraps. "
+                f"Reinstall the released {version_key(patch).replace(' ', '==')}, or set "
+                f"{ALLOW_UNTESTED_ENV}=1 to apply over it at your own risk."
+            )
 
 
 def _own_attr(owner: Any, attr: str) -> Any:
@@ -164,12 +210,16 @@ def _warn_if_late(names: list[str]) -> None:
 def _apply_one(patch: Patch, allow_untested: bool) -> str:
     if patch.applied:
         return "patched"
+    if patch.target == "megatron-bridge" and BRIDGE_IN_USE_MODULE not in sys.modules:
+        _apply_when_bridge_is_imported(patch, allow_untested)
+        return "pending"
     _check_version(patch, allow_untested)
     native, reason = patch.detect_native()
     if native:
         patch.native_reason = reason
         return "native"
     overrides = patch.build_overrides()
+    _check_fingerprints(patch, overrides, allow_untested)
     saved: list[tuple[Any, str, Any]] = []
     try:
         for override in overrides:
@@ -196,6 +246,7 @@ def _restore(saved: list[tuple[Any, str, Any]]) -> None:
 
 
 def _revert_one(patch: Patch) -> None:
+    _PENDING.pop(patch.name, None)
     if patch.applied:
         _restore(patch._saved)
         patch._saved = []
@@ -220,12 +271,15 @@ def _resolve(features: Iterable[str] | None) -> list[Patch]:
 def apply(features: Iterable[str] | None = None, *, allow_untested: bool = False) -> dict[str, str]:
     """Apply the named patches (all registered ones by default).
 
-    Returns ``{name: "patched" | "native"}``. Idempotent: a patch already applied stays as it is.
+    Returns ``{name: "patched" | "native" | "pending"}``; ``pending``: a Megatron-Bridge patch
+    while Bridge is not imported yet, applied (or refused) the moment Bridge's config module is.
+    Idempotent: a patch already applied stays as it is.
     """
     chosen = _resolve(features)
     names = [patch.name for patch in chosen]
     # Only a patch this call will install can come too late (a native one installs nothing).
-    if any(not patch.applied and not patch.detect_native()[0] for patch in chosen):
+    if any(not patch.applied and not _pending(patch) and not patch.detect_native()[0]
+           for patch in chosen):  # fmt: skip
         _warn_if_late(names)
     return {patch.name: _apply_one(patch, allow_untested) for patch in chosen}
 
@@ -300,6 +354,91 @@ def original(owner: Any, attr: str) -> Any:
 
 #: Imported by every Megatron-Bridge run; the Bridge patches wait for it.
 BRIDGE_IN_USE_MODULE = "megatron.bridge.training.config"
+
+
+#: Bridge patches asked for before Bridge was imported: name -> allow_untested.
+_PENDING: dict[str, bool] = {}
+_APPLYING_PENDING = False
+
+
+def _pending(patch: Patch) -> bool:
+    return patch.target == "megatron-bridge" and BRIDGE_IN_USE_MODULE not in sys.modules
+
+
+def pending() -> list[str]:
+    """Bridge patches that will apply when Megatron-Bridge is imported."""
+    return [name for name in _PENDING if not _REGISTRY[name].applied]
+
+
+class _BridgeImportWatch(importlib.abc.MetaPathFinder):
+    """Watches ``megatron.bridge.*`` imports while Bridge patches are pending: when the
+    outermost one has finished executing and Bridge's config module is imported, the pending
+    patches apply (so ``apply()`` before ``import megatron.bridge...`` patches Bridge all the
+    same, and no patch reads a module that is still half imported)."""
+
+    depth = 0
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if not fullname.startswith("megatron.bridge"):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is None:
+                continue
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _WatchedLoader(spec.loader)
+            return spec
+        return None
+
+
+class _WatchedLoader(importlib.abc.Loader):
+    """A Bridge module's own loader, counted while it executes."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        _WATCH.depth += 1
+        try:
+            self._loader.exec_module(module)
+        finally:
+            _WATCH.depth -= 1
+        module.__loader__ = module.__spec__.loader = self._loader
+        if _WATCH.depth == 0:
+            _apply_pending()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+_WATCH = _BridgeImportWatch()
+
+
+def _apply_pending() -> None:
+    global _APPLYING_PENDING
+    if BRIDGE_IN_USE_MODULE not in sys.modules or _APPLYING_PENDING:
+        return
+    _APPLYING_PENDING = True
+    if _WATCH in sys.meta_path:
+        sys.meta_path.remove(_WATCH)
+    try:
+        while _PENDING:
+            name, allow_untested = _PENDING.popitem()
+            if name in _REGISTRY:
+                _apply_one(_REGISTRY[name], allow_untested)
+    finally:
+        _APPLYING_PENDING = False
+
+
+def _apply_when_bridge_is_imported(patch: Patch, allow_untested: bool) -> None:
+    _PENDING[patch.name] = allow_untested
+    if _WATCH not in sys.meta_path:
+        sys.meta_path.insert(0, _WATCH)
 
 
 def bridge_module(name: str) -> Any | None:

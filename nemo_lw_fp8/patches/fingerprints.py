@@ -1,0 +1,134 @@
+"""Fingerprints of the upstream objects the patches wrap, per tested version.
+
+A version number says which release is installed, not what its code does: a source install, a
+container's cherry-picked fix or an upgrade that keeps the number can change a method a patch
+wraps. Each patch therefore also checks, before it installs anything, that every object it
+replaces is the one it was tested over: a hash of that object's source text, recorded per
+tested megatron-core (or Megatron-Bridge) version in
+:mod:`nemo_lw_fp8.patches.upstream_fingerprints`. A different hash refuses the patch with one
+line naming the object, the version and the override (:class:`UpstreamChanged`), instead of
+wrapping code it was never run on.
+
+Regenerate the record after a deliberate upgrade (then run the suite on it)::
+
+    python -m nemo_lw_fp8.patches.fingerprints --write
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+#: What an override's target held when the attribute did not exist.
+ABSENT = "absent"
+
+
+class UpstreamChanged(RuntimeError):
+    """An object a patch wraps differs from the one it was tested over."""
+
+
+def fingerprint(obj: Any, missing: Any) -> str:
+    """A short hash of ``obj``'s source text (``missing``: the attribute did not exist).
+
+    Methods stored as ``staticmethod`` / ``classmethod`` / ``property`` objects are hashed by
+    the function inside; an object without source (a builtin, a constant) by its type's name.
+    """
+    if obj is missing:
+        return ABSENT
+    target = obj
+    if isinstance(obj, (staticmethod, classmethod)):
+        target = obj.__func__
+    elif isinstance(obj, property):
+        target = obj.fget
+    try:
+        text = inspect.getsource(target)
+    except (TypeError, OSError):
+        text = f"<{type(obj).__module__}.{type(obj).__qualname__}>"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def target_name(owner: Any, attr: str) -> str:
+    """``module.Class.attr`` or ``module.attr``: how the record names an override's target."""
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}.{attr}"
+    return f"{getattr(owner, '__name__', type(owner).__qualname__)}.{attr}"
+
+
+def recorded(version_key: str, patch_name: str) -> dict[str, str] | None:
+    """The fingerprints recorded for ``patch_name`` at ``version_key`` (None: not recorded)."""
+    from .upstream_fingerprints import FINGERPRINTS
+
+    return FINGERPRINTS.get(version_key, {}).get(patch_name)
+
+
+def current() -> dict[str, dict[str, dict[str, str]]]:
+    """Every registered plugin patch's targets as installed now, keyed like the record.
+
+    Builds each patch's overrides without applying them; the Bridge patches need Megatron-Bridge
+    imported (done here, over the CPU emulation when no GPU stack is present).
+    """
+    from nemo_lw_fp8.emulation import te_backend
+
+    te_backend.activate()
+    import megatron.bridge.training.config  # noqa: F401
+
+    from . import PATCH_MODULES, framework, load_all
+
+    load_all()
+    table: dict[str, dict[str, dict[str, str]]] = {}
+    for name in PATCH_MODULES:
+        patch = framework.registry()[name]
+        key = framework.version_key(patch)
+        targets = {}
+        patch.detect_native()  # a Bridge patch's detector imports the modules it patches
+        for override in patch.build_overrides():
+            upstream = framework.unpatched_own_attr(override.owner, override.attr)
+            targets[target_name(override.owner, override.attr)] = fingerprint(
+                upstream, framework.MISSING
+            )
+        table.setdefault(key, {})[name] = dict(sorted(targets.items()))
+    return table
+
+
+def render(table: dict[str, dict[str, dict[str, str]]]) -> str:
+    """The source of :mod:`nemo_lw_fp8.patches.upstream_fingerprints` for ``table``."""
+    lines = [
+        '"""Recorded by ``python -m nemo_lw_fp8.patches.fingerprints --write`` (do not edit):',
+        "per tested version, per patch, each wrapped upstream object's source fingerprint.",
+        "tests/test_patch_framework.py checks this record against the installed stack.",
+        '"""',
+        "",
+        "FINGERPRINTS: dict[str, dict[str, dict[str, str]]] = {",
+    ]
+    for version in sorted(table):
+        lines.append(f"    {version!r}: {{")
+        for patch in sorted(table[version]):
+            lines.append(f"        {patch!r}: {{")
+            for target, value in table[version][patch].items():
+                lines.append(f"            {target!r}:")
+                lines.append(f"                {value!r},")
+            lines.append("        },")
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    from .upstream_fingerprints import FINGERPRINTS
+
+    # Versions recorded on other installs stay; this install's versions are recorded afresh.
+    text = render({**FINGERPRINTS, **current()})
+    path = Path(__file__).with_name("upstream_fingerprints.py")
+    if "--write" in argv:
+        path.write_text(text)
+        print(f"wrote {path}")
+        return 0
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
