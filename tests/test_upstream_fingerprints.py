@@ -13,8 +13,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from nemo_lw_fp8.patches import PATCH_MODULES
 from nemo_lw_fp8.patches.upstream_fingerprints import FINGERPRINTS
 
