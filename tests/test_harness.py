@@ -202,6 +202,7 @@ def _mock_under_the_plugin() -> str:
     def wrapper(self, *args, **kwargs):
         return original(self, *args, **kwargs)
 
+    wrapper.__wrapped__ = original  # runs megatron's method (the fingerprint check reads it)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(group_cls, "start_grad_sync", wrapper)
         nemo_lw_fp8.apply()
