@@ -238,3 +238,24 @@ def _what_revert_alone_leaves() -> str:
     _mock_under_the_plugin()
     nemo_lw_fp8.revert()
     return _start_grad_sync_owner()[1]
+
+
+def _own_state() -> str:
+    import os
+
+    with open(f"/proc/{os.getpid()}/stat") as handle:
+        return handle.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_idle_ranks_are_stopped_between_tasks():
+    """A pool's ranks run for a task and are stopped (state ``T``) between tasks, so the gloo
+    loop threads of idle pools take no CPU from the test that runs."""
+    from tests.support.harness import get_pool
+
+    assert run_on_ranks(_own_state, world_size=2) == ["R", "R"]
+    pool = get_pool(2)
+    states = []
+    for proc in pool._procs:
+        with open(f"/proc/{proc.pid}/stat") as handle:
+            states.append(handle.read().rsplit(")", 1)[1].split()[0])
+    assert states == ["T", "T"]

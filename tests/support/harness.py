@@ -20,10 +20,13 @@ Design (see ``docs/testing.md``):
 * After every task the worker reverts any plugin patches the task applied, puts megatron's own
   objects back wherever a task left a mock at an attribute the plugin patches (recorded at
   start-up), and restores megatron's parallel state, so tasks do not leak into each other.
+* Between tasks a pool's ranks are stopped (``SIGSTOP``, resumed for the next task): megatron's
+  process groups keep gloo loop threads waking in every idle rank (:class:`RankPool`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import io
@@ -302,7 +305,14 @@ def _worker_main(
 
 
 class RankPool:
-    """``world_size`` long-lived rank processes that run one task at a time on all ranks."""
+    """``world_size`` long-lived rank processes that run one task at a time on all ranks.
+
+    Between tasks the ranks are stopped (``SIGSTOP``; ``SIGCONT`` before the next task, before
+    shutting down). Why: an idle rank is not idle. Each of megatron's process groups runs a gloo
+    loop thread that wakes about a hundred times a second; an idle rank with ~40 groups took
+    ~6 % of a core, and the suite keeps up to ``MAX_LIVE_RANKS`` of them alive, which on a
+    2-core machine took a third of the CPU from whatever test was running.
+    """
 
     def __init__(self, world_size: int, boot: BootOptions = BootOptions()):
         self.world_size = world_size
@@ -333,6 +343,20 @@ class RankPool:
             self._conns.append(parent_conn)
         self.alive = True
         self._collect(STARTUP_TIMEOUT_S, what="start-up")
+        self._pause()
+
+    def _signal_ranks(self, sig: int) -> None:
+        for proc in self._procs:
+            if proc.pid is not None and proc.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, sig)
+
+    def _pause(self) -> None:
+        """Stop the idle ranks (all of them: no collective is in flight between tasks)."""
+        self._signal_ranks(signal.SIGSTOP)
+
+    def _resume(self) -> None:
+        self._signal_ranks(signal.SIGCONT)
 
     def run(
         self,
@@ -346,9 +370,12 @@ class RankPool:
         if not self.alive:
             raise RuntimeError("this RankPool was shut down; get a new one")
         payload = pickle.dumps((fn, args, kwargs, parallel, list(sys.path)))
+        self._resume()
         for conn in self._conns:
             conn.send_bytes(payload)
-        return self._collect(timeout, what=getattr(fn, "__qualname__", repr(fn)))
+        results = self._collect(timeout, what=getattr(fn, "__qualname__", repr(fn)))
+        self._pause()
+        return results
 
     def _collect(self, timeout: float, what: str) -> list[Any]:
         deadline = time.monotonic() + timeout
@@ -444,6 +471,7 @@ class RankPool:
         if not self._procs:
             return
         self.alive = False
+        self._resume()
         for conn in self._conns:
             with contextlib.suppress(OSError, BrokenPipeError):
                 conn.send_bytes(pickle.dumps(None))
@@ -510,6 +538,18 @@ def run_on_ranks(
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` CPU ranks (reusing a pool) and return per-rank results."""
     return get_pool(world_size, boot).run(fn, *args, timeout=timeout, parallel=parallel, **kwargs)
+
+
+def _resume_all_pools() -> None:
+    """At interpreter exit, before multiprocessing ends its daemon children (a stopped rank
+    would ignore that ``SIGTERM`` and the exit would wait for it)."""
+    for pool in _POOLS.values():
+        pool._resume()
+
+
+import multiprocessing.util  # noqa: E402 - its exit handler is registered first, so runs last
+
+atexit.register(_resume_all_pools)
 
 
 def shutdown_pools() -> None:
