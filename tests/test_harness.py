@@ -250,12 +250,19 @@ def _own_state() -> str:
 def test_idle_ranks_are_stopped_between_tasks():
     """A pool's ranks run for a task and are stopped (state ``T``) between tasks, so the gloo
     loop threads of idle pools take no CPU from the test that runs."""
+    import time
+
     from tests.support.harness import get_pool
 
     assert run_on_ranks(_own_state, world_size=2) == ["R", "R"]
     pool = get_pool(2)
-    states = []
-    for proc in pool._procs:
-        with open(f"/proc/{proc.pid}/stat") as handle:
-            states.append(handle.read().rsplit(")", 1)[1].split()[0])
+    deadline = time.monotonic() + 5.0  # a signal is delivered asynchronously
+    while True:
+        states = []
+        for proc in pool._procs:
+            with open(f"/proc/{proc.pid}/stat") as handle:
+                states.append(handle.read().rsplit(")", 1)[1].split()[0])
+        if states == ["T", "T"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert states == ["T", "T"]
