@@ -365,11 +365,6 @@ def _pending(patch: Patch) -> bool:
     return patch.target == "megatron-bridge" and BRIDGE_IN_USE_MODULE not in sys.modules
 
 
-def pending() -> list[str]:
-    """Bridge patches that will apply when Megatron-Bridge is imported."""
-    return [name for name in _PENDING if not _REGISTRY[name].applied]
-
-
 class _BridgeImportWatch(importlib.abc.MetaPathFinder):
     """Watches ``megatron.bridge.*`` imports while Bridge patches are pending: when the
     outermost one has finished executing and Bridge's config module is imported, the pending
@@ -426,9 +421,10 @@ def _apply_pending() -> None:
     _APPLYING_PENDING = True
     if _WATCH in sys.meta_path:
         sys.meta_path.remove(_WATCH)
+    waiting = list(_PENDING.items())  # in the order they were asked for, as apply() goes
+    _PENDING.clear()
     try:
-        while _PENDING:
-            name, allow_untested = _PENDING.popitem()
+        for name, allow_untested in waiting:
             if name in _REGISTRY:
                 _apply_one(_REGISTRY[name], allow_untested)
     finally:
