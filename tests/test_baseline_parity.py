@@ -33,7 +33,7 @@ def assert_same_training(reference: list[dict], candidate: list[dict], label: st
             assert torch.equal(value, cand["params"][name]), f"{label}: {name} differs"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_adam_ddp_equals_distributed_optimizer(world_size):
     base = Scenario(optimizer="adam")
     reference = _run(base, world_size)

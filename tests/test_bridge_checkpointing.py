@@ -67,6 +67,7 @@ def _eval(run: dict) -> list[float]:
     return [row["lm loss"] for row in run["eval"]]
 
 
+@pytest.mark.extended  # ~5 min of torchrun imports; the gate resumes the Qwen3.5 twin
 def test_save_and_resume_in_fresh_processes_is_bitwise(tmp_path):
     ckpt = tmp_path / "ckpt"
     save = ("train.train_iters=4", f"checkpoint.save={ckpt}", "checkpoint.save_interval=2")

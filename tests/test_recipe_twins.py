@@ -34,6 +34,18 @@ NO_WARMUP = "scheduler.lr_warmup_iters=0"
 SHORT = ("train.train_iters=2", "validation.eval_interval=1", "validation.eval_iters=1", NO_WARMUP)
 
 
+#: The twins whose runs are in the gate (``make test``): the flagship MXFP8 twin (PP 2 x VPP 2 x
+#: EP 2, MTP, single grouped weights), the flagship Hopper twin (blockwise FP8, discrete
+#: experts) and the hybrid Qwen3.5 twin (Gated DeltaNet). The other nine, the DP-4 resumes, the
+#: owner-reduce twin comparison and the torchrun resume are the extended tier (``make
+#: test-all``; docs/testing.md, "Two tiers").
+GATE = ("deepseek_v3_mxfp8", "deepseek_v3_hopper", "qwen3_5_35b_a3b_mxfp8")
+
+
+def _tiered(recipes_: tuple[str, ...]) -> list:
+    return [r if r in GATE else pytest.param(r, marks=pytest.mark.extended) for r in recipes_]
+
+
 def _blockwise(recipe: str) -> bool:
     return recipe.endswith("_hopper")
 
@@ -68,7 +80,7 @@ def twin_run(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("recipe", TWINS)
+@pytest.mark.parametrize("recipe", _tiered(TWINS))
 def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
     on = twin_run(recipe, "on", save=recipe in RESUMED)
     off = twin_run(recipe, "off", *br.GATHER_OFF)
@@ -98,6 +110,7 @@ def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
         assert all(r["blockwise_weights"] == 0 == r["blockwise_groups"] for r in off["probe"])
 
 
+@pytest.mark.extended
 def test_flagship_twin_owner_reduce_equals_all_reduce(twin_run):
     """PP 2 x VPP 2 x EP 2 on DP 2, single grouped MXFP8 experts, MTP, clipping, as shipped: the
     default gradient sync (each Muon gradient reduced to its owner) trains as the all-reduce
@@ -124,7 +137,7 @@ def test_flagship_twin_owner_reduce_equals_all_reduce(twin_run):
     assert wrong["ranks"] != reduced["ranks"]
 
 
-@pytest.mark.parametrize("recipe", RESUMED)
+@pytest.mark.parametrize("recipe", _tiered(RESUMED))
 def test_flagship_twin_resumes_from_the_parity_run(twin_run, tmp_path, recipe):
     """The Hopper (blockwise FP8, PP 2 x EP 2), Qwen3-235B MXFP8 (PP 2 x VPP 2 x EP 2) and hybrid
     Qwen3.5 MXFP8 twins (Gated DeltaNet layers, whose checkpoint megatron splits by name:
@@ -151,6 +164,7 @@ def test_flagship_twin_resumes_from_the_parity_run(twin_run, tmp_path, recipe):
 RESHARDED = {"deepseek_v3_hopper": "whole", "qwen3_235b_a22b_mxfp8": "expert"}
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("recipe", sorted(RESHARDED))
 def test_flagship_twin_resumes_at_dp4(twin_run, tmp_path, recipe):
     """The Hopper (blockwise FP8, PP 2 x EP 2) and Qwen3-235B MXFP8 (PP 2 x VPP 2 x EP 2) twins'
@@ -201,7 +215,7 @@ def test_twin_controls_catch_each_broken_fix(twin_run):
 HOPPER = tuple(recipe for recipe in TWINS if _blockwise(recipe))
 
 
-@pytest.mark.parametrize("recipe", HOPPER)
+@pytest.mark.parametrize("recipe", _tiered(HOPPER))
 def test_hopper_twin_control_stale_columnwise_copy(twin_run, recipe):
     """Receivers that keep the columnwise copy of gathered blockwise weights stale (TE's dgrad
     GEMM reads that copy) part from gather off: the second step's backward reads the first
@@ -215,6 +229,7 @@ def test_hopper_twin_control_stale_columnwise_copy(twin_run, recipe):
     assert stale["ranks"] != off["ranks"]
 
 
+@pytest.mark.extended
 def test_flagship_twin_resumes_bitwise(tmp_path):
     """The DeepSeek-V3 MXFP8 twin as shipped (PP 2 x VPP 2 x EP 2, MTP, single grouped MXFP8
     experts, clipping, dropout) saves a torch_dist checkpoint at iteration 2 and goes on to 4;

@@ -81,6 +81,7 @@ def test_rng_state_of_another_data_parallel_size_maps_to_the_same_expert_rank(tm
 
 
 @pytest.mark.usefixtures("bridge_installed")
+@pytest.mark.extended  # eight-rank runs; the gate reshards in test_checkpoint_resharding.py
 def test_flagship_twin_resumes_at_another_dp_size_and_ownership(tmp_path):
     at2, at4 = tmp_path / "dp2", tmp_path / "dp4"
     a = br.pretrain(tmp_path, "a", RECIPE, *COMMON, "train.train_iters=2",
