@@ -118,6 +118,7 @@ def _asked_by_te(depth: int = 2) -> bool:
 _REAL_IS_CUDA = torch.Tensor.is_cuda
 _REAL_IS_AVAILABLE = torch.cuda.is_available
 _REAL_IS_CAPTURING = torch.cuda.is_current_stream_capturing
+_REAL_CAPABILITY = torch.cuda.get_device_capability
 
 
 def _is_cuda(self: torch.Tensor) -> bool:
@@ -150,6 +151,19 @@ def _is_current_stream_capturing() -> bool:
     if name.startswith("transformer_engine."):
         return False
     return _REAL_IS_CAPTURING()
+
+
+def _device_capability_answer(target: TargetGPU) -> Callable[..., tuple[int, int]]:
+    """``torch.cuda.get_device_capability`` for TE's callers: ``general_grouped_gemm_for_grouped_
+    tensor`` (``cpp_extensions/gemm.py``) picks one alpha / beta per group from SM 10.0, one
+    shared before. They get the target's capability; everyone else torch's own answer."""
+
+    def get_device_capability(device: Any = None) -> tuple[int, int]:
+        if _asked_by_te():
+            return target.compute_capability
+        return _REAL_CAPABILITY(device)
+
+    return get_device_capability
 
 
 def _te_modules() -> list[Any]:
@@ -247,6 +261,8 @@ def _install(target: TargetGPU) -> list[Callable[[], None]]:
     undo.append(lambda: setattr(torch.cuda, "is_available", _REAL_IS_AVAILABLE))
     torch.cuda.is_current_stream_capturing = _is_current_stream_capturing
     undo.append(lambda: setattr(torch.cuda, "is_current_stream_capturing", _REAL_IS_CAPTURING))
+    torch.cuda.get_device_capability = _device_capability_answer(target)
+    undo.append(lambda: setattr(torch.cuda, "get_device_capability", _REAL_CAPABILITY))
     _reset_support_caches()
     undo.append(_reset_support_caches)
     undo.append(gemm.get_cublas_workspace.cache_clear)

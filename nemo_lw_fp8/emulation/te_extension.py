@@ -239,6 +239,7 @@ from . import (  # noqa: E402
     te_kernels_activation,
     te_kernels_gemm,
     te_kernels_grouped,
+    te_kernels_grouped_tensor,
     te_kernels_norm,
     te_kernels_queries,
     te_kernels_softmax,
@@ -249,6 +250,7 @@ from . import (  # noqa: E402
 _KERNEL_MODULES = (
     te_kernels_gemm,
     te_kernels_grouped,
+    te_kernels_grouped_tensor,
     te_kernels_norm,
     te_kernels_activation,
     te_kernels_softmax,

@@ -148,6 +148,14 @@ def torch_dtype(te_dtype: Any) -> torch.dtype:
         ) from None
 
 
+def te_dtype(dtype: torch.dtype) -> Any:
+    """The TE ``DType`` tag of a torch dtype (what TE's Python passes as ``out_dtype``)."""
+    for tag, value in _TORCH_DTYPE.items():
+        if value == dtype:
+            return tag
+    raise NotImplementedError(f"{BACKEND} has no TE dtype for torch dtype {dtype}")
+
+
 def noop_set(noop: torch.Tensor | None) -> bool:
     """Whether TE's ``noop`` flag (a float tensor) asks the kernel to skip its work."""
     return noop is not None and bool((noop.reshape(-1)[:1] == 1.0).all())
