@@ -16,10 +16,9 @@ expert's rows with ``fused_multi_row_padding`` / ``fused_multi_row_unpadding``.
   (its rows of the single output when ``single_output``); empty experts zero their output unless
   accumulating, and their bias gradient.
 
-Not emulated (refused by name through the strict ``__getattr__`` of the stand-in, so TE's
-capability checks see them absent): the grouped-tensor path's kernels (``group_quantize``,
-``splits_to_offsets_multi``, ``te_general_grouped_gemm_for_grouped_tensor`` and its discrete
-variants), which TE takes on an SM 10.0 target with cuBLASLt >= 13.3.
+The grouped-tensor path's kernels (``group_quantize``, ``splits_to_offsets_multi``,
+``te_general_grouped_gemm_for_grouped_tensor`` and its discrete variants), which TE takes on an
+SM 10.0 target with cuBLASLt >= 13.3, are in :mod:`.te_kernels_grouped_tensor`.
 """
 
 from __future__ import annotations
