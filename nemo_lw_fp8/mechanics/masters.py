@@ -47,6 +47,46 @@ def preserved_init_value(param: torch.Tensor) -> torch.Tensor | None:
     return getter() if getter is not None else None
 
 
+def _stored(tensor: Any) -> list[tuple[str, torch.Tensor]]:
+    """The FP8 copies a quantized tensor holds: (usage, bytes)."""
+    out = []
+    for usage, name in (("rowwise", "_rowwise_data"), ("columnwise", "_columnwise_data")):
+        data = getattr(tensor, name, None)
+        if data is not None:
+            out.append((usage, data))
+    return out
+
+
+def _member_quantizes_to(tensor: Any, value: torch.Tensor) -> bool:
+    quantizer = getattr(tensor, "_quantizer", None)
+    stored = _stored(tensor)
+    if quantizer is None or not stored:
+        return True  # nothing to compare against
+    usage, data = stored[0]
+    fresh_quantizer = quantizer.copy()
+    fresh_quantizer.set_usage(rowwise=usage == "rowwise", columnwise=usage == "columnwise")
+    fresh = fresh_quantizer(value.to(device=data.device).reshape(tensor.shape).contiguous())
+    fresh_data = dict(_stored(fresh)).get(usage)
+    if fresh_data is None or fresh_data.shape != data.shape:
+        return True  # another storage layout: not comparable here
+    return torch.equal(fresh_data.view(torch.uint8), data.view(torch.uint8))
+
+
+def quantizes_to_weight(param: Any, value: torch.Tensor) -> bool:
+    """Whether TE's preserved init value quantizes to the FP8 bytes ``param`` holds (what TE's
+    ``quantized_model_init`` guarantees when TE initialised the weight). A weight written later
+    (megatron's ``use_cpu_initialization`` hands TE a no-op ``init_method`` and copies its own
+    values in afterwards, leaving the init value as uninitialised memory; a load before the
+    optimizer is built) fails, and a master started from the value would train other weights."""
+    members = getattr(param, "quantized_tensors", None)
+    if members is None and hasattr(param, "split_into_quantized_tensors"):
+        members = param.split_into_quantized_tensors()
+    if members is None:
+        return _member_quantizes_to(param, value)
+    values = value.reshape(len(members), -1)
+    return all(_member_quantizes_to(m, v) for m, v in zip(members, values, strict=True))
+
+
 def init_masters_from_high_precision(optimizer: Any) -> None:
     """Masters of quantized params take TE's preserved init values (an expert slice takes its
     experts' part of its grouped weight's value). TE's copy is then released, as megatron's
@@ -60,12 +100,21 @@ def init_masters_from_high_precision(optimizer: Any) -> None:
             value = preserved_init_value(parent)
             if value is None:
                 continue
+            if id(parent) not in used and not quantizes_to_weight(parent, value):
+                raise ValueError(
+                    f"a {type(parent).__name__} weight of shape {tuple(parent.shape)}: TE's "
+                    "preserved high-precision init value does not quantize to its FP8 bytes (the "
+                    "weight was written after TE initialised it), so its fp32 master cannot start "
+                    "from it; fix: build with model.use_cpu_initialization=False (megatron then "
+                    "lets TE initialise the weight) and load checkpoints after the optimizer is "
+                    "built"
+                )
+            used[id(parent)] = parent
             if expert_slices.is_slice(model_param):
                 value = expert_slices.slice_init_value(model_param, value)
             elif qkv_parts.is_part(model_param):
                 value = qkv_parts.init_value(model_param, value)
             main_param.data.copy_(value.to(main_param.device).view(main_param.shape))
-            used[id(parent)] = parent
     for param in used.values():
         param.clear_high_precision_init_val()
 

@@ -142,6 +142,10 @@ def train_step(
     optimizer.zero_grad()
     _megatron_restage_distopt(model, optimizer)
     batch = _rank_batch(scenario, model[0].module, step, dp_rank)
+    # megatron's forward_step marks each step's first microbatch: TE's linears then re-quantize
+    # their bf16 weights instead of reusing the FP8 copy cached at the last step
+    if hasattr(model[0], "set_is_first_microbatch"):
+        model[0].set_is_first_microbatch()
     loss = forward_loss(scenario, model[0], batch)
     loss.backward()
     for chunk in model:
@@ -178,6 +182,8 @@ def evaluate(scenario: Scenario, model: list, optimizer) -> float:
         disable_forward_pre_hook(model, optimizer=optimizer)
     with torch.no_grad():
         batch = _rank_batch(scenario, model[0].module, step=10_000, dp_rank=0)
+        if hasattr(model[0], "set_is_first_microbatch"):  # megatron's first eval step does too
+            model[0].set_is_first_microbatch()
         loss = float(forward_loss(scenario, model[0], batch))
     if overlapped:
         enable_forward_pre_hook(model)

@@ -1,0 +1,202 @@
+"""A model built from megatron's Transformer Engine spec trains on CPU with the plugin's layer-wise
+Muon (issue 28, "one model path"): TE 2.20.2's own ``TELayerNormColumnParallelLinear``,
+``TERowParallelLinear``, ``TEDotProductAttention`` (unfused backend) and ``TEGroupedMLP`` through
+the op fuser with single grouped MXFP8 expert weights (``ops.GroupedLinear`` + ``ScaledSwiGLU`` on
+the grouped-tensor path), with only ``transformer_engine_torch`` emulated and the device questions
+answered as a GB200 would (``nemo_lw_fp8.cpu.te_device.target_gpu(BLACKWELL)``).
+
+The claim: FP8 param gather ON (persistent MXFP8 weights from ``quantized_model_init``, the owners'
+MXFP8 weights gathered over data parallel) = OFF (bf16 weights quantized by TE at each forward),
+bitwise, for every loss and every rank's fp32 masters, on two data-parallel ranks. Control: ON
+with each persistent weight's columnwise copy left stale after the gather diverges.
+
+The model is built with ``use_cpu_initialization=False``: with ``True`` megatron hands TE a no-op
+``init_method`` and writes the weights afterwards, so TE's preserved high-precision init value
+(which the fp32 masters of persistent FP8 weights start from) stays uninitialised memory
+(``test_stale_init_value_is_refused``)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+
+from nemo_lw_fp8.emulation import te_backend
+from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.parity import assert_diverges
+
+if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
+    pytest.skip("TE's own modules need TE's Python package", allow_module_level=True)
+
+BOOT = BootOptions(fp8_emulation=True)
+EXPERTS = 4
+HIDDEN = FFN = 128  # TE's grouped MXFP8 layout needs multiples of 128
+STEPS = 2
+#: What the MXFP8 recipes' TE modules need in the environment (docs/recipes.md).
+TE_ENV = {"NVTE_GROUPED_LINEAR_SINGLE_PARAM": "1", "NVTE_CUTEDSL_FUSED_GROUPED_MLP": "1"}
+
+
+def build_te_moe(fp8_params: bool, seed: int, cpu_init: bool = False):
+    """A 2-layer MoE GPT (4 experts, top 2, SwiGLU, RMSNorm) from megatron's TE spec with MXFP8
+    compute; persistent MXFP8 weights with ``fp8_params``. Returns (module, config)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from transformer_engine.common.recipe import MXFP8BlockScaling
+    from transformer_engine.pytorch import quantized_model_init
+
+    from tests.support.scenarios import GPT_SEQ, GPT_VOCAB, seed_all, transformer_config
+
+    seed_all(seed)
+    model_parallel_cuda_manual_seed(seed)
+    config = transformer_config(
+        hidden_size=HIDDEN, num_moe_experts=EXPERTS, moe_router_topk=2,
+        moe_ffn_hidden_size=FFN, add_bias_linear=False, moe_token_dispatcher_type="allgather",
+        moe_router_dtype="fp64", moe_grouped_gemm=True, use_transformer_engine_op_fuser=True,
+        moe_single_grouped_weight=True, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, normalization="RMSNorm", fp8="e4m3",
+        fp8_recipe="mxfp8", fp8_param=fp8_params, use_cpu_initialization=cpu_init,
+    )  # fmt: skip
+    init: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if fp8_params:
+        init = quantized_model_init(
+            enabled=True, recipe=MXFP8BlockScaling(), preserve_high_precision_init_val=True
+        )
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=EXPERTS, moe_grouped_gemm=True)
+    with init:
+        module = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=GPT_VOCAB,
+            max_sequence_length=GPT_SEQ, share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+        )  # fmt: skip
+    for param in module.parameters():  # grouped and MXFP8 weights are final
+        if type(param.data) is torch.Tensor:
+            param.data = param.data.to(torch.bfloat16)
+    return module, config
+
+
+def _stale_columnwise(mp: pytest.MonkeyPatch) -> None:
+    """The control: every re-quantization of a persistent MXFP8 weight (the gather's copy into
+    the weights, TE's and the grouped ones alike) refreshes its rowwise copy only; the columnwise
+    copy the dgrad GEMM reads keeps its old bytes."""
+    from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+
+    refresh = MXFP8Quantizer.update_quantized
+
+    def rowwise_only(self: Any, src: Any, dst: Any, *, noop_flag: Any = None) -> Any:
+        names = ("_columnwise_data", "_columnwise_scale_inv")
+        kept = {name: getattr(dst, name) for name in names}
+        kept = {name: value.clone() for name, value in kept.items() if value is not None}
+        out = refresh(self, src, dst, noop_flag=noop_flag)
+        for name, old in kept.items():
+            getattr(dst, name).copy_(old)
+        return out
+
+    mp.setattr(MXFP8Quantizer, "update_quantized", rowwise_only)
+
+
+def te_moe_run(fp8_param_gather: bool, mutation: str | None) -> dict[str, Any]:
+    """Two steps of layer-wise Muon (compact layout, owner reduce, whole grouped weights) on the
+    TE-spec MoE; losses and this rank's fp32 masters."""
+    from megatron.core import parallel_state
+
+    import nemo_lw_fp8
+    from nemo_lw_fp8.cpu import te_device
+    from tests.support import training
+    from tests.support.scenarios import Scenario
+
+    scenario = Scenario(
+        model="moe_grouped", single_grouped_weight=True, fp8=True,
+        fp8_param_gather=fp8_param_gather, plugin=True, optimizer="muon",
+        distribution="layerwise_compact", grouped_weight_ownership="whole", seed=11,
+    )  # fmt: skip
+    nemo_lw_fp8.apply()
+    with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(te_device.BLACKWELL):
+        for name, value in TE_ENV.items():
+            mp.setenv(name, value)
+        if mutation == "stale_columnwise":
+            _stale_columnwise(mp)
+        elif mutation is not None:
+            raise ValueError(mutation)
+        module, config = build_te_moe(fp8_param_gather, seed=11)
+        model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
+        dp_rank = parallel_state.get_data_parallel_rank()
+        losses = [
+            training.train_step(scenario, model, optimizer, step, dp_rank)
+            for step in range(STEPS)
+        ]
+        training.final_sync(model, optimizer)
+        persistent = sum(
+            type(p).__name__ in ("MXFP8Tensor", "GroupedTensor")
+            and getattr(p, "quantizer", getattr(p, "_quantizer", None)) is not None
+            for p in model[0].module.parameters()
+        )
+        return {
+            "losses": losses,
+            "masters": training.master_snapshot(optimizer, model[0].module),
+            "persistent_fp8": persistent,
+        }
+
+
+def _same_training(reference: list[dict], results: list[dict]) -> None:
+    """Every loss and every rank's fp32 masters, bitwise."""
+    assert [r["losses"] for r in reference] == [r["losses"] for r in results]
+    for rank, (ref, res) in enumerate(zip(reference, results, strict=True)):
+        assert ref["masters"].keys() == res["masters"].keys()
+        masters = ref["masters"]
+        differ = [k for k in masters if not torch.equal(masters[k], res["masters"][k])]
+        assert not differ, f"rank {rank}: masters differ in {differ}"
+
+
+def test_te_spec_moe_fp8_param_gather_on_equals_off():
+    """The TE-spec MoE trains two steps with persistent MXFP8 weights gathered over DP 2 to the
+    same losses and masters, bitwise, as with bf16 weights (the ON run held persistent MXFP8
+    weights, the OFF run none); control: a stale columnwise copy after the gather diverges."""
+    on = run_on_ranks(te_moe_run, True, None, world_size=2, boot=BOOT)
+    off = run_on_ranks(te_moe_run, False, None, world_size=2, boot=BOOT)
+    assert all(r["persistent_fp8"] > 0 for r in on), [r["persistent_fp8"] for r in on]
+    assert all(r["persistent_fp8"] == 0 for r in off), [r["persistent_fp8"] for r in off]
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in on)
+    _same_training(off, on)
+    stale = run_on_ranks(te_moe_run, True, "stale_columnwise", world_size=2, boot=BOOT)
+    assert_diverges(off, stale, compare=_same_training)
+
+
+def build_with_cpu_initialization(cpu_init: bool) -> str:
+    """Build the TE-spec MoE with persistent MXFP8 weights and the layer-wise optimizer; the
+    error the optimizer build raised, or ``"built"``."""
+    import nemo_lw_fp8
+    from nemo_lw_fp8.cpu import te_device
+    from tests.support import training
+    from tests.support.scenarios import Scenario
+
+    scenario = Scenario(
+        model="moe_grouped", single_grouped_weight=True, fp8=True, fp8_param_gather=True,
+        plugin=True, optimizer="muon", distribution="layerwise_compact", seed=11,
+    )  # fmt: skip
+    nemo_lw_fp8.apply()
+    with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(te_device.BLACKWELL):
+        for name, value in TE_ENV.items():
+            mp.setenv(name, value)
+        module, config = build_te_moe(True, seed=11, cpu_init=cpu_init)
+        try:
+            training.wrap_and_build_optimizer(module, config, scenario)
+        except ValueError as exc:
+            return str(exc)
+    return "built"
+
+
+def test_stale_init_value_is_refused():
+    """With ``use_cpu_initialization=True`` megatron writes TE's weights after TE kept their
+    high-precision init values (uninitialised memory): the layer-wise optimizer refuses to start
+    its fp32 masters from them, in one line naming the flag and the fix. Control: the same
+    build with ``use_cpu_initialization=False`` starts."""
+    refused = run_on_ranks(build_with_cpu_initialization, True, world_size=1, boot=BOOT)[0]
+    assert "use_cpu_initialization=False" in refused and "init value" in refused, refused
+    assert "\n" not in refused
+    started = run_on_ranks(build_with_cpu_initialization, False, world_size=1, boot=BOOT)[0]
+    assert started == "built", started
