@@ -3,7 +3,8 @@
 #                 architecture through Megatron-Bridge's pretrain, every plugin feature on)
 #   make test   - build .venv if needed, then the test suite
 # Both build the virtual environment from a Python 3.12 interpreter; a second run with nothing
-# changed reuses it (the stamp file records the hash of pyproject.toml).
+# changed reuses it (the stamp file records the hash of pyproject.toml, this Makefile and the
+# constraints file).
 
 SHELL := /bin/bash
 VENV := .venv
@@ -17,7 +18,11 @@ TE_DIR := $(VENV)/te-emulation
 # extra "bridge", lists what they import).
 BRIDGE_VERSION := 0.6.2
 NEMO_RUN_VERSION := 0.11.1
-PYPROJECT_HASH := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
+# The exact versions the suite passed with (docs/install.md): every pip install below takes it as
+# `-c`, so a fresh machine gets the tested environment, not whatever the ranges resolve to today;
+# `nemo-lw-fp8 doctor` names any drift from it.
+CONSTRAINTS := nemo_lw_fp8/tested-constraints.txt
+PYPROJECT_HASH := $(shell cat pyproject.toml Makefile $(CONSTRAINTS) | sha256sum | cut -c1-16)
 
 # A Python 3.12 that really runs: $(PYTHON312) if given, else python3.12 on PATH (a pyenv shim
 # counts only if it works), else the newest pyenv-installed 3.12.x.
@@ -32,7 +37,7 @@ endif
 
 env: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	@if [ ! -x "$(PY)" ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then \
 		if [ -z "$(PYTHON312)" ]; then \
 			echo "error: no Python 3.12 found (megatron-core 0.19.2 needs it)." >&2; \
@@ -46,10 +51,12 @@ $(STAMP): pyproject.toml Makefile
 	@if [ -f "$(STAMP)" ] && [ "$$(cat $(STAMP))" = "$(PYPROJECT_HASH)" ]; then exit 0; fi; \
 	echo ">> installing nemo_lw_fp8 with its test and bridge extras into $(VENV) (first time: ~10 minutes)"; \
 	$(PY) -m pip install --quiet --upgrade pip && \
-	$(PY) -m pip install --quiet -e '.[test,bridge]' && \
-	$(PY) -m pip install --quiet --no-deps megatron-bridge==$(BRIDGE_VERSION) nemo-run==$(NEMO_RUN_VERSION) && \
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,bridge]' && \
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) --no-deps \
+		megatron-bridge==$(BRIDGE_VERSION) nemo-run==$(NEMO_RUN_VERSION) && \
 	rm -rf $(TE_DIR) && \
-	$(PY) -m pip install --quiet --no-deps --target $(TE_DIR) transformer-engine==$(TE_VERSION) && \
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) --no-deps --target $(TE_DIR) \
+		transformer-engine==$(TE_VERSION) && \
 	echo "$(PYPROJECT_HASH)" > $(STAMP)
 
 demo: env
