@@ -95,8 +95,9 @@ class Settings:
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     #: Compact layout: how a single grouped weight is owned ("whole", "expert", "auto").
     grouped_weight_ownership: str = "whole"
-    #: Compact layout: fused QKV weights owned as their Q, K, V parts ("split") or "whole".
-    qkv_ownership: str = "split"
+    #: Fused QKV weights owned as their Q, K, V parts ("split"), "whole", or "auto" (split on the
+    #: compact layout unless the weights are blockwise FP8; layout.resolve_qkv_ownership).
+    qkv_ownership: str = "auto"
     #: Compact layout: how Muon gradients are synced ("reduce_to_owner", "all_reduce").
     layer_wise_grad_sync: str = "reduce_to_owner"
     #: Bridge's ``logger.log_l2_norm_grad_to_tensorboard``: logs every parameter's main_grad.
@@ -616,9 +617,37 @@ def _ownership_value(s: Settings) -> str | None:
 def _qkv_ownership_value(s: Settings) -> str | None:
     if s.layer_wise and s.qkv_ownership not in QKV_OWNERSHIP:
         return (
-            f"qkv_ownership={s.qkv_ownership!r} is not an ownership mode. Fix: use 'split' "
-            "(Q, K and V parts owned apart where Muon splits them) or 'whole'."
+            f"qkv_ownership={s.qkv_ownership!r} is not an ownership mode. Fix: use 'auto' (the "
+            "default: parts owned apart where the layout can), 'split' or 'whole'."
         )
+    return None
+
+
+def _qkv_split_needs_compact(s: Settings) -> str | None:
+    if s.layer_wise and s.qkv_ownership == "split" and s.layer_wise_layout != "compact":
+        return (
+            f"qkv_ownership='split' owns a fused linear_qkv weight's Q, K and V parts apart, "
+            f"which only the compact layout can; the {s.layer_wise_layout!r} layout owns whole "
+            "parameters, so the setting would be dropped. Fix: qkv_ownership='auto' (the "
+            "default) or 'whole', or layer_wise_layout='compact'."
+        )
+    return None
+
+
+def qkv_split_blockwise_message() -> str:
+    """The refusal of an explicit ``qkv_ownership='split'`` on blockwise FP8 weights (also raised
+    by the compact layout when it finds the model blockwise, mechanics/compact.py)."""
+    return (
+        "qkv_ownership='split' with --fp8-recipe blockwise: a blockwise FP8 weight's owner "
+        "quantizes whole 128x128 tiles, which span the Q, K and V parts, so its parts cannot be "
+        "owned apart and the setting would be dropped. Fix: qkv_ownership='auto' (the default: "
+        "whole for blockwise weights) or 'whole'."
+    )
+
+
+def _qkv_split_blockwise(s: Settings) -> str | None:
+    if s.layer_wise and s.qkv_ownership == "split" and s.fp8_recipe == "blockwise":
+        return qkv_split_blockwise_message()
     return None
 
 
@@ -687,7 +716,11 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
          _ownership_value),
     Rule("grouped-weight-split-ownership-needs-compact", "expert runs need the compact gather",
          _split_ownership_needs_compact),
-    Rule("qkv-ownership-name", "QKV ownership is split or whole", _qkv_ownership_value),
+    Rule("qkv-ownership-name", "QKV ownership is auto, split or whole", _qkv_ownership_value),
+    Rule("qkv-split-needs-compact", "Q / K / V parts are owned apart on the compact layout only",
+         _qkv_split_needs_compact),
+    Rule("qkv-split-blockwise", "blockwise FP8 QKV weights are owned whole",
+         _qkv_split_blockwise),
 )
 RULES = RULES + INTEGRATION_RULES
 #: Settings outside what the plugin is tested on (nemo_lw_fp8/scope_guards.py).

@@ -109,6 +109,11 @@ CASES: list[tuple[str, dict, str]] = [
                                                     grouped_weight_ownership="expert"),
      "grouped-weight-split-ownership-needs-compact"),
     ("unknown QKV ownership", GOOD | dict(qkv_ownership="per-head"), "qkv-ownership-name"),
+    ("explicit QKV split on the padded layout", GOOD | dict(layer_wise_layout="padded",
+                                                           qkv_ownership="split"),
+     "qkv-split-needs-compact"),
+    ("explicit QKV split with blockwise FP8", HOPPER | dict(qkv_ownership="split"),
+     "qkv-split-blockwise"),
     ("op-fuser SwiGLU experts without the CuTe-DSL switch", GOOD | dict(
         num_moe_experts=8, gated_linear_unit=True, activation_func="silu",
         cutedsl_fused_grouped_mlp=False), "op-fuser-glu-experts-env"),
