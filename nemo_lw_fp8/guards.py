@@ -27,6 +27,7 @@ from . import scope_guards
 # The checkpoint-load rules: a module of their own, listed here with every other rule.
 from .checkpoint_guards import CHECKPOINT_FIXED_FIELDS as CHECKPOINT_FIXED_FIELDS
 from .checkpoint_guards import CHECKPOINT_RULES as CHECKPOINT_RULES
+from .checkpoint_guards import checkpoint_bucket_resplit as checkpoint_bucket_resplit
 from .checkpoint_guards import checkpoint_mismatch as checkpoint_mismatch
 from .checkpoint_guards import checkpoint_missing_files as checkpoint_missing_files
 from .checkpoint_guards import checkpoint_truncated_files as checkpoint_truncated_files
