@@ -21,7 +21,6 @@ are in :mod:`.plan_cli`; the plan for one pipeline rank of a recipe in :mod:`.pi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,8 +30,10 @@ from .owner_sync import bucket_spans, owner_reduce_layout, sent_by_member
 from .ownership import our_owners, stock_costs
 from .qkv_split import check_qkv_ownership
 from .shapes import ParamSpec, param_shapes
+from .weight_bytes import PARAM_BYTES as PARAM_BYTES
+from .weight_bytes import blockwise_wire_bytes as blockwise_wire_bytes
+from .weight_bytes import muon_gather_wire, mxfp8_weight_bytes
 
-PARAM_BYTES = 2  # bf16 model parameters and bf16 on the wire (also for MXFP8 param gather)
 MASTER_BYTES = 4  # fp32 master weights
 MUON_STATE_BYTES = 4  # Muon momentum, fp32
 ADAM_STATE_BYTES = 8  # Adam exp_avg + exp_avg_sq, fp32
@@ -76,50 +77,6 @@ ASSUMPTIONS = (
     "Newton-Schulz work as the parts' in every layout and owns the parts separately in the "
     "compact one (one gather segment member each); 'whole' owns and counts it as one matrix.",
 )
-
-
-def mxfp8_weight_bytes(shape: Sequence[int]) -> int:
-    """Bytes of a persistent MXFP8 weight: rowwise and columnwise e4m3 codes plus their padded
-    E8M0 scales (rowwise ``roundup(M, 128) x roundup(K / 32, 4)``, columnwise
-    ``roundup(M / 32, 4) x roundup(K, 128)``), leading dimensions flattened into ``M``."""
-
-    def up(x: int, m: int) -> int:
-        return -(-x // m) * m
-
-    k = int(shape[-1])
-    m = math.prod(int(d) for d in shape[:-1])
-    rowwise_scales = up(m, 128) * up(-(-k // 32), 4)
-    columnwise_scales = up(-(-m // 32), 4) * up(k, 128)
-    return 2 * m * k + rowwise_scales + columnwise_scales
-
-
-def blockwise_wire_bytes(shape: Sequence[int]) -> int:
-    """Bytes the layer-wise blockwise FP8 gather ships for one TE linear weight: e4m3 codes plus
-    one fp32 scale per 128x128 tile (the patch sends the scales' valid region, no padding)."""
-    rows = math.prod(shape[:-1])
-    cols = shape[-1]
-    return rows * cols + 4 * (-(-rows // 128)) * (-(-cols // 128))
-
-
-def muon_gather_wire(specs: Sequence[ParamSpec]) -> dict[str, Any]:
-    """Payload of one param gather of every Muon matrix in ``specs`` (what each rank receives per
-    step, its own segment included), bf16 vs blockwise FP8 (``--fp8-recipe blockwise``:
-    TE linear weights as codes + tile scales, other Muon matrices such as the router as bf16).
-    Even-gather padding is not included (bounded by ``gather_padding_tolerance``)."""
-    muon = [s for s in specs if s.muon and s.trainable]
-    numel = sum(s.numel for s in muon)
-    bf16 = numel * PARAM_BYTES
-    fp8 = sum(blockwise_wire_bytes(s.shape) if s.quantized else s.numel * PARAM_BYTES for s in muon)
-    return {
-        "muon_params": numel,
-        "bf16_bytes": bf16,
-        "blockwise_fp8_bytes": fp8,
-        "bytes_per_param": {
-            "bf16": bf16 / numel if numel else 0.0,
-            "blockwise_fp8": fp8 / numel if numel else 0.0,
-        },
-        "blockwise_over_bf16": fp8 / bf16 if bf16 else 1.0,
-    }
 
 
 @dataclass
