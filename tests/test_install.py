@@ -62,8 +62,13 @@ def test_makefile_installs_the_recorded_versions():
     assert installs
     for line in installs:
         for command in line.split("&&"):
-            if "pip install" in command and "--upgrade pip" not in command:
-                assert "-c $(CONSTRAINTS)" in command, command
+            if "pip install" not in command or "--upgrade pip" in command:
+                continue
+            if "$(MCORE_0190_DIR)" in command:
+                # The one release outside the record (it pins 0.19.2): exact, and off the venv.
+                assert "--target $(MCORE_0190_DIR) megatron-core==0.19.0" in command, command
+                continue
+            assert "-c $(CONSTRAINTS)" in command, command
 
 
 def test_this_environment_has_no_drift():
