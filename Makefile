@@ -3,7 +3,8 @@
 #                 architecture through Megatron-Bridge's pretrain, every plugin feature on)
 #   make test   - build .venv if needed, then the test suite
 # Both build the virtual environment from a Python 3.12 interpreter; a second run with nothing
-# changed reuses it (the stamp file records the hash of pyproject.toml).
+# changed reuses it (the stamp file records the hash of pyproject.toml, this Makefile and the
+# constraints file).
 
 SHELL := /bin/bash
 VENV := .venv
@@ -17,7 +18,11 @@ TE_DIR := $(VENV)/te-emulation
 # extra "bridge", lists what they import).
 BRIDGE_VERSION := 0.6.2
 NEMO_RUN_VERSION := 0.11.1
-PYPROJECT_HASH := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
+# The exact versions the suite passed with (docs/install.md): every pip install below takes it as
+# `-c`, so a fresh machine gets the tested environment, not whatever the ranges resolve to today;
+# `nemo-lw-fp8 doctor` names any drift from it.
+CONSTRAINTS := nemo_lw_fp8/tested-constraints.txt
+PYPROJECT_HASH := $(shell cat pyproject.toml Makefile $(CONSTRAINTS) | sha256sum | cut -c1-16)
 
 # A Python 3.12 that really runs: $(PYTHON312) if given, else python3.12 on PATH (a pyenv shim
 # counts only if it works), else the newest pyenv-installed 3.12.x.
@@ -28,11 +33,11 @@ PYTHON312 := $(shell for c in $$(command -v python3.12 2>/dev/null) \
 	done)
 endif
 
-.PHONY: env demo test test-all lint clean-env doctor
+.PHONY: env demo test test-all test-mcore-0.19.0 lint clean-env doctor
 
 env: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	@if [ ! -x "$(PY)" ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then \
 		if [ -z "$(PYTHON312)" ]; then \
 			echo "error: no Python 3.12 found (megatron-core 0.19.2 needs it)." >&2; \
@@ -46,10 +51,12 @@ $(STAMP): pyproject.toml Makefile
 	@if [ -f "$(STAMP)" ] && [ "$$(cat $(STAMP))" = "$(PYPROJECT_HASH)" ]; then exit 0; fi; \
 	echo ">> installing nemo_lw_fp8 with its test and bridge extras into $(VENV) (first time: ~10 minutes)"; \
 	$(PY) -m pip install --quiet --upgrade pip && \
-	$(PY) -m pip install --quiet -e '.[test,bridge]' && \
-	$(PY) -m pip install --quiet --no-deps megatron-bridge==$(BRIDGE_VERSION) nemo-run==$(NEMO_RUN_VERSION) && \
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,bridge]' && \
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) --no-deps \
+		megatron-bridge==$(BRIDGE_VERSION) nemo-run==$(NEMO_RUN_VERSION) && \
 	rm -rf $(TE_DIR) && \
-	$(PY) -m pip install --quiet --no-deps --target $(TE_DIR) transformer-engine==$(TE_VERSION) && \
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) --no-deps --target $(TE_DIR) \
+		transformer-engine==$(TE_VERSION) && \
 	echo "$(PYPROJECT_HASH)" > $(STAMP)
 
 demo: env
@@ -67,6 +74,18 @@ test-all: env
 	@NEMO_LW_FP8_REQUIRE_TE=1 $(PY) -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
+
+# megatron-core 0.19.0, the other release the patches accept (docs/install.md): installed beside
+# the tested 0.19.2 in $(MCORE_0190_DIR) (first on PYTHONPATH, so it shadows 0.19.2 for these
+# tests only), then a subset that applies and fingerprints every patch and trains through them.
+MCORE_0190_DIR := $(VENV)/megatron-core-0.19.0
+MCORE_0190_TESTS := tests/test_upstream_fingerprints.py tests/test_patch_framework.py \
+	tests/test_megatron_core_direct.py tests/test_readme_example.py
+test-mcore-0.19.0: env
+	@[ -d $(MCORE_0190_DIR) ] || $(PY) -m pip install --quiet --no-deps \
+		--target $(MCORE_0190_DIR) megatron-core==0.19.0
+	@PYTHONPATH=$(CURDIR)/$(MCORE_0190_DIR) NEMO_LW_FP8_REQUIRE_TE=1 \
+		$(PY) -m pytest -m "not extended" $(MCORE_0190_TESTS)
 
 lint: env
 	$(VENV)/bin/ruff check nemo_lw_fp8 tests benchmarks

@@ -2,9 +2,11 @@
 
 A checkpoint another run wrote (read from its Bridge ``run_config.yaml`` and its DCP metadata) is
 refused before anything of it is loaded into the model or the optimizer: ``checkpoint-mismatch``
-(:func:`checkpoint_mismatch`) and ``checkpoint-missing-shard`` (:func:`checkpoint_missing_files`),
-checked by :mod:`nemo_lw_fp8.mechanics.checkpointing`. They read a saved config and files, not the
-:class:`~nemo_lw_fp8.guards.Settings` the other rules read, hence a module of their own.
+(:func:`checkpoint_mismatch`), ``checkpoint-missing-shard`` (:func:`checkpoint_missing_files`),
+``checkpoint-truncated-shard`` and ``checkpoint-bucket-resplit``
+(:func:`checkpoint_bucket_resplit`), checked by :mod:`nemo_lw_fp8.mechanics.checkpointing`.
+They read a saved config and files, not the :class:`~nemo_lw_fp8.guards.Settings` the other
+rules read, hence a module of their own.
 """
 
 from __future__ import annotations
@@ -70,8 +72,44 @@ def checkpoint_truncated_files(short: dict[str, tuple[int, int]], where: str) ->
     )
 
 
+def checkpoint_bucket_resplit(
+    fully_reshardable: bool,
+    saved_bucket_size: int | None,
+    bucket_size: int | None,
+    saved_buckets: dict[str, list[int]],
+    where: str,
+) -> str | None:
+    """Rule ``checkpoint-bucket-resplit``: a ``dp_reshardable`` checkpoint whose distributed
+    optimizer buckets this run would cut differently.
+
+    ``dp_reshardable`` writes the sibling Adam's state as one tensor per DDP bucket
+    (``saved_buckets``: per buffer, the elements of each saved bucket), so a load finds it only
+    if this run's buckets are the saved ones. They end at ``ddp.bucket_size`` elements, which
+    megatron sets to ``max(40M, 1M x DP)`` when unset: a resume at another DP past 40 (or with
+    another explicit size) cuts buffers above the smaller size elsewhere, and megatron's load
+    stops deep inside on tensors the checkpoint lacks. A bucket closes once it reaches the size,
+    so saved buckets all below both sizes were closed by something else (a buffer's end, a
+    forced split) and are cut the same here: allowed.
+    """
+    if fully_reshardable or saved_bucket_size == bucket_size or not saved_buckets:
+        return None
+    sizes = [s for s in (saved_bucket_size, bucket_size) if s is not None]
+    limit = min(sizes) if sizes else float("inf")
+    if all(n < limit for buckets in saved_buckets.values() for n in buckets):
+        return None
+    return (
+        f"the checkpoint {where} holds the distributed optimizer's state as dp_reshardable "
+        f"buckets of ddp.bucket_size={saved_bucket_size} elements, but this run's buckets are "
+        f"{bucket_size} elements (megatron's default max(40M, 1M x DP) changes past DP 40), so "
+        "they would not match the saved bucket tensors. Fix: set "
+        f"ddp.bucket_size={saved_bucket_size} for this run, or resume from a checkpoint saved "
+        "with checkpoint.dist_ckpt_optim_fully_reshardable=true. Nothing was loaded."
+    )
+
+
 CHECKPOINT_RULES: tuple[tuple[str, str], ...] = (
     ("checkpoint-mismatch", "a resume keeps the model's shapes, FP8 recipe and optimizer"),
     ("checkpoint-missing-shard", "every file the checkpoint's metadata lists is there"),
     ("checkpoint-truncated-shard", "every file is as long as the checkpoint's metadata says"),
+    ("checkpoint-bucket-resplit", "a dp_reshardable resume keeps the saved optimizer buckets"),
 )

@@ -58,12 +58,13 @@ class LayerWiseConfig:
     lowers the busiest rank's Newton-Schulz work by more than 2 % (``"auto"``). The arithmetic is
     the same in all three.
 
-    ``qkv_ownership`` (compact): ``"split"`` (the default) owns the Q, K and V parts of a fused
-    ``linear_qkv`` weight as matrices of their own wherever megatron's Muon orthogonalizes them
-    apart (``muon_split_qkv``, on by default), so ranks that would own no large matrix own the
-    small K and V parts (their gradients then need not travel); ``"whole"``: one owner per
-    weight. The arithmetic is the same in both; a checkpoint saved under one loads under the
-    other.
+    ``qkv_ownership``: ``"split"`` owns the Q, K and V parts of a fused ``linear_qkv`` weight as
+    matrices of their own wherever megatron's Muon orthogonalizes them apart (``muon_split_qkv``,
+    on by default), so ranks that would own no large matrix own the small K and V parts (their
+    gradients then need not travel); ``"whole"``: one owner per weight; ``"auto"`` (the default):
+    split on the compact layout, whole where parts cannot be owned apart (the padded and legacy
+    layouts, blockwise FP8 weights). An explicit ``"split"`` there is refused, not dropped. The
+    arithmetic is the same in all; a checkpoint saved under one loads under the other.
 
     ``grad_sync`` (compact): ``"reduce_to_owner"`` (the default) reduces each Muon gradient in
     place to the rank that owns the matrix only (each bucket's gradients lie in owner order, one
@@ -81,7 +82,7 @@ class LayerWiseConfig:
     layout: str = "compact"
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE
     grouped_weight_ownership: str = "whole"
-    qkv_ownership: str = "split"
+    qkv_ownership: str = "auto"
     grad_sync: str = "reduce_to_owner"
     bucket_cap_numel: int | None = None
 

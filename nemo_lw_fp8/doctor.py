@@ -9,7 +9,9 @@ For each tracked upstream change the status is one of:
                  others is applied (``native (extendable)``: available, not applied);
 ``unavailable``  megatron-core lacks it and this plugin version cannot bring it (reason given).
 
-The report reads package versions from their metadata and the upstream status from the patch
+The report reads package versions from their metadata, and names every package whose version
+differs from the environment the suite passed in (:mod:`nemo_lw_fp8.tested_env`, the
+constraints file ``make`` installs from) and the upstream status from the patch
 detectors. The detectors read megatron-core's definitions from its source files when megatron is
 not imported (:mod:`nemo_lw_fp8.symbols`), so a fresh ``doctor`` process imports torch (for the
 accelerator) and the plugin's patch modules, never megatron-core: about 2 s of CPU instead of
@@ -24,7 +26,6 @@ import json
 import platform
 import sys
 from dataclasses import asdict, dataclass
-from importlib.metadata import PackageNotFoundError, version
 
 PACKAGES = (
     ("torch", "torch"),
@@ -42,13 +43,6 @@ class ChangeStatus:
     title: str
     status: str
     reason: str
-
-
-def _package_version(name: str) -> str | None:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 def accelerator() -> dict[str, object]:
@@ -143,10 +137,15 @@ def expert_paths() -> dict[str, object]:
 
 
 def collect() -> dict[str, object]:
+    from . import tested_env
+
+    installed = tested_env.installed_versions()
     versions = {"python": platform.python_version()}
-    versions.update({label: _package_version(dist) for label, dist in PACKAGES})
+    # Looked up by normalized name, so TE's package in <venv>/te-emulation counts as installed.
+    versions.update({label: installed.get(tested_env.normalize(dist)) for label, dist in PACKAGES})
     return {
         "versions": versions,
+        "drift": [asdict(row) for row in tested_env.drift(installed=installed)],
         "accelerator": accelerator(),
         "fp8_backend": fp8_backend(),
         "upstream": [asdict(row) for row in upstream_status()],
@@ -159,6 +158,21 @@ def render(report: dict[str, object]) -> str:
     lines.append("versions:")
     for name, value in report["versions"].items():
         lines.append(f"  {name:<20} {value or 'not installed'}")
+    drift = report.get("drift")
+    if drift is not None:
+        lines.append("")
+        if not drift:
+            lines.append("tested environment:    no drift (every package at its recorded version)")
+        else:
+            lines.append(
+                f"tested environment:    {len(drift)} package(s) differ from "
+                "nemo_lw_fp8/tested-constraints.txt (docs/install.md):"
+            )
+            for row in drift:
+                lines.append(
+                    f"  {row['package']:<28} tested {row['tested']:<14} "
+                    f"installed {row['installed'] or 'none'}"
+                )
     acc = report["accelerator"]
     lines.append("")
     detail = ", ".join(f"{k}={v}" for k, v in acc.items() if k != "kind")

@@ -236,9 +236,24 @@ AUTO_SPLIT_GAIN = 0.02
 
 #: How a fused ``linear_qkv`` weight that Muon orthogonalizes in parts (megatron's
 #: ``muon_split_qkv``, tagged ``is_qkv`` with ``qkv_split_shapes``) is owned: ``"whole"`` (one
-#: rank, like any parameter) or ``"split"`` (each part, Q / K / V, and the gate with
-#: ``attention_output_gate``, an independent matrix with its own owner; the default).
-QKV_OWNERSHIP = ("whole", "split")
+#: rank, like any parameter), ``"split"`` (each part, Q / K / V, and the gate with
+#: ``attention_output_gate``, an independent matrix with its own owner), or ``"auto"`` (the
+#: default: split wherever that can happen, whole otherwise; :func:`resolve_qkv_ownership`).
+QKV_OWNERSHIP = ("auto", "whole", "split")
+#: What ``"auto"`` resolves to: the two ways a fused QKV weight is actually owned.
+QKV_RESOLVED = ("whole", "split")
+
+
+def resolve_qkv_ownership(value: str, layout: str, blockwise: bool = False) -> str:
+    """``"split"`` or ``"whole"`` for a ``qkv_ownership`` setting. ``"auto"`` splits only where
+    it can: the compact layout (the padded and legacy layouts own whole parameters) with weights
+    that are not blockwise FP8 (their owner quantizes whole 128 x 128 tiles, which span the
+    parts). An explicit value is returned as given; the guards refuse the explicit ``"split"``
+    where it cannot happen rather than dropping it (``qkv-split-needs-compact``,
+    ``qkv-split-blockwise``)."""
+    if value != "auto":
+        return value
+    return "split" if layout == "compact" and not blockwise else "whole"
 
 
 @dataclass(frozen=True)

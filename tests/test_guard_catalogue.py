@@ -109,6 +109,11 @@ CASES: list[tuple[str, dict, str]] = [
                                                     grouped_weight_ownership="expert"),
      "grouped-weight-split-ownership-needs-compact"),
     ("unknown QKV ownership", GOOD | dict(qkv_ownership="per-head"), "qkv-ownership-name"),
+    ("explicit QKV split on the padded layout", GOOD | dict(layer_wise_layout="padded",
+                                                           qkv_ownership="split"),
+     "qkv-split-needs-compact"),
+    ("explicit QKV split with blockwise FP8", HOPPER | dict(qkv_ownership="split"),
+     "qkv-split-blockwise"),
     ("op-fuser SwiGLU experts without the CuTe-DSL switch", GOOD | dict(
         num_moe_experts=8, gated_linear_unit=True, activation_func="silu",
         cutedsl_fused_grouped_mlp=False), "op-fuser-glu-experts-env"),
@@ -148,3 +153,34 @@ def test_docs_list_every_rule():
     text = (Path(__file__).parent.parent / "docs" / "guards.md").read_text()
     missing = [rule.name for rule in guards.RULES if f"`{rule.name}`" not in text]
     assert missing == []
+
+
+def test_rule_modules_import_neither_each_other_nor_the_list():
+    """guards.RULES lists every rule; the modules that write them depend only on
+    guard_settings, so there is no import circle (a fresh interpreter imports them all without
+    nemo_lw_fp8.guards), and every rule they define is in the list."""
+    import subprocess
+    import sys
+
+    modules = ["rules_fp8", "rules_grouped", "rules_integration", "scope_guards"]
+    probe = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module('nemo_lw_fp8.' + name)\n"
+        "print('nemo_lw_fp8.guards' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+    from nemo_lw_fp8 import rules_fp8, rules_grouped, rules_integration
+
+    defined = {
+        rule.name
+        for module in (rules_fp8, rules_grouped, rules_integration)
+        for value in vars(module).values()
+        if isinstance(value, tuple)
+        for rule in value
+        if isinstance(rule, guards.Rule)
+    }
+    assert defined <= {rule.name for rule in guards.RULES}
+    assert len(guards.RULES) == len({rule.name for rule in guards.RULES})

@@ -178,3 +178,63 @@ def test_apply_hooks_megatron_validate_args():
     finally:
         nemo_lw_fp8.revert()
     assert arguments.validate_args is original
+
+
+# --------------------------------------------------------------------------- qkv_ownership
+
+
+@pytest.mark.parametrize(
+    ("value", "layout", "blockwise", "owned"),
+    [
+        ("auto", "compact", False, "split"),
+        ("auto", "padded", False, "whole"),
+        ("auto", "legacy", False, "whole"),
+        ("auto", "compact", True, "whole"),
+        ("whole", "compact", False, "whole"),
+        ("split", "compact", False, "split"),
+    ],
+)
+def test_qkv_ownership_auto_splits_only_where_it_can(value, layout, blockwise, owned):
+    from nemo_lw_fp8.layout import resolve_qkv_ownership
+
+    assert resolve_qkv_ownership(value, layout, blockwise) == owned
+
+
+def test_qkv_ownership_defaults_to_auto_on_every_layout():
+    """The default is accepted on every layout (it used to be an explicit 'split' the padded
+    layout dropped silently)."""
+    from nemo_lw_fp8 import LayerWiseConfig
+
+    assert LayerWiseConfig().qkv_ownership == "auto"
+    for layout in ("compact", "padded", "legacy"):
+        assert LayerWiseConfig(layout=layout).qkv_ownership == "auto"
+
+
+@pytest.mark.parametrize(
+    ("settings", "rule"),
+    [
+        (dict(layer_wise_layout="padded"), "qkv-split-needs-compact"),
+        (dict(layer_wise_layout="legacy", use_layer_wise_param_layout=False),
+         "qkv-split-needs-compact"),
+        (dict(layer_wise_layout="compact", fp8_recipe="blockwise", fp8="e4m3"),
+         "qkv-split-blockwise"),
+    ],
+)  # fmt: skip
+def test_explicit_qkv_split_where_it_cannot_happen_is_refused(settings, rule):
+    base = dict(optimizer="muon", use_layer_wise_distributed_optimizer=True, bf16=True)
+    with pytest.raises(ConfigError) as info:
+        guards.check(Settings(**base, **settings, qkv_ownership="split"))
+    assert info.value.rule == rule
+    message = str(info.value)
+    assert "qkv_ownership='split'" in message  # the flag
+    assert "Fix: qkv_ownership='auto'" in message  # the fix
+    assert len(message.splitlines()) == 1
+    guards.check(Settings(**base, **settings, qkv_ownership="auto"))  # the default passes
+
+
+def test_layer_wise_config_refuses_split_on_the_padded_layout():
+    from nemo_lw_fp8 import LayerWiseConfig
+
+    with pytest.raises(ConfigError, match=r"qkv-split-needs-compact.*Fix: qkv_ownership='auto'"):
+        LayerWiseConfig(layout="padded", qkv_ownership="split")
+    assert LayerWiseConfig(layout="compact", qkv_ownership="split").qkv_ownership == "split"

@@ -42,7 +42,8 @@ def _build_overrides() -> list[Override]:
     ]
 
 
-def make_patch(native: bool = False, tested=("0.19.2",)) -> Patch:
+def make_patch(native: bool = False, tested: tuple[str, ...] | None = None) -> Patch:
+    tested = (framework.megatron_core_version(),) if tested is None else tested
     return Patch(
         name=TEST_FEATURE,
         upstream_pr=0,
@@ -113,10 +114,11 @@ def test_untested_megatron_version_is_refused(monkeypatch):
         with pytest.raises(UntestedMegatronVersion) as info:
             nemo_lw_fp8.apply([TEST_FEATURE])
         message = str(info.value)
-        assert "0.19.2" in message and "0.0.1" in message and ALLOW_UNTESTED_ENV in message
+        installed = framework.megatron_core_version()
+        assert installed in message and "0.0.1" in message and ALLOW_UNTESTED_ENV in message
         assert _snapshot() == before
         monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
-        with pytest.warns(UserWarning, match="not 0.19.2"):
+        with pytest.warns(UserWarning, match=f"not {installed}"):
             assert nemo_lw_fp8.apply([TEST_FEATURE]) == {TEST_FEATURE: "patched"}
     finally:
         framework.unregister(TEST_FEATURE)

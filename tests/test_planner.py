@@ -257,10 +257,20 @@ def test_tiny_model_by_hand():
     assert compact["transient_gather"]["extra_bytes"] == 0  # fits in 12288 fp32 grads
     assert adam["param_gather"]["collectives"] == 1
     assert r["stock_legacy_param_gather"] == {"collectives": 2, "output_bytes": 12352 * 2}
-    # grads: stock reduce-scatters, compact all-reduces its Muon bucket
+    # grads: stock reduce-scatters; compact (the default grad_sync) reduces its Muon bucket to
+    # the owners: rank 1 sends A's 8192 elements to rank 0, rank 0 B's 4096 to rank 1; the
+    # worst rank sends 8192, plus its half of the norm's reduce-scatter
+    assert r["grad_sync"] == "reduce_to_owner"
     assert stock["grad_sync"]["op"] == "reduce_scatter"
-    assert compact["grad_sync"]["op"] == "all_reduce+reduce_scatter"
-    assert compact["grad_sync"]["wire_bytes_per_rank"] == 12288 * 4 + 128 * 4 // 2
+    assert compact["grad_sync"]["op"] == "reduce_scatter+reduce_to_owner"
+    assert compact["grad_sync"]["wire_bytes_per_rank"] == 8192 * 4 + 128 * 4 // 2
+    assert compact["grad_sync"]["buffer_bytes"] == (12288 + 128) * 4
+    # grad_sync="all_reduce" (upstream's compact path): the whole Muon bucket twice over the ring
+    ar = planner.plan(specs, dp=2, fp8_param_gather=False, grad_sync="all_reduce")
+    ar_compact = ar["layouts"]["compact"]
+    assert ar_compact["grad_sync"]["op"] == "all_reduce+reduce_scatter"
+    assert ar_compact["grad_sync"]["wire_bytes_per_rank"] == 12288 * 4 + 128 * 4 // 2
+    assert ar_compact["bytes_per_rank"] == compact["bytes_per_rank"]  # same memory either way
 
 
 def test_grouped_expert_runs_balance_newton_schulz():
@@ -591,3 +601,20 @@ def test_plan_cli_prints_the_traffic_model(capsys, argv):
     assert plan_cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "\n".join(traffic.format_rows(expected)) in out
+
+
+@pytest.mark.parametrize("dp, ep", [(4, 1), (4, 2), (8, 4)])
+def test_main_table_grad_sync_is_the_owner_reduce_of_the_traffic_rows(dp, ep):
+    """The compact column plans the default gradient sync: its wire bytes are the traffic
+    model's owner-reduce rows for the same parameters (one chunk), not the all-reduce ones."""
+    from nemo_lw_fp8.models import traffic
+
+    specs = param_shapes("tiny-moe")
+    compact = planner.plan("tiny-moe", dp, ep)["layouts"]["compact"]["grad_sync"]
+    rows = traffic.rank_traffic([specs], dp, ep)
+    assert compact["wire_bytes_per_rank"] == rows["compact_owner_reduce"]["grad_wire_bytes"]
+    assert compact["wire_bytes_per_rank"] != rows["compact_all_reduce"]["grad_wire_bytes"]
+    upstream = planner.plan("tiny-moe", dp, ep, grad_sync="all_reduce")["layouts"]["compact"]
+    assert upstream["grad_sync"]["wire_bytes_per_rank"] == (
+        rows["compact_all_reduce"]["grad_wire_bytes"]
+    )

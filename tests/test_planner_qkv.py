@@ -10,10 +10,11 @@ import pytest
 
 from nemo_lw_fp8 import layout as lo
 from nemo_lw_fp8.models import plan_cli, planner
+from nemo_lw_fp8.models.owner_sync import bucket_spans
 from nemo_lw_fp8.models.ownership import our_owners
 from nemo_lw_fp8.models.qkv_split import qkv_parts, unit_costs
 from nemo_lw_fp8.models.shapes import SPECS, ParamSpec, param_shapes
-from nemo_lw_fp8.models.traffic import _owner_spans, rank_traffic
+from nemo_lw_fp8.models.traffic import rank_traffic
 
 
 def _qkv(name: str, groups: int, split: tuple[int, ...], hidden: int) -> ParamSpec:
@@ -121,8 +122,8 @@ def test_split_qkv_gradient_layout_and_bound():
     runs = [(q_owner, 32 * hidden), (k_owner, 8 * hidden), (v_owner, 8 * hidden)] * 2
     params = sorted([(m_owner, 0, [(m_owner, matrix.numel)]), (q_owner, 1, runs)])
     expected = lo_spans([run for _, _, param_runs in params for run in param_runs])
-    assert _owner_spans(bucket, own.dense, own) == expected
-    assert len(_owner_spans([(0, qkv.numel)], own.dense, own)) == 3 * 2
+    assert bucket_spans(bucket, own.dense, own) == expected
+    assert len(bucket_spans([(0, qkv.numel)], own.dense, own)) == 3 * 2
     result = rank_traffic([specs], 3, bucket_size=10**9)
     assert result["compact_owner_reduce"]["grad_reduces"] == len(expected)
     costs = [lo.newton_schulz_cost((2 * rows, hidden)) for rows in split]
@@ -152,3 +153,22 @@ def test_plan_cli_qkv_ownership(capsys):
     parsed = json.loads(capsys.readouterr().out)
     assert parsed["qkv_ownership"] == "whole"
     assert {row["qkv_ownership"] for row in parsed["traffic"]} == {"whole"}
+
+
+def test_recipe_plans_resolve_auto_as_the_run_does():
+    """``plan --recipe``: the default ``auto`` plans Q / K / V parts on MXFP8 recipes and whole
+    weights on blockwise (Hopper) ones, as the compact layout owns them; an explicit ``split``
+    on a blockwise recipe is one line naming the flag and the fix (the run refuses it too)."""
+    from nemo_lw_fp8.cli import UsageError
+    from nemo_lw_fp8.models import recipe_plan
+
+    mxfp8 = recipe_plan.recipe_setup("qwen3_235b_a22b_mxfp8", [])
+    hopper = recipe_plan.recipe_setup("qwen3_235b_a22b_hopper", [])
+    assert mxfp8.qkv_ownership == hopper.qkv_ownership == "auto"
+    assert recipe_plan.planned_qkv_ownership(mxfp8) == "split"
+    assert recipe_plan.planned_qkv_ownership(hopper) == "whole"
+    explicit = recipe_plan.recipe_setup("qwen3_235b_a22b_hopper", ["optimizer.qkv_ownership=split"])
+    with pytest.raises(UsageError) as caught:
+        recipe_plan.planned_qkv_ownership(explicit)
+    assert "optimizer.qkv_ownership=split" in caught.value.problem
+    assert "optimizer.qkv_ownership=auto" in caught.value.fix

@@ -19,8 +19,14 @@ from nemo_lw_fp8.patches.upstream_fingerprints import FINGERPRINTS
 ROOT = Path(__file__).parent.parent
 
 
+def _pythonpath() -> str:
+    """This checkout first, then whatever the caller put on the path (``make
+    test-mcore-0.19.0`` puts another megatron-core there)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def _python(code: str) -> list[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
     env.pop("NEMO_LW_FP8_ALLOW_UNTESTED_MEGATRON", None)
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -36,7 +42,7 @@ def test_record_is_current_for_the_installed_stack():
     rewrites it)."""
     done = subprocess.run(
         [sys.executable, "-m", "nemo_lw_fp8.patches.fingerprints"],
-        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT,
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=_pythonpath()), cwd=ROOT,
         timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -76,7 +82,10 @@ def test_a_changed_upstream_method_is_refused():
     assert control == "patched"
     assert line.startswith("refused: nemo_lw_fp8 patch 'compact_layout' wraps "), line
     assert "_ParamAndGradBucketGroup.start_grad_sync" in line
-    assert "megatron-core==0.19.2" in line and "NEMO_LW_FP8_ALLOW_UNTESTED_MEGATRON=1" in line
+    from nemo_lw_fp8.patches.framework import megatron_core_version
+
+    installed = f"megatron-core=={megatron_core_version()}"
+    assert installed in line and "NEMO_LW_FP8_ALLOW_UNTESTED_MEGATRON=1" in line
     assert untouched == "True"
 
 

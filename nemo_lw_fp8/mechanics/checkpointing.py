@@ -22,6 +22,8 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -143,6 +145,7 @@ def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
 
     from ..guards import (
         ConfigError,
+        checkpoint_bucket_resplit,
         checkpoint_mismatch,
         checkpoint_missing_files,
         checkpoint_truncated_files,
@@ -164,6 +167,34 @@ def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
         message = checkpoint_truncated_files(truncated_files(iteration_dir), iteration_dir)
         if message:
             raise ConfigError("checkpoint-truncated-shard", message)
+        saved = run_config.get("checkpoint") or {}
+        message = checkpoint_bucket_resplit(
+            bool(saved.get("dist_ckpt_optim_fully_reshardable")),
+            (run_config.get("ddp") or {}).get("bucket_size"),
+            getattr(cfg.ddp, "bucket_size", None),  # megatron's default is set at wrap time
+            saved_optimizer_buckets(iteration_dir),
+            iteration_dir,
+        )
+        if message:
+            raise ConfigError("checkpoint-bucket-resplit", message)
+
+
+#: A dp_reshardable distributed-optimizer entry: ``<buffer>.bucket_idx_<n>.param``.
+_BUCKET_KEY = re.compile(r"^(.*\.gbuf_idx_\d+\..*)\.bucket_idx_(\d+)\.param$")
+
+
+def saved_optimizer_buckets(iteration_dir: str) -> dict[str, list[int]]:
+    """Per distributed-optimizer buffer of a ``torch_dist`` checkpoint, the elements of each
+    saved ``dp_reshardable`` bucket, in bucket order (empty: none saved that way)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    found: dict[str, dict[int, int]] = {}
+    for name, meta in FileSystemReader(iteration_dir).read_metadata().state_dict_metadata.items():
+        match = _BUCKET_KEY.match(name)
+        size = getattr(meta, "size", None)
+        if match and size is not None:
+            found.setdefault(match.group(1), {})[int(match.group(2))] = int(math.prod(size))
+    return {buffer: [n for _, n in sorted(b.items())] for buffer, b in found.items()}
 
 
 def saved_rng_data_parallel_size(iteration_dir: str, key: str) -> int | None:

@@ -281,7 +281,12 @@ def shard(
     for group in param_groups:
         (expert if group.get("is_expert_parallel", False) else dense).extend(group["params"])
     record = optimizer_state(optimizer)
-    split = qkv_ownership == "split" and not _blockwise_fp8(record.model_chunks or [])
+    blockwise = _blockwise_fp8(record.model_chunks or [])
+    if qkv_ownership == "split" and blockwise:  # explicit: refused, never dropped
+        from ..guards import ConfigError, qkv_split_blockwise_message
+
+        raise ConfigError("qkv-split-blockwise", qkv_split_blockwise_message())
+    split = layout_math.resolve_qkv_ownership(qkv_ownership, "compact", blockwise) == "split"
     split_qkv = _muon_splits_qkv(optimizers) if split else frozenset()
     per_rank: dict[int, list[list[torch.nn.Parameter]]] = {}
     dense_loads = [0] * dp_size

@@ -12,7 +12,8 @@ over an exact reduce-scatter, launches, transient peak, padding, Newton-Schulz b
 padded, compact all-reduce, compact owner-reduce and Adam layouts), the rows
 ``benchmarks/layout.py`` prints, from the same functions; ``--json`` puts them under
 ``"traffic"``. ``--qkv-ownership whole`` plans ``linear_qkv`` weights owned whole instead of as
-the Q / K / V parts Muon orthogonalizes separately (the default, ``split``).
+the Q / K / V parts Muon orthogonalizes separately (the default ``auto`` resolves as a run
+does: split on the compact layout, whole for a blockwise FP8 recipe).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import argparse
 import json
 from typing import Any
 
-from ..layout import QKV_OWNERSHIP
+from ..layout import QKV_OWNERSHIP, resolve_qkv_ownership
 from . import traffic
 from .planner import GRAD_BYTES, MEMORY_FIELDS, plan
 from .shapes import SPECS
@@ -73,7 +74,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['model']}: dp={result['dp']} ep={result['ep']} "
         f"(expert dp {result['expert_dp']}), "
         f"bucket_size={result['bucket_size']}, fp8_param_gather={result['fp8_param_gather']}, "
-        f"grads {result['grad_dtype']}, linear_qkv owned {result['qkv_ownership']}; "
+        f"grads {result['grad_dtype']}, linear_qkv owned {result['qkv_ownership']}, "
+        f"compact grad_sync={result['grad_sync']}; "
         f"{result['params']['per_rank']:,} params per rank"
     ]
     for i, row in enumerate(rows):
@@ -179,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grad-dtype", choices=sorted(GRAD_BYTES), default="fp32")
     parser.add_argument("--gather-padding-tolerance", type=float, default=0.1)
     parser.add_argument(
-        "--qkv-ownership", choices=QKV_OWNERSHIP, default="split",
+        "--qkv-ownership", choices=QKV_OWNERSHIP, default="auto",
         help="linear_qkv weights Muon splits (muon_split_qkv) owned as their Q / K / V parts "
-        "(split, the default) or whole",
+        "(split) or whole; auto (the default): split unless the recipe is blockwise FP8",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_intermixed_args(argv)
@@ -190,11 +192,14 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} {value}: must be >= 1", "give a count")
     grad_bytes = GRAD_BYTES[args.grad_dtype]
+    # The model forms plan the compact layout of bf16 / MXFP8 weights: auto owns QKV parts apart.
+    qkv_ownership = resolve_qkv_ownership(args.qkv_ownership, "compact")
     traffic_of = None  # () -> the traffic rows of the same configuration
     if args.recipe:
         words = ([args.model] if args.model else []) + args.overrides
         setup = recipe_plan.recipe_setup(args.recipe, words)
-        setup.qkv_ownership = args.qkv_ownership
+        if args.qkv_ownership != "auto":  # else the recipe's own (override or default)
+            setup.qkv_ownership = args.qkv_ownership
         result = recipe_plan.plan_recipe(setup)
         result["expert_path"] = expert_path_rows(args.recipe, setup.gpu)
         traffic_of = _pipeline_traffic(setup)
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 single_grouped_weight=False, bucket_size=args.bucket_size,
                 fp8_param_gather=not args.no_fp8_param_gather,
                 gather_padding_tolerance=args.gather_padding_tolerance,
-                grad_reduce_in_fp32=args.grad_dtype == "fp32", qkv_ownership=args.qkv_ownership,
+                grad_reduce_in_fp32=args.grad_dtype == "fp32", qkv_ownership=qkv_ownership,
             )  # fmt: skip
             result = recipe_plan.plan_recipe(setup)
             result["recipe"] = None
@@ -239,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                     grad_dtype=args.grad_dtype,
                     overlap_grad_reduce=not args.no_overlap_grad_reduce,
                     gather_padding_tolerance=args.gather_padding_tolerance,
-                    qkv_ownership=args.qkv_ownership,
+                    qkv_ownership=qkv_ownership,
                 )
             except ValueError as exc:
                 raise UsageError(str(exc), "see nemo-lw-fp8 plan --help") from None
@@ -249,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                     return traffic.whole_model_rows(
                         args.model, args.dp, args.ep or 1, bucket_size=args.bucket_size,
                         fp8_param_gather=not args.no_fp8_param_gather, grad_bytes=grad_bytes,
-                        qkv_ownership=args.qkv_ownership,
+                        qkv_ownership=qkv_ownership,
                     )  # fmt: skip
 
     rows, why_not = None, "not modelled for this model (no architecture)"
@@ -270,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
 
 #: The heading of the traffic rows in the text output.
 TRAFFIC_TITLE = (
-    "The table above plans compact Muon gradients all-reduced (grad_sync=all_reduce); the "
-    "default, reduce_to_owner, is the owner-reduce layout below.\n"
+    "The table above plans the compact layout as it runs by default (grad_sync=reduce_to_owner: "
+    "the owner-reduce layout below; all_reduce is the upstream compact path).\n"
     "Per step, worst rank, each virtual-pipeline chunk as megatron builds it "
     "(nemo_lw_fp8.models.traffic, as benchmarks/layout.py):"
 )
@@ -280,11 +285,14 @@ TRAFFIC_TITLE = (
 def _pipeline_traffic(setup: Any):
     """The traffic rows of a recipe or model-form setup, every pipeline rank."""
 
+    from .recipe_plan import planned_qkv_ownership
+
     def rows() -> list[dict[str, Any]]:
         return traffic.pipeline_rows(
             setup.recipe, setup.arch, setup.par,
             single_grouped_weight=setup.single_grouped_weight, ownership=setup.ownership,
-            qkv_ownership=setup.qkv_ownership, bucket_size=setup.bucket_size,
+            qkv_ownership=planned_qkv_ownership(setup),
+            bucket_size=setup.bucket_size,
             fp8_param_gather=setup.fp8_param_gather,
             grad_bytes=GRAD_BYTES["fp32" if setup.grad_reduce_in_fp32 else "bf16"],
         )  # fmt: skip

@@ -21,17 +21,19 @@ are in :mod:`.plan_cli`; the plan for one pipeline rank of a recipe in :mod:`.pi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import layout as lo
+from .owner_sync import bucket_spans, owner_reduce_layout, sent_by_member
 from .ownership import our_owners, stock_costs
 from .qkv_split import check_qkv_ownership
 from .shapes import ParamSpec, param_shapes
+from .weight_bytes import PARAM_BYTES as PARAM_BYTES
+from .weight_bytes import blockwise_wire_bytes as blockwise_wire_bytes
+from .weight_bytes import muon_gather_wire, mxfp8_weight_bytes
 
-PARAM_BYTES = 2  # bf16 model parameters and bf16 on the wire (also for MXFP8 param gather)
 MASTER_BYTES = 4  # fp32 master weights
 MUON_STATE_BYTES = 4  # Muon momentum, fp32
 ADAM_STATE_BYTES = 8  # Adam exp_avg + exp_avg_sq, fp32
@@ -66,57 +68,15 @@ ASSUMPTIONS = (
     "gather group (consecutive bucket groups merged until the transient padding is within "
     "gather_padding_tolerance) plus Adam's; every expert-data-parallel group owns its "
     "(identically shaped) experts the same way.",
-    "compact gradients are all-reduced per bucket (upstream PR #5388's compact path); the padded "
-    "and Adam layouts reduce-scatter.",
+    "compact Muon gradients are synced as grad_sync says: reduce_to_owner (the default) reduces "
+    "each owner's span of each bucket to that owner in place, buckets ending where the padded "
+    "layout ends them (bucket_cap_numel None); all_reduce all-reduces plain DDP buckets "
+    "(upstream PR #5388's compact path). The padded and Adam layouts reduce-scatter.",
     "muon_split_qkv on (megatron's default): Muon orthogonalizes a linear_qkv weight as its "
     "Q / K / V parts (with attention_output_gate Q, gate, K, V). qkv_ownership='split' counts its "
     "Newton-Schulz work as the parts' in every layout and owns the parts separately in the "
     "compact one (one gather segment member each); 'whole' owns and counts it as one matrix.",
 )
-
-
-def mxfp8_weight_bytes(shape: Sequence[int]) -> int:
-    """Bytes of a persistent MXFP8 weight: rowwise and columnwise e4m3 codes plus their padded
-    E8M0 scales (rowwise ``roundup(M, 128) x roundup(K / 32, 4)``, columnwise
-    ``roundup(M / 32, 4) x roundup(K, 128)``), leading dimensions flattened into ``M``."""
-
-    def up(x: int, m: int) -> int:
-        return -(-x // m) * m
-
-    k = int(shape[-1])
-    m = math.prod(int(d) for d in shape[:-1])
-    rowwise_scales = up(m, 128) * up(-(-k // 32), 4)
-    columnwise_scales = up(-(-m // 32), 4) * up(k, 128)
-    return 2 * m * k + rowwise_scales + columnwise_scales
-
-
-def blockwise_wire_bytes(shape: Sequence[int]) -> int:
-    """Bytes the layer-wise blockwise FP8 gather ships for one TE linear weight: e4m3 codes plus
-    one fp32 scale per 128x128 tile (the patch sends the scales' valid region, no padding)."""
-    rows = math.prod(shape[:-1])
-    cols = shape[-1]
-    return rows * cols + 4 * (-(-rows // 128)) * (-(-cols // 128))
-
-
-def muon_gather_wire(specs: Sequence[ParamSpec]) -> dict[str, Any]:
-    """Payload of one param gather of every Muon matrix in ``specs`` (what each rank receives per
-    step, its own segment included), bf16 vs blockwise FP8 (``--fp8-recipe blockwise``:
-    TE linear weights as codes + tile scales, other Muon matrices such as the router as bf16).
-    Even-gather padding is not included (bounded by ``gather_padding_tolerance``)."""
-    muon = [s for s in specs if s.muon and s.trainable]
-    numel = sum(s.numel for s in muon)
-    bf16 = numel * PARAM_BYTES
-    fp8 = sum(blockwise_wire_bytes(s.shape) if s.quantized else s.numel * PARAM_BYTES for s in muon)
-    return {
-        "muon_params": numel,
-        "bf16_bytes": bf16,
-        "blockwise_fp8_bytes": fp8,
-        "bytes_per_param": {
-            "bf16": bf16 / numel if numel else 0.0,
-            "blockwise_fp8": fp8 / numel if numel else 0.0,
-        },
-        "blockwise_over_bf16": fp8 / bf16 if bf16 else 1.0,
-    }
 
 
 @dataclass
@@ -299,6 +259,8 @@ def plan(
     gather_padding_tolerance: float = 0.1,
     grouped_weight_ownership: str = "whole",
     qkv_ownership: str = "split",
+    grad_sync: str = "reduce_to_owner",
+    bucket_cap_numel: int | None = None,
 ) -> dict[str, Any]:
     """Per-rank bytes, Newton-Schulz balance and per-step communication of the three layouts.
 
@@ -311,7 +273,9 @@ def plan(
     ``qkv_ownership``: ``"split"`` owns each ``linear_qkv`` weight Muon splits
     (``muon_split_qkv``, assumed on) as its Q / K / V parts and counts their Newton-Schulz work
     as the parts' (in every layout); ``"whole"`` owns and counts it as one matrix
-    (:mod:`.qkv_split`). Returns a JSON-ready dict
+    (:mod:`.qkv_split`). ``grad_sync`` and ``bucket_cap_numel``: the compact layout's
+    (:class:`nemo_lw_fp8.LayerWiseConfig`; the defaults are its defaults, so the compact column
+    is the layout a run gets unless it says otherwise). Returns a JSON-ready dict
     (docs/planner.md describes every field).
     """
     if dp < 1 or ep < 1 or dp % ep:
@@ -319,6 +283,9 @@ def plan(
     if grad_dtype not in GRAD_BYTES:
         raise ValueError(f"grad_dtype must be one of {sorted(GRAD_BYTES)}, got {grad_dtype!r}")
     check_qkv_ownership(qkv_ownership)
+    if grad_sync not in lo.GRAD_SYNC_MODES:
+        raise ValueError(f"grad_sync must be one of {lo.GRAD_SYNC_MODES}, got {grad_sync!r}")
+    owner_reduce = grad_sync == "reduce_to_owner"
     name = model if isinstance(model, str) else "custom"
     all_specs = param_shapes(model) if isinstance(model, str) else list(model)
     edp = dp // ep
@@ -364,7 +331,11 @@ def plan(
         w = world(buf)
         if buf.muon:
             padded = lo.stock_padded_layout(buf.shapes, w, bucket_size)
-            flat = lo.default_buckets(buf.shapes, bucket_size)
+            flat = (
+                owner_reduce_layout([s.numel for s in buf.specs], bucket_size, w, bucket_cap_numel)
+                if owner_reduce
+                else lo.default_buckets(buf.shapes, bucket_size)
+            )
             stock_rank = _rank_view(padded.rank_numel or [], buf.expert, dp, ep)
             compact_rank = our_rank_numel(buf)
             state_bytes = MUON_STATE_BYTES
@@ -398,10 +369,14 @@ def plan(
             for r, n in enumerate(rank_numel):
                 acc.mem["masters"][r] += n * MASTER_BYTES
                 acc.mem["optimizer_states"][r] += n * state_bytes
-            # compact Muon buckets all-reduce (no shards); the other layouts reduce-scatter
+            # compact Muon buckets all-reduce (no shards) or reduce to their owners (counted
+            # per bucket group below); the other layouts reduce-scatter
             all_reduce = acc is compact and buf.muon
             for start, end, _ in layout.buckets:
-                acc.add_grad(w, (end - start) * g, all_reduce)
+                if all_reduce and owner_reduce:
+                    acc.grad["buffer_bytes"] += (end - start) * g if w > 1 else 0
+                else:
+                    acc.add_grad(w, (end - start) * g, all_reduce)
             if acc is stock or not buf.muon:  # compact Muon gathers are planned below
                 for start, end, unpadded in layout.buckets:
                     acc.add_gather(
@@ -410,6 +385,7 @@ def plan(
 
     # collectives per bucket group (megatron's partition_buckets), per process group
     transient_peak = transient_extra = transient_padding = 0
+    owner_sent = [0] * dp  # elements each global rank sends in the owner reduce
     for expert, members in per_group.items():
         w = edp if expert else dp
         if w <= 1 or not members:
@@ -429,13 +405,23 @@ def plan(
             # expert-data-parallel group owns the same shapes the same way).
             units: list[tuple[list[int], list[int]]] = []
             unit_grad_bytes: list[int] = []
+            # the owner reduce exactly per group: expert-data-parallel groups own differently
+            tables = (
+                list(zip(own.expert_groups, lo.default_expert_groups(dp, ep), strict=True))
+                if expert
+                else [(own.dense, list(range(dp)))]
+            )
             for grp in reversed(groups):  # forward order, as the gathers are issued
                 sizes: list[int] = []
                 unit_owners: list[int] = []
+                buckets: list[list[tuple[int, int]]] = []
                 for i, b in grp:
                     buf, _, flat = members[i]
                     if not buf.muon:
                         continue
+                    buckets.append(
+                        [(buf.indices[p], buf.specs[p].numel) for p in flat.bucket_params[b]]
+                    )
                     for p in flat.bucket_params[b]:
                         for numel, owner in our_pieces(buf, p):
                             sizes.append(numel)
@@ -443,6 +429,10 @@ def plan(
                 if sizes:
                     units.append((sizes, unit_owners))
                     unit_grad_bytes.append(sum(sizes) * g)
+                for table, ranks in tables if owner_reduce and buckets else ():
+                    spans = [sp for bucket in buckets for sp in bucket_spans(bucket, table, own)]
+                    for member, sent in enumerate(sent_by_member(spans, w)):
+                        owner_sent[ranks[member]] += sent
             # As the compact patch does it: one gather per bucket group, even when its
             # transient padding is within the tolerance, else uneven (real bytes only).
             stats = {"collectives": len(units), "output": 0, "wire": 0, "padding": 0}
@@ -465,6 +455,9 @@ def plan(
             transient_padding += stats["padding"]
     for acc in (stock, compact):
         acc.gather["collectives"] = acc.gather["muon_collectives"] + acc.gather["adam_collectives"]
+    if any(owner_sent):  # the worst rank's owner-reduce bytes on top of everyone's others
+        compact.grad["wire_bytes_per_rank"] += max(owner_sent) * g
+        compact.grad["ops"].add("reduce_to_owner")
 
     # legacy uneven gather: untagged unpadded buffers, one broadcast per rank per bucket
     legacy = {"collectives": 0, "output_bytes": 0}
@@ -545,6 +538,8 @@ def plan(
         "grad_dtype": grad_dtype,
         "grouped_weight_ownership": grouped_weight_ownership,
         "qkv_ownership": qkv_ownership,
+        "grad_sync": grad_sync,
+        "bucket_cap_numel": bucket_cap_numel,
         "params": {
             "total": sum(s.numel for s in all_specs),
             "trainable": sum(s.numel for s in all_specs if s.trainable),

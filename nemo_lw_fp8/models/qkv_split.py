@@ -22,9 +22,11 @@ from .shapes import ParamSpec
 
 
 def check_qkv_ownership(value: str) -> str:
-    """``value`` if it is one of :data:`nemo_lw_fp8.layout.QKV_OWNERSHIP`, else a ValueError."""
-    if value not in lo.QKV_OWNERSHIP:
-        raise ValueError(f"qkv_ownership must be one of {lo.QKV_OWNERSHIP}, got {value!r}")
+    """``value`` if it is one of :data:`nemo_lw_fp8.layout.QKV_RESOLVED`, else a ValueError (the
+    planner models what a run does: resolve ``"auto"`` first with
+    :func:`nemo_lw_fp8.layout.resolve_qkv_ownership`)."""
+    if value not in lo.QKV_RESOLVED:
+        raise ValueError(f"qkv_ownership must be one of {lo.QKV_RESOLVED}, got {value!r}")
     return value
 
 

@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from ..cli import UsageError
-from ..layout import GROUPED_WEIGHT_OWNERSHIP
+from ..layout import GROUPED_WEIGHT_OWNERSHIP, QKV_OWNERSHIP, resolve_qkv_ownership
 from .architectures import MoEArchitecture, get_architecture, tiny
 from .parallel import ParallelismDefaults, parallelism
 from .pipeline import stage_param_specs
@@ -61,7 +61,9 @@ class RecipeSetup:
     gpu: str
     single_grouped_weight: bool
     ownership: str = "whole"
-    qkv_ownership: str = "split"  # plan --qkv-ownership (LayerWiseConfig.qkv_ownership)
+    qkv_ownership: str = "auto"  # plan --qkv-ownership (LayerWiseConfig.qkv_ownership)
+    #: The recipe computes in blockwise FP8 (Hopper): its fused QKV weights are owned whole.
+    blockwise: bool = False
     fp8_param_gather: bool = True
     gather_padding_tolerance: float = 0.1
     bucket_size: int | None = None
@@ -104,7 +106,7 @@ def recipe_setup(name: str, overrides: list[str] = ()) -> RecipeSetup:  # type: 
     hopper = variant == "hopper"
     setup = RecipeSetup(
         key, arch, par, gpu, single_grouped_weight=not hopper,
-        qkv_ownership="whole" if hopper else RecipeSetup.qkv_ownership,
+        blockwise=hopper,
     )  # fmt: skip
     changes: dict[str, Any] = {}
     for item in overrides:
@@ -157,6 +159,21 @@ def group_experts(specs: list[ParamSpec]) -> list[ParamSpec]:
     return out
 
 
+def planned_qkv_ownership(setup: RecipeSetup) -> str:
+    """How the recipe's compact layout owns fused QKV weights (``"auto"`` resolved as a run
+    resolves it); an explicit ``split`` the run would refuse is refused here too, as one line."""
+    value = setup.qkv_ownership
+    if value not in QKV_OWNERSHIP:
+        raise UsageError(f"optimizer.qkv_ownership={value!r}", "one of " + ", ".join(QKV_OWNERSHIP))
+    if value == "split" and setup.blockwise:
+        raise UsageError(
+            "optimizer.qkv_ownership=split on a blockwise FP8 recipe (its QKV weights are owned "
+            "whole)",
+            "optimizer.qkv_ownership=auto or whole",
+        )
+    return resolve_qkv_ownership(value, "compact", setup.blockwise)
+
+
 def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
     """The plan of every pipeline rank's parameters; the busiest rank's in full."""
     par, arch = setup.par, setup.arch
@@ -165,6 +182,7 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
             f"TP = {par.tp}, ETP = {par.etp}: the planner models whole matrices per rank",
             "layer-wise Muon recipes use TP = ETP = 1 (docs/planner.md); plan with those",
         )
+    qkv_ownership = planned_qkv_ownership(setup)
     if setup.ownership not in GROUPED_WEIGHT_OWNERSHIP:
         raise UsageError(
             f"optimizer.grouped_weight_ownership={setup.ownership!r}",
@@ -210,7 +228,7 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
                 grad_dtype="fp32" if setup.grad_reduce_in_fp32 else "bf16",
                 gather_padding_tolerance=setup.gather_padding_tolerance,
                 grouped_weight_ownership=setup.ownership,
-                qkv_ownership=setup.qkv_ownership,
+                qkv_ownership=qkv_ownership,
             )
         by_rank.append(plans[signature])
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from .. import layout as lo
 from ..mechanics import owner_reduce
+from .owner_sync import bucket_spans
 from .ownership import Ownership, our_owners, stock_costs
 from .planner import PARAM_BYTES, _bucket_groups, _buffers, _local_specs
 from .qkv_split import check_qkv_ownership, unit_costs
@@ -219,7 +220,7 @@ def rank_traffic(
                                 spans = [
                                     span
                                     for i, b in g
-                                    for span in _owner_spans(kind[i][2][b], table, own)
+                                    for span in bucket_spans(kind[i][2][b], table, own)
                                 ]
                                 for member, r in enumerate(ranks):
                                     if name == "compact_all_reduce":
@@ -265,19 +266,6 @@ def rank_traffic(
             entry["newton_schulz"] = {"max_over_mean": lo.imbalance(loads), "lower_bound": bound}
         out[name] = entry
     return out
-
-
-def _owner_spans(
-    bucket: list[tuple[int, int]], table: dict, own: Ownership
-) -> list[tuple[int, int]]:
-    """The owner reduce's ``(owner, elements)`` spans of one compact bucket (``(spec index,
-    elements)`` in backprop order), laid out as the mechanism lays it: params in owner order of
-    the owner of their first element (:func:`.owner_reduce.owner_order`; a split ``linear_qkv``:
-    its first part's), each param's elements in flattened order (a split ``linear_qkv``: per
-    query group, each part's rows), runs of one owner merged."""
-    order = owner_reduce.owner_order([table[i][0][0] for i, _ in bucket])
-    pieces = [run for i, n in (bucket[k] for k in order) for run in own.runs(table, i, n)]
-    return owner_reduce.owner_spans(pieces)
 
 
 def _expert_aware_costs(specs: list[ParamSpec], own: Ownership, qkv_ownership: str) -> list[int]:

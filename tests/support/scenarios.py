@@ -89,8 +89,9 @@ class Scenario:
     grad_accum_fusion: bool = False
     #: Compact layout: how single grouped expert weights are owned ("whole", "expert", "auto").
     grouped_weight_ownership: str = "whole"
-    #: Compact layout: fused QKV weights owned as their Q, K, V parts ("split") or "whole".
-    qkv_ownership: str = "split"
+    #: Compact layout: fused QKV weights owned as their Q, K, V parts ("split"), "whole", or
+    #: "auto" (LayerWiseConfig's default: split unless blockwise FP8).
+    qkv_ownership: str = "auto"
     #: ``OptimizerConfig.muon_split_qkv``: Muon orthogonalizes a fused QKV weight's Q, K, V apart.
     muon_split_qkv: bool = True
     #: Compact layout: how Muon gradients are synced ("reduce_to_owner", "all_reduce"; None:
