@@ -303,6 +303,22 @@ def _special_blocks(dtype=torch.bfloat16):
     return x
 
 
+def _quantize_mismatches(x: torch.Tensor, fmt: torch.dtype, two_d: bool) -> list[str]:
+    """Which of the four outputs of ``mx.quantize`` differ from the exact reference (empty when
+    all are equal): one check shared by the test and its control, so the control shows that
+    this very comparison can fail."""
+    q = mx.quantize(x, fmt, two_d=two_d)
+    rc, rs, cc, cs = ref_quantize(x, fmt, two_d=two_d)
+    rows, cols = rc.shape
+    outputs = {
+        "rowwise scales": (q.rowwise_scale_inv[:rows, : cols // 32], rs),
+        "columnwise scales": (q.columnwise_scale_inv[: rows // 32, :cols], cs),
+        "rowwise codes": (q.rowwise_data.view(rows, cols), rc),
+        "columnwise codes": (q.columnwise_data.view(rows, cols), cc),
+    }
+    return [name for name, (got, want) in outputs.items() if not torch.equal(got, want)]
+
+
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
 @pytest.mark.parametrize(
     "name",
@@ -320,13 +336,34 @@ def test_quantize_matches_reference(fmt, name):
         x = _special_blocks(torch.float32)
     else:
         x = _special_blocks()
-    q = mx.quantize(x, fmt, two_d=two_d)
-    rc, rs, cc, cs = ref_quantize(x, fmt, two_d=two_d)
-    rows, cols = rc.shape
-    assert torch.equal(q.rowwise_scale_inv[:rows, : cols // 32], rs)
-    assert torch.equal(q.columnwise_scale_inv[: rows // 32, :cols], cs)
-    assert torch.equal(q.rowwise_data.view(rows, cols), rc)
-    assert torch.equal(q.columnwise_data.view(rows, cols), cc)
+    assert _quantize_mismatches(x, fmt, two_d) == []
+
+
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
+def test_control_quantize_with_scale_exponent_off_by_one_differs(
+    src: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Control of ``test_quantize_matches_reference``: a quantizer whose E8M0 scale is one
+    power of two too large (finite scales below saturation) must fail the same comparison,
+    in the scales and in the codes. bf16 inputs take the scale from the cached lookup table,
+    fp32 inputs compute it directly: both paths are mutated (the table is rebuilt)."""
+    original = mxf.e8m0_from_amax
+
+    def one_too_large(amax: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> torch.Tensor:
+        e8m0 = original(amax, fp8_dtype)
+        return torch.where(e8m0 < 0xFE, e8m0 + 1, e8m0).to(torch.uint8)
+
+    x = (torch.randn(64, 96, generator=torch.Generator().manual_seed(1)) * 3).to(src)
+    assert _quantize_mismatches(x, E4M3, False) == []  # unmutated: equal
+    with monkeypatch.context() as m:
+        m.setattr(mx, "e8m0_from_amax", one_too_large)
+        m.setattr(mx, "_AMAX_LUT", {})  # the table was built with the unmutated rule
+        assert _quantize_mismatches(x, E4M3, False) == [
+            "rowwise scales",
+            "columnwise scales",
+            "rowwise codes",
+            "columnwise codes",
+        ]
 
 
 def test_special_blocks_behave_like_te():
@@ -423,24 +460,57 @@ def test_swizzle_index_formula():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", [E4M3, E5M2])
-def test_dequantize_matches_reference(fmt):
-    x = _special_blocks()
-    q = mx.quantize(x, fmt)
+def _dequantize_mismatches(q: mx.MXFP8Data, fmt: torch.dtype) -> list[tuple[str, int, int]]:
+    """(direction, row, column) of every element ``mx.dequantize`` gives differently from the
+    exact reference (NaN equals NaN); shared by the test and its control."""
+    bad: list[tuple[str, int, int]] = []
     for use, codes, scales in (
         ("rowwise", q.rowwise_data, q.rowwise_scale_inv),
         ("columnwise", q.columnwise_data, q.columnwise_scale_inv),
     ):
         out = mx.dequantize(q, torch.float32, use=use)
-        for r in range(64):
-            for c in range(64):
+        rows, cols = out.shape
+        for r in range(rows):
+            for c in range(cols):
                 e = int(scales[r, c // 32] if use == "rowwise" else scales[r // 32, c])
                 want = ref_dequant(int(codes[r, c]), e, fmt)
                 got = float(out[r, c])
-                assert (math.isnan(want) and math.isnan(got)) or want == got, (use, r, c)
+                if not ((math.isnan(want) and math.isnan(got)) or want == got):
+                    bad.append((use, r, c))
+    return bad
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_dequantize_matches_reference(fmt):
+    x = _special_blocks()
+    q = mx.quantize(x, fmt)
+    assert _dequantize_mismatches(q, fmt) == []
     assert mx.dequantize(q).dtype == torch.bfloat16
     y = torch.tensor([[1.5, -3.0, 0.25, 448.0] * 8] * 32, dtype=torch.bfloat16)
     assert torch.equal(mx.dequantize(mx.quantize(y)), y)
+
+
+def test_control_dequantize_with_scale_exponent_off_by_one_differs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Control of ``test_dequantize_matches_reference``: a dequantizer that multiplies by
+    ``2^(e - 126)`` instead of ``2^(e - 127)`` must fail the same element-wise comparison on
+    every non-zero finite element (and on the zeros of the inf block, whose doubled 2^127
+    multiplier overflows to inf: 0 * inf is NaN)."""
+    q = mx.quantize(_special_blocks(), E4M3)
+    rowwise = mx.dequantize(q, torch.float32, use="rowwise")
+    nonzero_finite = {
+        ("rowwise", r, c) for r, c in (rowwise.isfinite() & rowwise.ne(0)).nonzero().tolist()
+    }
+    original = mx.dequantize_multipliers
+
+    def one_too_large(e8m0: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return original(e8m0, dtype) * 2
+
+    with monkeypatch.context() as m:
+        m.setattr(mx, "dequantize_multipliers", one_too_large)
+        bad = _dequantize_mismatches(q, E4M3)
+    assert nonzero_finite and nonzero_finite <= set(bad)
 
 
 # --------------------------------------------------------------------------------------------
