@@ -19,6 +19,7 @@ import itertools
 import math
 import random
 import threading
+from collections.abc import Callable
 from fractions import Fraction
 
 import pytest
@@ -289,24 +290,87 @@ def test_fp32_scales_and_edge_mantissas_match_exact_reference():
     assert inv == [fp32_nearest(1 / Fraction(s)) for s in scales.tolist()]
 
 
-def test_scale_specials_epsilon_and_overflow():
+def _is_power_of_two(v: Fraction) -> bool:
+    return v.numerator & (v.numerator - 1) == 0 and v.denominator & (v.denominator - 1) == 0
+
+
+@pytest.mark.parametrize("amaxes", ["every_bf16", "fp32_edge_mantissas"])
+def test_control_scale_with_fp8_max_one_ulp_low_differs(amaxes: str) -> None:
+    """Control of ``test_pow2_scale_matches_exact_reference_for_every_bf16_amax`` and
+    ``test_fp32_scales_and_edge_mantissas_match_exact_reference``: the scale rule run with a
+    limit one fp32 ulp below 448 must fail the same comparisons with the closed form, exactly
+    at the amaxes where ``448 / amax`` is a power of two up to the 2^127 cap (there the true
+    ratio is the power itself, the mutated one falls just under it and rounds down a whole
+    power; at 2^128 both overflow or round to the cap), and the raw (not power-of-two) scale
+    differs from TE's rule at least there."""
+    if amaxes == "every_bf16":
+        amax = _positive_finite(torch.bfloat16)
+    else:
+        bits = [1.75 * 2.0**e for e in (-130, -100, -20, 0, 5, 60, 126)]
+        amax = torch.tensor(bits, dtype=torch.float32)
+    fmax = bw.fp8_max(E4M3)
+    below = torch.nextafter(torch.tensor(fmax), torch.tensor(0.0))  # fp32: one ulp below
+    low = below.item()
+    assert low == fmax - 2.0**-15  # 448 = 1.75 * 2^8: the fp32 ulp is 2^(8 - 23)
+    values = amax.float().tolist()
+    closed = [2.0 ** min(floor_log2(Fraction(fmax) / Fraction(a)), 127) for a in values]
+    assert bw.compute_scale(amax, E4M3, True, 0.0, F32_MAX).tolist() == closed  # unmutated
+    mutated = bw.compute_scale(amax, low, True, 0.0, F32_MAX).tolist()
+    differ = {a for a, got, want in zip(values, mutated, closed, strict=True) if got != want}
+    at_powers = {
+        a
+        for a in values
+        if _is_power_of_two(Fraction(fmax) / Fraction(a))
+        and floor_log2(Fraction(fmax) / Fraction(a)) <= 127
+    }
+    assert at_powers and differ == at_powers
+    powers = sorted(at_powers)
+    raw = bw.compute_scale(torch.tensor(powers), low, False, 0.0, F32_MAX).tolist()
+    want_raw = [ref_scale(a, fmax, False, 0.0, F32_MAX) for a in powers]
+    assert all(g != w for g, w in zip(raw, want_raw, strict=True))
+
+
+ScaleRule = Callable[[torch.Tensor, torch.dtype, bool, float, float], torch.Tensor]
+
+
+def _check_scale_specials(compute: ScaleRule) -> None:
+    """The special cases of the scale rule, asserted on ``compute`` (``bw.compute_scale`` or a
+    mutation of it)."""
     amax = torch.tensor([0.0, math.inf, math.nan, 2.0**-140, 1e-3, 448.0, 449.0, 3e38])
-    got = bw.compute_scale(amax, E4M3, True, 0.0, BF16_MAX).tolist()
-    assert got[:3] == [1.0, 1.0, 1.0]  # amax 0 / inf / NaN -> scale 1
-    assert got[3] == 2.0**127  # 448 / amax overflows fp32 -> bf16 max -> 2^127
+    got = compute(amax, E4M3, True, 0.0, BF16_MAX).tolist()
+    assert got[:3] == [1.0, 1.0, 1.0], "amax 0 / inf / NaN -> scale 1"
+    assert got[3] == 2.0**127, "448 / amax overflows fp32 -> bf16 max -> 2^127"
     assert got[5] == 1.0 and got[6] == 0.5  # rounded DOWN to a power of two
     assert got[7] == 2.0**-120  # 448 / 3e38 = 1.49e-36 = 2^-119.01...
     # without power-of-two scales the overflow substitute is the input type's max
-    raw = bw.compute_scale(amax, E4M3, False, 0.0, BF16_MAX).tolist()
-    assert raw[3] == BF16_MAX and raw[6] == f32(448.0 / 449.0)
-    assert bw.compute_scale(amax[3:4], E4M3, False, 0.0, F32_MAX).item() == F32_MAX
+    raw = compute(amax, E4M3, False, 0.0, BF16_MAX).tolist()
+    assert raw[3] == BF16_MAX and raw[6] == f32(448.0 / 449.0), "overflow substitute"
+    assert compute(amax[3:4], E4M3, False, 0.0, F32_MAX).item() == F32_MAX
     # amax_epsilon floors the amax (0 included)
-    eps = bw.compute_scale(torch.tensor([0.0, 1e-9, 1.0]), E4M3, True, 1e-3, F32_MAX).tolist()
+    eps = compute(torch.tensor([0.0, 1e-9, 1.0]), E4M3, True, 1e-3, F32_MAX).tolist()
     assert eps == [ref_scale(a, 448.0, True, 1e-3, F32_MAX) for a in (0.0, 1e-9, 1.0)]
     assert eps[0] == eps[1] == 2.0**18
+
+
+def test_scale_specials_epsilon_and_overflow():
+    _check_scale_specials(bw.compute_scale)
     assert bw.value_for_inf(torch.float16) == 65504.0
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
         bw.value_for_inf(torch.int32)
+
+
+def test_control_scale_without_the_overflow_substitute_differs() -> None:
+    """Control of ``test_scale_specials_epsilon_and_overflow``: a scale rule that leaves an
+    overflowed ``fp8_max / amax`` at inf (no substitute for it) must fail the same checks, at
+    the first one that meets an overflow."""
+
+    def no_substitute(
+        amax: torch.Tensor, fmt: torch.dtype, pow2: bool, eps: float, inf_value: float
+    ) -> torch.Tensor:
+        return bw.compute_scale(amax, fmt, pow2, eps, math.inf)
+
+    with pytest.raises(AssertionError, match="overflows fp32"):
+        _check_scale_specials(no_substitute)
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,18 +426,35 @@ def test_quantize_matches_reference(shape, dtype, fmt, block_dim, pow2, eps):
         assert not scales[:, w:].any() and not scales[h:].any()
 
 
-def test_special_blocks_behave_like_te():
+def _check_special_blocks() -> None:
+    """TE's handling of inf, NaN and saturating values in 128x128 tiles, asserted on
+    ``bw.quantize`` (as it stands or mutated by a control)."""
     x = torch.ones(128, 256, dtype=torch.bfloat16)
     x[0, 0] = math.inf  # tile (0, 0): amax inf -> scale 1, finite values cast directly
     x[5, 1] = 1000.0  # ... and saturate at 448
     x[0, 128] = math.nan  # tile (0, 1): NaN ignored by the amax, coded 0x7F
     d = bw.quantize(x)
-    assert d.rowwise_scale_inv[0, :2].tolist() == [1.0, 2.0**-8]
+    assert d.rowwise_scale_inv[0, :2].tolist() == [1.0, 2.0**-8], "tile scales"
     assert d.rowwise_data[0, 0].item() == 0x7E and d.rowwise_data[5, 1].item() == 0x7E
     assert d.rowwise_data[0, 128].item() == 0x7F
     assert d.rowwise_data[1, 128].item() == 0x78  # 1 * 2^8 = 256 (448 rounded down to 2^8)
     z = bw.quantize(torch.zeros(128, 128))
     assert d.rowwise_data.dtype == torch.uint8 and z.rowwise_scale_inv[0, 0].item() == 1.0
+
+
+def test_special_blocks_behave_like_te():
+    _check_special_blocks()
+
+
+def test_control_special_blocks_with_nan_in_the_amax_differ(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Control of ``test_special_blocks_behave_like_te``: when a NaN element takes part in its
+    tile's amax (plain ``abs`` instead of TE's ``fmaxf``, which drops NaN), the tile gets the
+    special scale 1 and the same checks fail on the tile scales."""
+    monkeypatch.setattr(bw, "abs_ignoring_nan", torch.abs)
+    with pytest.raises(AssertionError, match="tile scales"):
+        _check_special_blocks()
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,25 +495,62 @@ def test_scale_shapes_and_transposed_columnwise_layout(shape, row2, col2, row1, 
             assert bool((err <= x.float().abs() * 2.0**-4 + 2.0**-14).all())
 
 
-def test_columnwise_of_128x128_tiles_is_exact_transpose_of_rowwise():
+Derive = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _transpose_mismatches(derive: Derive) -> list[tuple[tuple[int, ...], str, str]]:
+    """(shape, format, what) wherever the columnwise form ``derive`` makes from the rowwise
+    one differs from a direct columnwise quantisation of 128x128 tiles; empty when none does."""
+    bad: list[tuple[tuple[int, ...], str, str]] = []
     for shape, seed in [((256, 384), 0), ((200, 300), 1), ((3, 100, 260), 2), ((1, 129), 3)]:
         x = _with_specials(_wide(shape, seed)) if len(shape) == 2 else _wide(shape, seed)
         for fmt in (E4M3, E5M2):
             full = bw.quantize(x, fmt, block_dim=2)
             rowwise_only = bw.quantize(x, fmt, block_dim=2, columnwise=False)
             col_only = bw.quantize(x, fmt, block_dim=2, rowwise=False)
-            data, scale_inv = bw.columnwise_from_rowwise(
-                rowwise_only.rowwise_data, rowwise_only.rowwise_scale_inv
-            )
-            assert torch.equal(data, col_only.columnwise_data)
-            assert torch.equal(scale_inv, col_only.columnwise_scale_inv)
-            assert torch.equal(data, full.columnwise_data)
+            data, scale_inv = derive(rowwise_only.rowwise_data, rowwise_only.rowwise_scale_inv)
             rows, cols = bw.flat_2d_shape(shape)
-            assert torch.equal(data.reshape(cols, rows), full.rowwise_data.reshape(rows, cols).t())
+            checks = {
+                "data": torch.equal(data, col_only.columnwise_data),
+                "scales": torch.equal(scale_inv, col_only.columnwise_scale_inv),
+                "data of both": torch.equal(data, full.columnwise_data),
+                "transpose": torch.equal(
+                    data.reshape(cols, rows), full.rowwise_data.reshape(rows, cols).t()
+                ),
+            }
+            bad += [(shape, str(fmt), what) for what, ok in checks.items() if not ok]
+    return bad
+
+
+def test_columnwise_of_128x128_tiles_is_exact_transpose_of_rowwise():
+    assert _transpose_mismatches(bw.columnwise_from_rowwise) == []
     # 1x128 blocks: the two directions have different scales, so no such rule
     x = _wide((256, 256), 9)
     d = bw.quantize(x, block_dim=1)
     assert not torch.equal(d.columnwise_data, d.rowwise_data.t())
+
+
+def test_control_columnwise_with_untransposed_tile_scales_differs() -> None:
+    """Control of ``test_columnwise_of_128x128_tiles_is_exact_transpose_of_rowwise``: a
+    derivation that transposes the codes but lays the tile scales out in rowwise order
+    (read row-major into the columnwise grid) must fail the same comparison, in the scales
+    only, and only where the tile grid has more than one tile row and column."""
+
+    def scales_not_transposed(
+        data: torch.Tensor, scale_inv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, good = bw.columnwise_from_rowwise(data, scale_inv)
+        rows, cols = bw.flat_2d_shape(tuple(data.shape))
+        m_tiles, k_tiles = bw.ceil_div(rows, 128), bw.ceil_div(cols, 128)
+        wrong = torch.zeros_like(good)
+        wrong[:, :m_tiles] = scale_inv[:, :k_tiles].reshape(k_tiles, m_tiles)
+        return codes, wrong
+
+    bad = _transpose_mismatches(scales_not_transposed)
+    # (256, 384): 2 x 3 tiles, (200, 300): 2 x 3 tiles; (3, 100, 260) is 3 x 3 tiles; the
+    # single-tile-row (1, 129) cannot tell the two orders apart.
+    assert {what for _, _, what in bad} == {"scales"}
+    assert {shape for shape, _, _ in bad} == {(256, 384), (200, 300), (3, 100, 260)}
 
 
 def test_refused_inputs_are_clear_errors():
