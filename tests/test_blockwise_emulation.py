@@ -628,9 +628,13 @@ def _cuts(numel: int, ranks: int, rng: random.Random) -> list[int]:
     return [0, *sorted(rng.randrange(numel + 1) for _ in range(ranks - 1)), numel]
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("trial", range(5))
-def test_shard_cuts_give_full_quantize_bytes(ranks, trial):
+def _shard_cut_mismatches(
+    ranks: int, trial: int, offset_of: Callable[[int], int] = lambda start: start
+) -> list[str]:
+    """Quantise a tensor as ``ranks`` shards cut at random offsets (partial amaxes, their MAX,
+    each shard cast into its slice) and name what differs from a full quantise (empty: none).
+    ``offset_of`` maps a shard's start to the offset it is processed at (the identity, or a
+    control's mutation)."""
     rng = random.Random(10 * ranks + trial)
     shape = [(256, 384), (200, 300), (128, 128), (384, 136), (130, 1000)][trial]
     master = _wide(shape, trial, torch.float32)
@@ -643,27 +647,49 @@ def test_shard_cuts_give_full_quantize_bytes(ranks, trial):
     if trial == 0 and ranks == 4:
         cuts[2] = cuts[1]  # an empty shard
     shards = list(itertools.pairwise(cuts))
-    partial = [bws.compute_partial_amax(flat[a:b], shape, a) for a, b in shards]
+    partial = [bws.compute_partial_amax(flat[a:b], shape, offset_of(a)) for a, b in shards]
     amax = torch.stack(partial).amax(0)  # the MAX all-reduce
     scale = bw.compute_scale(amax, E4M3, True, 0.0, bw.FLT_MAX)
     scale_inv = bw.scale_inv_from_scale(scale)
     h, w = bw.valid_scale_shape(shape)
-    assert torch.equal(scale_inv[:h, :w], full.rowwise_scale_inv[:h, :w])
-    assert bool((scale_inv[:, w:] == 1.0).all())  # padding: amax 0 -> scale 1
-    codes = [bws.partial_cast(flat[a:b], scale, shape, a) for a, b in shards]
+    bad = []
+    if not torch.equal(scale_inv[:h, :w], full.rowwise_scale_inv[:h, :w]):
+        bad.append("scales")
+    if not bool((scale_inv[:, w:] == 1.0).all()):  # padding: amax 0 -> scale 1
+        bad.append("scale padding")
+    codes = [bws.partial_cast(flat[a:b], scale, shape, offset_of(a)) for a, b in shards]
     assert [c.numel() for c in codes] == [b - a for a, b in shards]
-    assert torch.equal(torch.cat(codes), full.rowwise_data.reshape(-1))
+    if not torch.equal(torch.cat(codes), full.rowwise_data.reshape(-1)):
+        bad.append("codes")
+    return bad
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_quantize_shard_with_all_reduce_hook(ranks):
+@pytest.mark.parametrize("trial", range(5))
+def test_shard_cuts_give_full_quantize_bytes(ranks, trial):
+    assert _shard_cut_mismatches(ranks, trial) == []
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_control_shards_processed_at_offset_zero_differ(ranks: int) -> None:
+    """Control of ``test_shard_cuts_give_full_quantize_bytes``: when every shard is taken for
+    the start of the tensor (offset 0), its elements fall into other tiles; the same
+    comparison fails in the codes (in the scales too where a moved element carries a tile's
+    amax, as at 4 ranks)."""
+    bad = _shard_cut_mismatches(ranks, 0, offset_of=lambda start: 0)
+    assert "codes" in bad, bad
+
+
+def _sharded_hook_mismatches(ranks: int, hook: Callable[[torch.Tensor], None]) -> list[str]:
+    """``quantize_shard`` on ``ranks`` threads (random cuts of one tensor) with the amax
+    all-reduce ``hook``: what differs from a full quantise (scales on any rank, the gathered
+    codes, the columnwise form derived from them); empty when nothing does."""
     rng = random.Random(ranks)
     shape = (384, 260)
     x = _wide(shape, 7)
     full = bw.quantize(x)
     flat = x.reshape(-1)
     cuts = _cuts(flat.numel(), ranks, rng)
-    hook = ThreadedMaxAllReduce(ranks)
     results: dict[int, bws.ShardQuantization] = {}
 
     def rank(i: int) -> None:
@@ -674,15 +700,38 @@ def test_quantize_shard_with_all_reduce_hook(ranks):
         t.start()
     for t in threads:
         t.join()
+    assert sorted(results) == list(range(ranks)), "a rank did not finish"
     h, w = bw.valid_scale_shape(shape)
-    for i in range(ranks):
-        assert torch.equal(results[i].scale_inv[:h, :w], full.rowwise_scale_inv[:h, :w])
+    bad = []
+    if not all(
+        torch.equal(results[i].scale_inv[:h, :w], full.rowwise_scale_inv[:h, :w])
+        for i in range(ranks)
+    ):
+        bad.append("scales")
     gathered = torch.cat([results[i].codes for i in range(ranks)]).view(shape)
-    assert torch.equal(gathered, full.rowwise_data)
+    if not torch.equal(gathered, full.rowwise_data):
+        bad.append("codes")
     # what the owner would do after the gather: derive the columnwise form locally
     data, scale_inv = bw.columnwise_from_rowwise(gathered, results[0].scale_inv)
-    assert torch.equal(data, full.columnwise_data)
-    assert torch.equal(scale_inv[:w, :h], full.columnwise_scale_inv[:w, :h])
+    if not torch.equal(data, full.columnwise_data):
+        bad.append("columnwise codes")
+    if not torch.equal(scale_inv[:w, :h], full.columnwise_scale_inv[:w, :h]):
+        bad.append("columnwise scales")
+    return bad
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_quantize_shard_with_all_reduce_hook(ranks):
+    assert _sharded_hook_mismatches(ranks, ThreadedMaxAllReduce(ranks)) == []
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_control_quantize_shard_without_the_all_reduce_differs(ranks: int) -> None:
+    """Control of ``test_quantize_shard_with_all_reduce_hook``: with an all-reduce that does
+    nothing each rank scales by the amaxes of its own shard (tiles it does not touch count 0);
+    the same comparison fails in the scales and in the codes of the tiles a cut splits."""
+    bad = _sharded_hook_mismatches(ranks, lambda buffer: None)
+    assert "scales" in bad and "codes" in bad, bad
 
 
 # --------------------------------------------------------------------------------------------
@@ -825,14 +874,19 @@ class ThreadedMaxAllReduce:
         with self.lock:
             self.buffers.clear()
 
-dist = []
+def no_all_reduce(tensor, op=None, group=None, async_op=False):
+    pass  # the control's mutation: each rank keeps the amaxes of its own shard
+
+dist, dist_control = [], []
 rng = random.Random(5)
-for world, api in ((2, quantize_master_weights), (4, cast_master_weights_to_fp8),
-                   (4, quantize_master_weights)):
+for world, api, control in ((2, quantize_master_weights, False),
+                            (4, cast_master_weights_to_fp8, False),
+                            (4, quantize_master_weights, False),
+                            (2, quantize_master_weights, True)):
     wshapes = [(256, 384), (200, 300), (128, 128)]
     masters = [torch.randn(s) * 3 for s in wshapes]
     full = [bw.quantize(m.bfloat16()) for m in masters]
-    torch.distributed.all_reduce = ThreadedMaxAllReduce(world)
+    torch.distributed.all_reduce = no_all_reduce if control else ThreadedMaxAllReduce(world)
     make = lambda s: Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True,
                                           columnwise=True)(torch.zeros(s, dtype=torch.bfloat16))
     models = [[make(s) for s in wshapes] for _ in range(world)]
@@ -869,8 +923,9 @@ for world, api in ((2, quantize_master_weights), (4, cast_master_weights_to_fp8)
         ok &= torch.equal(weight._columnwise_data, full[i].columnwise_data)
         ok &= torch.equal(weight._columnwise_scale_inv[:w, :h],
                           full[i].columnwise_scale_inv[:w, :h])
-    dist.append([world, api.__name__, bool(ok), errors])
+    (dist_control if control else dist).append([world, api.__name__, bool(ok), errors])
 R["distributed"] = dist
+R["distributed_control"] = dist_control
 
 # --- megatron's attributes on a quantized weight survive a module-wide cast (Float16Module's
 # module.bfloat16()), as TE's TransformerEngineBaseModule._apply keeps them; the control puts
@@ -950,6 +1005,16 @@ def test_module_cast_keeps_megatron_attributes_of_quantized_weights(te_results):
 def test_te_quantize_master_weights_shards(te_results):
     for world, api, ok, errors in te_results["distributed"]:
         assert ok and not errors, (world, api, errors)
+
+
+@needs_te
+def test_control_te_quantize_master_weights_without_the_all_reduce_differs(te_results):
+    """Control of ``test_te_quantize_master_weights_shards``: TE's ``quantize_master_weights``
+    on 2 simulated ranks whose amax all-reduce does nothing (each rank scales its shard by the
+    amaxes of that shard alone) completes, and the same checks fail."""
+    [(world, api, ok, errors)] = te_results["distributed_control"]
+    assert (world, api, errors) == (2, "quantize_master_weights", [])
+    assert ok is False
 
 
 # --------------------------------------------------------------------------------------------
