@@ -30,9 +30,39 @@ def _same(reference: list[dict], candidate: list[dict], label: str) -> None:
     assert len({r["digest"] for r in candidate}) == 1
 
 
+#: Plain Muon runs a parity test compared against, kept for the controls below (same session).
+_REFERENCES: dict[str, list[dict]] = {}
+
+
+def _reference(scenario: Scenario, world_size: int = 2) -> list[dict]:
+    """``train(scenario)`` on ``world_size`` ranks, run once per session."""
+    key = repr((scenario, world_size))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_on_ranks(train, scenario, world_size=world_size)
+    return _REFERENCES[key]
+
+
+def train_with_receivers_skipping_the_last_owner(scenario: Scenario) -> dict:
+    """Mutation: no rank writes the last data-parallel rank's gathered segment into its
+    weights, so the matrices that rank owns stay at their old values everywhere else."""
+    import torch.distributed as dist
+
+    from nemo_lw_fp8.mechanics import owner_gather
+
+    last = dist.get_world_size() - 1
+    original = owner_gather.ranks_to_unpack
+
+    def skipping(plan: object, my_rank: int) -> list[int]:
+        return [rank for rank in original(plan, my_rank) if rank != last]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(owner_gather, "ranks_to_unpack", skipping)
+        return train(scenario)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_compact_equals_plain_muon(world_size):
-    reference = run_on_ranks(train, Scenario(optimizer="muon"), world_size=world_size)
+    reference = _reference(Scenario(optimizer="muon"), world_size)
     for overlap in (False, True):
         # The default tolerance, and an always-even gather (segments padded to the longest).
         for tolerance in (None, math.inf):
@@ -44,9 +74,33 @@ def test_compact_equals_plain_muon(world_size):
 
 def test_compact_tiny_gpt_equals_plain_muon():
     gpt = Scenario(optimizer="muon", model="gpt", steps=3)
-    reference = run_on_ranks(train, gpt)
+    reference = _reference(gpt)
     compact = run_on_ranks(train, COMPACT.with_(model="gpt", steps=3, overlap=True))
     _same(reference, compact, "compact gpt")
+
+
+#: The controls' cases: the plain Muon reference a parity test used, and the compact run.
+_CONTROLLED = {
+    "mlp": (Scenario(optimizer="muon"), COMPACT),
+    "gpt": (Scenario(optimizer="muon", model="gpt", steps=3),
+            COMPACT.with_(model="gpt", steps=3, overlap=True)),
+    "padded_buckets": (Scenario(optimizer="muon", bucket_size=2000),
+                       COMPACT.with_(bucket_size=2000, overlap=True)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(_CONTROLLED))
+def test_control_compact_with_a_skipped_segment_differs_from_plain_muon(case: str) -> None:
+    """Control of ``test_compact_equals_plain_muon`` (``mlp``, 2 ranks),
+    ``test_compact_tiny_gpt_equals_plain_muon`` (``gpt``) and the training comparison of
+    ``test_compact_gathers_no_more_often_than_padded_and_trains_the_same``
+    (``padded_buckets``): the compact run whose receivers skip the last rank's gathered
+    segment completes and fails the same comparison against the same plain Muon run (reused
+    when its test ran first in this session)."""
+    plain, compact = _CONTROLLED[case]
+    reference = _reference(plain)
+    mutated = run_on_ranks(train_with_receivers_skipping_the_last_owner, compact, world_size=2)
+    assert_diverges(reference, mutated, compare=lambda a, b: _same(a, b, case))
 
 
 @needs_te
@@ -311,7 +365,7 @@ def test_compact_gathers_no_more_often_than_padded_and_trains_the_same():
         count_layer_wise_gathers, scenario.with_(bucket_cap_numel=0), world_size=2
     )[0]
     assert plain["launches"] > compact["launches"], (plain, compact)
-    reference = run_on_ranks(train, Scenario(optimizer="muon", bucket_size=2000), world_size=2)
+    reference = _reference(Scenario(optimizer="muon", bucket_size=2000))
     candidate = run_on_ranks(train, COMPACT.with_(bucket_size=2000, overlap=True), world_size=2)
     _same(reference, candidate, "compact, padded-layout buckets")
 
