@@ -221,6 +221,26 @@ def test_auto_keeps_balanced_grouped_weights_whole():
     assert_same_training(whole, auto)
 
 
+def train_with_auto_always_splitting(scenario) -> dict:
+    """Mutation: ``auto`` splits whenever splitting is not worse by more than 100 % (the gain
+    it asks for set to -1), so balanced grouped weights are owned in runs of experts."""
+    from tests.support.training import train
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layout, "AUTO_SPLIT_GAIN", -1.0)
+        return train(scenario)
+
+
+def test_control_auto_that_always_splits_owns_expert_runs():
+    """Control of ``test_auto_keeps_balanced_grouped_weights_whole``: with ``auto`` mutated to
+    split whatever the balance, the same build owns the grouped weight in runs of experts,
+    which the test's first check rejects."""
+    scenario = _base().with_(single_grouped_weight=True, grouped_weight_ownership="auto")
+    split = _run(scenario, fn=train_with_auto_always_splitting)
+    owners = _expert_owners(split)
+    assert owners != {} and set(owners.values()) == {0, 1}, owners
+
+
 def _slice_storage(scenario) -> list[tuple[int, int, int]]:
     """(owner, this rank, bytes of storage) for every expert slice this rank knows."""
     import torch.distributed as dist
