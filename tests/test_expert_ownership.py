@@ -279,6 +279,30 @@ def test_mxfp8_slices_hold_no_copy():
         assert all(nbytes <= 2 for _, _, nbytes in found), found
 
 
+def _slice_storage_keeping_copies(scenario) -> list[tuple[int, int, int]]:
+    """Mutation: :func:`_slice_storage` with the owner's bf16 copy never released."""
+    from nemo_lw_fp8.mechanics import expert_slices
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(expert_slices, "release_copy", lambda piece: None)
+        return _slice_storage(scenario)
+
+
+@needs_te
+def test_control_mxfp8_slices_that_keep_their_copy_are_caught():
+    """Control of ``test_mxfp8_slices_hold_no_copy``: when the owner's bf16 copy is not
+    released, each rank's own runs hold their full bf16 bytes, which the same size check
+    rejects; the runs other ranks own still hold none."""
+    scenario = _base().with_(
+        **PRECISIONS["mxfp8-primary"], single_grouped_weight=True, grouped_weight_ownership="expert"
+    )
+    for found in _run(scenario, fn=_slice_storage_keeping_copies):
+        own = [nbytes for owner, rank, nbytes in found if owner == rank]
+        others = [nbytes for owner, rank, nbytes in found if owner != rank]
+        assert own and all(nbytes > 2 for nbytes in own), found
+        assert all(nbytes <= 2 for nbytes in others), found
+
+
 def _reloaded_masters(scenario) -> dict:
     """megatron's ``reload_model_params`` (a checkpoint load without optimizer state), then the
     fp32 masters this rank holds, by name."""
