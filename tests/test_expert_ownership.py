@@ -146,18 +146,49 @@ def test_expert_ownership_equals_discrete(precision):
     assert_same_training(discrete, split)
 
 
+def _overlap_eval_scenario():
+    return _base().with_(**PRECISIONS["mxfp8-primary"], overlap=True, steps=4, eval_after=(1,))
+
+
 @needs_te
 def test_expert_ownership_overlap_eval_equals_discrete():
     """MXFP8 primary weights, overlapped gather, grad-buffer reuse, an eval after step 1."""
     from tests.support.parity import assert_same_training
 
-    scenario = _base().with_(
-        **PRECISIONS["mxfp8-primary"], overlap=True, steps=4, eval_after=(1,)
+    discrete = _overlap_eval_discrete()
+    runs = _overlap_eval_scenario().with_(
+        single_grouped_weight=True, grouped_weight_ownership="expert"
     )
-    discrete = _run(scenario)
-    split = _run(scenario.with_(single_grouped_weight=True, grouped_weight_ownership="expert"))
+    split = _run(runs)
     assert len(split[0]["eval_losses"]) == 1
     assert_same_training(discrete, split)
+
+
+_OVERLAP_EVAL_RUNS: list[list[dict]] = []
+
+
+def _overlap_eval_discrete() -> list[dict]:
+    """The discrete-expert run of the overlap / eval test, made once per session (the test
+    and its control compare against it)."""
+    if not _OVERLAP_EVAL_RUNS:
+        _OVERLAP_EVAL_RUNS.append(_run(_overlap_eval_scenario()))
+    return _OVERLAP_EVAL_RUNS[0]
+
+
+@needs_te
+def test_control_overlap_eval_without_the_owners_own_bytes_differs():
+    """Control of ``test_expert_ownership_overlap_eval_equals_discrete``: the expert-run build
+    whose owners skip their own gathered segment (the mutation of
+    ``test_control_mxfp8_slices_need_the_owners_own_bytes``) completes with its eval and fails
+    the same comparison with the same discrete run."""
+    from tests.support.parity import assert_diverges, assert_same_training
+
+    runs = _overlap_eval_scenario().with_(
+        single_grouped_weight=True, grouped_weight_ownership="expert"
+    )
+    broken = _run(runs, fn=_train_skipping_own_segment)
+    assert len(broken[0]["eval_losses"]) == 1
+    assert_diverges(_overlap_eval_discrete(), broken, assert_same_training)
 
 
 def _train_skipping_own_segment(scenario):
