@@ -35,6 +35,38 @@ def test_count_agrees_with_model_spec_shapes(arch):
     assert (mtp_part > 0) == bool(arch.mtp_num_layers)
 
 
+def _without_expert_bias(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controls' mutation: the analytic count forgets the router's ``expert_bias`` buffer
+    (one entry per expert and MoE layer, in the checkpoint though not trained)."""
+    from nemo_lw_fp8.models import counting
+
+    original = counting._mlp_params
+
+    def mlp_params(a: A.MoEArchitecture, moe: bool) -> dict[str, int]:
+        out = original(a, moe)
+        if moe and a.moe_router_enable_expert_bias:
+            out["router"] -= a.num_moe_experts
+        return out
+
+    monkeypatch.setattr(counting, "_mlp_params", mlp_params)
+
+
+def test_control_count_without_the_expert_bias_disagrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control of ``test_count_agrees_with_model_spec_shapes`` and of the count in
+    ``test_matches_existing_planner_specs``: an analytic count without the expert-bias buffer
+    disagrees with the per-parameter shapes by exactly that buffer on every model that has one
+    (DeepSeek-V3: 58 MoE layers x 256 experts), and agrees on the others."""
+    _without_expert_bias(monkeypatch)
+    for arch in ARCHS:
+        spec = A.to_model_spec(arch)
+        missing = total_params(spec.params()) - A.count_parameters(arch)
+        moe_layers = sum(arch.moe_layer_pattern())
+        bias = moe_layers * arch.num_moe_experts if arch.moe_router_enable_expert_bias else 0
+        assert missing == bias, arch.name
+    assert A.count_parameters(A.DEEPSEEK_V3) != total_params(param_shapes("deepseek-v3"))
+    assert any(arch.moe_router_enable_expert_bias for arch in ARCHS)
+
+
 @pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-235b-a22b"])
 def test_matches_existing_planner_specs(name):
     arch = A.get_architecture(name)
@@ -127,11 +159,14 @@ def test_tiny_keeps_structure(arch):
             assert all(d % 32 == 0 for d in s.shape), (s.name, s.shape)
 
 
-def test_tiny_models_build_in_megatron_with_the_counted_size():
-    """GQA and MLA tiny twins built by megatron-core (local specs, CPU): parameter count equals
-    count_parameters(include_mtp=True). Gated DeltaNet needs TE's spec, so the hybrids are
-    covered by the shape cross-check only. A subprocess keeps the process group and CPU
-    stand-ins out of this one."""
+TINY_BUILT = ("deepseek-v3", "qwen3-30b-a3b")
+
+
+@pytest.fixture(scope="module")
+def tiny_models_built() -> dict[str, list[int]]:
+    """For the tiny twins of ``TINY_BUILT``: [parameters of the model megatron-core builds
+    (local specs, CPU), count_parameters(include_mtp=True)], computed once for the test and its
+    control. A subprocess keeps the process group and CPU stand-ins out of this one."""
     script = textwrap.dedent(
         """
         import dataclasses, json, os
@@ -157,7 +192,7 @@ def test_tiny_models_build_in_megatron_with_the_counted_size():
                 super().__init__(*args, **kw)
 
         out = {}
-        for name in ("deepseek-v3", "qwen3-30b-a3b"):
+        for name in NAMES:
             a = A.tiny(A.ARCHITECTURES[name])
             cls = MLATransformerConfig if a.multi_latent_attention else TransformerConfig
             names = {f.name for f in dataclasses.fields(cls)}
@@ -181,13 +216,41 @@ def test_tiny_models_build_in_megatron_with_the_counted_size():
         print("RESULT" + json.dumps(out))
         """
     )
+    script = f"NAMES = {TINY_BUILT!r}\n" + script
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     assert lines, proc.stderr[-3000:]
-    for name, (built, counted) in json.loads(lines[0][6:]).items():
+    return json.loads(lines[0][6:])
+
+
+def test_tiny_models_build_in_megatron_with_the_counted_size(tiny_models_built):
+    """GQA and MLA tiny twins built by megatron-core (local specs, CPU): parameter count equals
+    count_parameters(include_mtp=True). Gated DeltaNet needs TE's spec, so the hybrids are
+    covered by the shape cross-check only."""
+    assert sorted(tiny_models_built) == sorted(TINY_BUILT)
+    for name, (built, counted) in tiny_models_built.items():
         assert built == counted, name
+
+
+def test_control_tiny_model_count_without_the_expert_bias_differs(
+    tiny_models_built: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Control of ``test_tiny_models_build_in_megatron_with_the_counted_size``: the same built
+    models against a count without the router's expert-bias buffer: the tiny DeepSeek-V3 (it
+    has the buffer, and MTP's MoE layer too) differs by its MoE layers x experts, the tiny
+    Qwen3-30B-A3B (no buffer) still equals."""
+    _without_expert_bias(monkeypatch)
+    for name, (built, _) in tiny_models_built.items():
+        tiny = A.tiny(A.ARCHITECTURES[name])
+        mutated = A.count_parameters(tiny, include_mtp=True)
+        moe_layers = sum(tiny.moe_layer_pattern()) + (tiny.mtp_num_layers or 0)
+        bias = moe_layers * tiny.num_moe_experts if tiny.moe_router_enable_expert_bias else 0
+        assert built - mutated == bias, name
+    assert tiny_models_built["deepseek-v3"][0] != A.count_parameters(
+        A.tiny(A.DEEPSEEK_V3), include_mtp=True
+    )
 
 
 # ----------------------------------------------------------------------------- parallelism

@@ -19,6 +19,7 @@ import itertools
 import math
 import random
 import threading
+from collections.abc import Callable
 from fractions import Fraction
 
 import pytest
@@ -289,24 +290,87 @@ def test_fp32_scales_and_edge_mantissas_match_exact_reference():
     assert inv == [fp32_nearest(1 / Fraction(s)) for s in scales.tolist()]
 
 
-def test_scale_specials_epsilon_and_overflow():
+def _is_power_of_two(v: Fraction) -> bool:
+    return v.numerator & (v.numerator - 1) == 0 and v.denominator & (v.denominator - 1) == 0
+
+
+@pytest.mark.parametrize("amaxes", ["every_bf16", "fp32_edge_mantissas"])
+def test_control_scale_with_fp8_max_one_ulp_low_differs(amaxes: str) -> None:
+    """Control of ``test_pow2_scale_matches_exact_reference_for_every_bf16_amax`` and
+    ``test_fp32_scales_and_edge_mantissas_match_exact_reference``: the scale rule run with a
+    limit one fp32 ulp below 448 must fail the same comparisons with the closed form, exactly
+    at the amaxes where ``448 / amax`` is a power of two up to the 2^127 cap (there the true
+    ratio is the power itself, the mutated one falls just under it and rounds down a whole
+    power; at 2^128 both overflow or round to the cap), and the raw (not power-of-two) scale
+    differs from TE's rule at least there."""
+    if amaxes == "every_bf16":
+        amax = _positive_finite(torch.bfloat16)
+    else:
+        bits = [1.75 * 2.0**e for e in (-130, -100, -20, 0, 5, 60, 126)]
+        amax = torch.tensor(bits, dtype=torch.float32)
+    fmax = bw.fp8_max(E4M3)
+    below = torch.nextafter(torch.tensor(fmax), torch.tensor(0.0))  # fp32: one ulp below
+    low = below.item()
+    assert low == fmax - 2.0**-15  # 448 = 1.75 * 2^8: the fp32 ulp is 2^(8 - 23)
+    values = amax.float().tolist()
+    closed = [2.0 ** min(floor_log2(Fraction(fmax) / Fraction(a)), 127) for a in values]
+    assert bw.compute_scale(amax, E4M3, True, 0.0, F32_MAX).tolist() == closed  # unmutated
+    mutated = bw.compute_scale(amax, low, True, 0.0, F32_MAX).tolist()
+    differ = {a for a, got, want in zip(values, mutated, closed, strict=True) if got != want}
+    at_powers = {
+        a
+        for a in values
+        if _is_power_of_two(Fraction(fmax) / Fraction(a))
+        and floor_log2(Fraction(fmax) / Fraction(a)) <= 127
+    }
+    assert at_powers and differ == at_powers
+    powers = sorted(at_powers)
+    raw = bw.compute_scale(torch.tensor(powers), low, False, 0.0, F32_MAX).tolist()
+    want_raw = [ref_scale(a, fmax, False, 0.0, F32_MAX) for a in powers]
+    assert all(g != w for g, w in zip(raw, want_raw, strict=True))
+
+
+ScaleRule = Callable[[torch.Tensor, torch.dtype, bool, float, float], torch.Tensor]
+
+
+def _check_scale_specials(compute: ScaleRule) -> None:
+    """The special cases of the scale rule, asserted on ``compute`` (``bw.compute_scale`` or a
+    mutation of it)."""
     amax = torch.tensor([0.0, math.inf, math.nan, 2.0**-140, 1e-3, 448.0, 449.0, 3e38])
-    got = bw.compute_scale(amax, E4M3, True, 0.0, BF16_MAX).tolist()
-    assert got[:3] == [1.0, 1.0, 1.0]  # amax 0 / inf / NaN -> scale 1
-    assert got[3] == 2.0**127  # 448 / amax overflows fp32 -> bf16 max -> 2^127
+    got = compute(amax, E4M3, True, 0.0, BF16_MAX).tolist()
+    assert got[:3] == [1.0, 1.0, 1.0], "amax 0 / inf / NaN -> scale 1"
+    assert got[3] == 2.0**127, "448 / amax overflows fp32 -> bf16 max -> 2^127"
     assert got[5] == 1.0 and got[6] == 0.5  # rounded DOWN to a power of two
     assert got[7] == 2.0**-120  # 448 / 3e38 = 1.49e-36 = 2^-119.01...
     # without power-of-two scales the overflow substitute is the input type's max
-    raw = bw.compute_scale(amax, E4M3, False, 0.0, BF16_MAX).tolist()
-    assert raw[3] == BF16_MAX and raw[6] == f32(448.0 / 449.0)
-    assert bw.compute_scale(amax[3:4], E4M3, False, 0.0, F32_MAX).item() == F32_MAX
+    raw = compute(amax, E4M3, False, 0.0, BF16_MAX).tolist()
+    assert raw[3] == BF16_MAX and raw[6] == f32(448.0 / 449.0), "overflow substitute"
+    assert compute(amax[3:4], E4M3, False, 0.0, F32_MAX).item() == F32_MAX
     # amax_epsilon floors the amax (0 included)
-    eps = bw.compute_scale(torch.tensor([0.0, 1e-9, 1.0]), E4M3, True, 1e-3, F32_MAX).tolist()
+    eps = compute(torch.tensor([0.0, 1e-9, 1.0]), E4M3, True, 1e-3, F32_MAX).tolist()
     assert eps == [ref_scale(a, 448.0, True, 1e-3, F32_MAX) for a in (0.0, 1e-9, 1.0)]
     assert eps[0] == eps[1] == 2.0**18
+
+
+def test_scale_specials_epsilon_and_overflow():
+    _check_scale_specials(bw.compute_scale)
     assert bw.value_for_inf(torch.float16) == 65504.0
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
         bw.value_for_inf(torch.int32)
+
+
+def test_control_scale_without_the_overflow_substitute_differs() -> None:
+    """Control of ``test_scale_specials_epsilon_and_overflow``: a scale rule that leaves an
+    overflowed ``fp8_max / amax`` at inf (no substitute for it) must fail the same checks, at
+    the first one that meets an overflow."""
+
+    def no_substitute(
+        amax: torch.Tensor, fmt: torch.dtype, pow2: bool, eps: float, inf_value: float
+    ) -> torch.Tensor:
+        return bw.compute_scale(amax, fmt, pow2, eps, math.inf)
+
+    with pytest.raises(AssertionError, match="overflows fp32"):
+        _check_scale_specials(no_substitute)
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,18 +426,35 @@ def test_quantize_matches_reference(shape, dtype, fmt, block_dim, pow2, eps):
         assert not scales[:, w:].any() and not scales[h:].any()
 
 
-def test_special_blocks_behave_like_te():
+def _check_special_blocks() -> None:
+    """TE's handling of inf, NaN and saturating values in 128x128 tiles, asserted on
+    ``bw.quantize`` (as it stands or mutated by a control)."""
     x = torch.ones(128, 256, dtype=torch.bfloat16)
     x[0, 0] = math.inf  # tile (0, 0): amax inf -> scale 1, finite values cast directly
     x[5, 1] = 1000.0  # ... and saturate at 448
     x[0, 128] = math.nan  # tile (0, 1): NaN ignored by the amax, coded 0x7F
     d = bw.quantize(x)
-    assert d.rowwise_scale_inv[0, :2].tolist() == [1.0, 2.0**-8]
+    assert d.rowwise_scale_inv[0, :2].tolist() == [1.0, 2.0**-8], "tile scales"
     assert d.rowwise_data[0, 0].item() == 0x7E and d.rowwise_data[5, 1].item() == 0x7E
     assert d.rowwise_data[0, 128].item() == 0x7F
     assert d.rowwise_data[1, 128].item() == 0x78  # 1 * 2^8 = 256 (448 rounded down to 2^8)
     z = bw.quantize(torch.zeros(128, 128))
     assert d.rowwise_data.dtype == torch.uint8 and z.rowwise_scale_inv[0, 0].item() == 1.0
+
+
+def test_special_blocks_behave_like_te():
+    _check_special_blocks()
+
+
+def test_control_special_blocks_with_nan_in_the_amax_differ(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Control of ``test_special_blocks_behave_like_te``: when a NaN element takes part in its
+    tile's amax (plain ``abs`` instead of TE's ``fmaxf``, which drops NaN), the tile gets the
+    special scale 1 and the same checks fail on the tile scales."""
+    monkeypatch.setattr(bw, "abs_ignoring_nan", torch.abs)
+    with pytest.raises(AssertionError, match="tile scales"):
+        _check_special_blocks()
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,25 +495,62 @@ def test_scale_shapes_and_transposed_columnwise_layout(shape, row2, col2, row1, 
             assert bool((err <= x.float().abs() * 2.0**-4 + 2.0**-14).all())
 
 
-def test_columnwise_of_128x128_tiles_is_exact_transpose_of_rowwise():
+Derive = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _transpose_mismatches(derive: Derive) -> list[tuple[tuple[int, ...], str, str]]:
+    """(shape, format, what) wherever the columnwise form ``derive`` makes from the rowwise
+    one differs from a direct columnwise quantisation of 128x128 tiles; empty when none does."""
+    bad: list[tuple[tuple[int, ...], str, str]] = []
     for shape, seed in [((256, 384), 0), ((200, 300), 1), ((3, 100, 260), 2), ((1, 129), 3)]:
         x = _with_specials(_wide(shape, seed)) if len(shape) == 2 else _wide(shape, seed)
         for fmt in (E4M3, E5M2):
             full = bw.quantize(x, fmt, block_dim=2)
             rowwise_only = bw.quantize(x, fmt, block_dim=2, columnwise=False)
             col_only = bw.quantize(x, fmt, block_dim=2, rowwise=False)
-            data, scale_inv = bw.columnwise_from_rowwise(
-                rowwise_only.rowwise_data, rowwise_only.rowwise_scale_inv
-            )
-            assert torch.equal(data, col_only.columnwise_data)
-            assert torch.equal(scale_inv, col_only.columnwise_scale_inv)
-            assert torch.equal(data, full.columnwise_data)
+            data, scale_inv = derive(rowwise_only.rowwise_data, rowwise_only.rowwise_scale_inv)
             rows, cols = bw.flat_2d_shape(shape)
-            assert torch.equal(data.reshape(cols, rows), full.rowwise_data.reshape(rows, cols).t())
+            checks = {
+                "data": torch.equal(data, col_only.columnwise_data),
+                "scales": torch.equal(scale_inv, col_only.columnwise_scale_inv),
+                "data of both": torch.equal(data, full.columnwise_data),
+                "transpose": torch.equal(
+                    data.reshape(cols, rows), full.rowwise_data.reshape(rows, cols).t()
+                ),
+            }
+            bad += [(shape, str(fmt), what) for what, ok in checks.items() if not ok]
+    return bad
+
+
+def test_columnwise_of_128x128_tiles_is_exact_transpose_of_rowwise():
+    assert _transpose_mismatches(bw.columnwise_from_rowwise) == []
     # 1x128 blocks: the two directions have different scales, so no such rule
     x = _wide((256, 256), 9)
     d = bw.quantize(x, block_dim=1)
     assert not torch.equal(d.columnwise_data, d.rowwise_data.t())
+
+
+def test_control_columnwise_with_untransposed_tile_scales_differs() -> None:
+    """Control of ``test_columnwise_of_128x128_tiles_is_exact_transpose_of_rowwise``: a
+    derivation that transposes the codes but lays the tile scales out in rowwise order
+    (read row-major into the columnwise grid) must fail the same comparison, in the scales
+    only, and only where the tile grid has more than one tile row and column."""
+
+    def scales_not_transposed(
+        data: torch.Tensor, scale_inv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, good = bw.columnwise_from_rowwise(data, scale_inv)
+        rows, cols = bw.flat_2d_shape(tuple(data.shape))
+        m_tiles, k_tiles = bw.ceil_div(rows, 128), bw.ceil_div(cols, 128)
+        wrong = torch.zeros_like(good)
+        wrong[:, :m_tiles] = scale_inv[:, :k_tiles].reshape(k_tiles, m_tiles)
+        return codes, wrong
+
+    bad = _transpose_mismatches(scales_not_transposed)
+    # (256, 384): 2 x 3 tiles, (200, 300): 2 x 3 tiles; (3, 100, 260) is 3 x 3 tiles; the
+    # single-tile-row (1, 129) cannot tell the two orders apart.
+    assert {what for _, _, what in bad} == {"scales"}
+    assert {shape for shape, _, _ in bad} == {(256, 384), (200, 300), (3, 100, 260)}
 
 
 def test_refused_inputs_are_clear_errors():
@@ -510,9 +628,13 @@ def _cuts(numel: int, ranks: int, rng: random.Random) -> list[int]:
     return [0, *sorted(rng.randrange(numel + 1) for _ in range(ranks - 1)), numel]
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("trial", range(5))
-def test_shard_cuts_give_full_quantize_bytes(ranks, trial):
+def _shard_cut_mismatches(
+    ranks: int, trial: int, offset_of: Callable[[int], int] = lambda start: start
+) -> list[str]:
+    """Quantise a tensor as ``ranks`` shards cut at random offsets (partial amaxes, their MAX,
+    each shard cast into its slice) and name what differs from a full quantise (empty: none).
+    ``offset_of`` maps a shard's start to the offset it is processed at (the identity, or a
+    control's mutation)."""
     rng = random.Random(10 * ranks + trial)
     shape = [(256, 384), (200, 300), (128, 128), (384, 136), (130, 1000)][trial]
     master = _wide(shape, trial, torch.float32)
@@ -525,27 +647,49 @@ def test_shard_cuts_give_full_quantize_bytes(ranks, trial):
     if trial == 0 and ranks == 4:
         cuts[2] = cuts[1]  # an empty shard
     shards = list(itertools.pairwise(cuts))
-    partial = [bws.compute_partial_amax(flat[a:b], shape, a) for a, b in shards]
+    partial = [bws.compute_partial_amax(flat[a:b], shape, offset_of(a)) for a, b in shards]
     amax = torch.stack(partial).amax(0)  # the MAX all-reduce
     scale = bw.compute_scale(amax, E4M3, True, 0.0, bw.FLT_MAX)
     scale_inv = bw.scale_inv_from_scale(scale)
     h, w = bw.valid_scale_shape(shape)
-    assert torch.equal(scale_inv[:h, :w], full.rowwise_scale_inv[:h, :w])
-    assert bool((scale_inv[:, w:] == 1.0).all())  # padding: amax 0 -> scale 1
-    codes = [bws.partial_cast(flat[a:b], scale, shape, a) for a, b in shards]
+    bad = []
+    if not torch.equal(scale_inv[:h, :w], full.rowwise_scale_inv[:h, :w]):
+        bad.append("scales")
+    if not bool((scale_inv[:, w:] == 1.0).all()):  # padding: amax 0 -> scale 1
+        bad.append("scale padding")
+    codes = [bws.partial_cast(flat[a:b], scale, shape, offset_of(a)) for a, b in shards]
     assert [c.numel() for c in codes] == [b - a for a, b in shards]
-    assert torch.equal(torch.cat(codes), full.rowwise_data.reshape(-1))
+    if not torch.equal(torch.cat(codes), full.rowwise_data.reshape(-1)):
+        bad.append("codes")
+    return bad
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_quantize_shard_with_all_reduce_hook(ranks):
+@pytest.mark.parametrize("trial", range(5))
+def test_shard_cuts_give_full_quantize_bytes(ranks, trial):
+    assert _shard_cut_mismatches(ranks, trial) == []
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_control_shards_processed_at_offset_zero_differ(ranks: int) -> None:
+    """Control of ``test_shard_cuts_give_full_quantize_bytes``: when every shard is taken for
+    the start of the tensor (offset 0), its elements fall into other tiles; the same
+    comparison fails in the codes (in the scales too where a moved element carries a tile's
+    amax, as at 4 ranks)."""
+    bad = _shard_cut_mismatches(ranks, 0, offset_of=lambda start: 0)
+    assert "codes" in bad, bad
+
+
+def _sharded_hook_mismatches(ranks: int, hook: Callable[[torch.Tensor], None]) -> list[str]:
+    """``quantize_shard`` on ``ranks`` threads (random cuts of one tensor) with the amax
+    all-reduce ``hook``: what differs from a full quantise (scales on any rank, the gathered
+    codes, the columnwise form derived from them); empty when nothing does."""
     rng = random.Random(ranks)
     shape = (384, 260)
     x = _wide(shape, 7)
     full = bw.quantize(x)
     flat = x.reshape(-1)
     cuts = _cuts(flat.numel(), ranks, rng)
-    hook = ThreadedMaxAllReduce(ranks)
     results: dict[int, bws.ShardQuantization] = {}
 
     def rank(i: int) -> None:
@@ -556,15 +700,38 @@ def test_quantize_shard_with_all_reduce_hook(ranks):
         t.start()
     for t in threads:
         t.join()
+    assert sorted(results) == list(range(ranks)), "a rank did not finish"
     h, w = bw.valid_scale_shape(shape)
-    for i in range(ranks):
-        assert torch.equal(results[i].scale_inv[:h, :w], full.rowwise_scale_inv[:h, :w])
+    bad = []
+    if not all(
+        torch.equal(results[i].scale_inv[:h, :w], full.rowwise_scale_inv[:h, :w])
+        for i in range(ranks)
+    ):
+        bad.append("scales")
     gathered = torch.cat([results[i].codes for i in range(ranks)]).view(shape)
-    assert torch.equal(gathered, full.rowwise_data)
+    if not torch.equal(gathered, full.rowwise_data):
+        bad.append("codes")
     # what the owner would do after the gather: derive the columnwise form locally
     data, scale_inv = bw.columnwise_from_rowwise(gathered, results[0].scale_inv)
-    assert torch.equal(data, full.columnwise_data)
-    assert torch.equal(scale_inv[:w, :h], full.columnwise_scale_inv[:w, :h])
+    if not torch.equal(data, full.columnwise_data):
+        bad.append("columnwise codes")
+    if not torch.equal(scale_inv[:w, :h], full.columnwise_scale_inv[:w, :h]):
+        bad.append("columnwise scales")
+    return bad
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_quantize_shard_with_all_reduce_hook(ranks):
+    assert _sharded_hook_mismatches(ranks, ThreadedMaxAllReduce(ranks)) == []
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_control_quantize_shard_without_the_all_reduce_differs(ranks: int) -> None:
+    """Control of ``test_quantize_shard_with_all_reduce_hook``: with an all-reduce that does
+    nothing each rank scales by the amaxes of its own shard (tiles it does not touch count 0);
+    the same comparison fails in the scales and in the codes of the tiles a cut splits."""
+    bad = _sharded_hook_mismatches(ranks, lambda buffer: None)
+    assert "scales" in bad and "codes" in bad, bad
 
 
 # --------------------------------------------------------------------------------------------
@@ -707,14 +874,19 @@ class ThreadedMaxAllReduce:
         with self.lock:
             self.buffers.clear()
 
-dist = []
+def no_all_reduce(tensor, op=None, group=None, async_op=False):
+    pass  # the control's mutation: each rank keeps the amaxes of its own shard
+
+dist, dist_control = [], []
 rng = random.Random(5)
-for world, api in ((2, quantize_master_weights), (4, cast_master_weights_to_fp8),
-                   (4, quantize_master_weights)):
+for world, api, control in ((2, quantize_master_weights, False),
+                            (4, cast_master_weights_to_fp8, False),
+                            (4, quantize_master_weights, False),
+                            (2, quantize_master_weights, True)):
     wshapes = [(256, 384), (200, 300), (128, 128)]
     masters = [torch.randn(s) * 3 for s in wshapes]
     full = [bw.quantize(m.bfloat16()) for m in masters]
-    torch.distributed.all_reduce = ThreadedMaxAllReduce(world)
+    torch.distributed.all_reduce = no_all_reduce if control else ThreadedMaxAllReduce(world)
     make = lambda s: Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True,
                                           columnwise=True)(torch.zeros(s, dtype=torch.bfloat16))
     models = [[make(s) for s in wshapes] for _ in range(world)]
@@ -751,8 +923,9 @@ for world, api in ((2, quantize_master_weights), (4, cast_master_weights_to_fp8)
         ok &= torch.equal(weight._columnwise_data, full[i].columnwise_data)
         ok &= torch.equal(weight._columnwise_scale_inv[:w, :h],
                           full[i].columnwise_scale_inv[:w, :h])
-    dist.append([world, api.__name__, bool(ok), errors])
+    (dist_control if control else dist).append([world, api.__name__, bool(ok), errors])
 R["distributed"] = dist
+R["distributed_control"] = dist_control
 
 # --- megatron's attributes on a quantized weight survive a module-wide cast (Float16Module's
 # module.bfloat16()), as TE's TransformerEngineBaseModule._apply keeps them; the control puts
@@ -832,6 +1005,16 @@ def test_module_cast_keeps_megatron_attributes_of_quantized_weights(te_results):
 def test_te_quantize_master_weights_shards(te_results):
     for world, api, ok, errors in te_results["distributed"]:
         assert ok and not errors, (world, api, errors)
+
+
+@needs_te
+def test_control_te_quantize_master_weights_without_the_all_reduce_differs(te_results):
+    """Control of ``test_te_quantize_master_weights_shards``: TE's ``quantize_master_weights``
+    on 2 simulated ranks whose amax all-reduce does nothing (each rank scales its shard by the
+    amaxes of that shard alone) completes, and the same checks fail."""
+    [(world, api, ok, errors)] = te_results["distributed_control"]
+    assert (world, api, errors) == (2, "quantize_master_weights", [])
+    assert ok is False
 
 
 # --------------------------------------------------------------------------------------------

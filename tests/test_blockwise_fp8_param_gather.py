@@ -97,6 +97,48 @@ def test_train_eval_train_equals_train_train(distribution):
     assert_bitwise(off, with_eval)
 
 
+#: (distribution, overlap) -> (6 uninterrupted steps, the first 3 steps that saved, the
+#: checkpoint directory): a resume test's runs, kept for its control (same session).
+_RESUME_RUNS: dict[tuple[str, bool], tuple[list[dict], list[dict], str]] = {}
+
+
+def _resume_runs(
+    distribution: str, overlap: bool, directory: str
+) -> tuple[list[dict], list[dict], str]:
+    """The uninterrupted run and the saving run of the resume test, made once per session."""
+    key = (distribution, overlap)
+    if key not in _RESUME_RUNS:
+        scenario = BASE.with_(
+            distribution=distribution, overlap=overlap, fp8_param_gather=True, steps=6
+        )
+        uninterrupted = run(scenario)
+        first = run(scenario.with_(steps=3, save_dir=directory))
+        _RESUME_RUNS[key] = (uninterrupted, first, directory)
+    return _RESUME_RUNS[key]
+
+
+def _resume_mismatches(
+    uninterrupted: list[dict], first: list[dict], resumed: list[dict]
+) -> list[str]:
+    """What of the resumed run differs from the run that never stopped (losses, digest, every
+    fp32 master and effective weight by name, the probe's output), per rank; empty if nothing."""
+    bad = []
+    for rank, (full, before, after) in enumerate(zip(uninterrupted, first, resumed, strict=True)):
+        if full["losses"] != before["losses"] + after["losses"]:
+            bad.append(f"rank {rank} losses")
+        if full["digest"] != after["digest"]:
+            bad.append(f"rank {rank} digest")
+        for name, master in full["masters"].items():
+            if not torch.equal(master, after["masters"][name]):
+                bad.append(f"rank {rank} master {name}")
+        if not torch.equal(full["probe_output"], after["probe_output"]):
+            bad.append(f"rank {rank} probe output")
+        for name, weight in full["effective_weights"].items():
+            if not torch.equal(weight, after["effective_weights"][name]):
+                bad.append(f"rank {rank} weight {name}")
+    return bad
+
+
 @pytest.mark.parametrize(
     "distribution, overlap",
     [("layerwise_padded", True), ("layerwise_compact", False)],
@@ -109,21 +151,31 @@ def test_checkpoint_resume_in_fresh_processes_is_bitwise(distribution, overlap, 
     scenario = BASE.with_(
         distribution=distribution, overlap=overlap, fp8_param_gather=True, steps=6
     )
-    uninterrupted = run(scenario)
-    first = run(scenario.with_(steps=3, save_dir=str(tmp_path)))
+    uninterrupted, first, directory = _resume_runs(distribution, overlap, str(tmp_path))
     pool = get_pool(2, FP8)
     old_pids = [proc.pid for proc in pool._procs]
     pool.shutdown()
-    resumed = run(scenario.with_(first_step=3, load_dir=str(tmp_path)))
+    resumed = run(scenario.with_(first_step=3, load_dir=directory))
     assert [proc.pid for proc in get_pool(2, FP8)._procs] != old_pids
-    for full, before, after in zip(uninterrupted, first, resumed, strict=True):
-        assert full["losses"] == before["losses"] + after["losses"]
-        assert full["digest"] == after["digest"]
-        for name, master in full["masters"].items():
-            assert torch.equal(master, after["masters"][name]), name
-        assert torch.equal(full["probe_output"], after["probe_output"])
-        for name, weight in full["effective_weights"].items():
-            assert torch.equal(weight, after["effective_weights"][name]), name
+    assert _resume_mismatches(uninterrupted, first, resumed) == []
+
+
+def test_control_resume_with_a_master_one_ulp_off_differs(tmp_path):
+    """Control of ``test_checkpoint_resume_in_fresh_processes_is_bitwise`` (compact): the
+    resumed run with each rank's first layer-wise master moved up by one ulp after the load
+    completes and fails the same comparison with the same uninterrupted run (the test's own,
+    when it ran first in this session), in the masters."""
+    from tests.support.resume_controls import train_with_a_nudged_loaded_master
+
+    uninterrupted, first, directory = _resume_runs("layerwise_compact", False, str(tmp_path))
+    scenario = BASE.with_(
+        distribution="layerwise_compact", fp8_param_gather=True, steps=6, first_step=3
+    )
+    nudged = run_on_ranks(
+        train_with_a_nudged_loaded_master, scenario.with_(load_dir=directory), boot=FP8
+    )
+    bad = _resume_mismatches(uninterrupted, first, nudged)
+    assert any(" master " in item for item in bad), bad
 
 
 # --------------------------------------------------------------------------- mutation checks

@@ -60,9 +60,18 @@ def _mismatches(before: dict, after: dict) -> list[str]:
     return out
 
 
-def save_load_resume(scenario: Scenario, directory: str, sharding: str, fully_parallel: bool):
+def save_load_resume(
+    scenario: Scenario,
+    directory: str,
+    sharding: str,
+    fully_parallel: bool,
+    with_control: bool = False,
+):
     """On each rank: the uninterrupted run; the run saved after ``SAVE_AFTER`` steps, loaded
-    into a model and optimizer built from another seed, and trained on."""
+    into a model and optimizer built from another seed, and trained on. ``with_control``: the
+    same load once more, into another build, with its first layer-wise master moved by one ulp
+    right after (:mod:`tests.support.resume_controls`), compared and trained on the same way
+    (``result["control"]``)."""
     from megatron.core import parallel_state
 
     from tests.support import dist_checkpoints as ckpt
@@ -86,7 +95,28 @@ def save_load_resume(scenario: Scenario, directory: str, sharding: str, fully_pa
     loaded_weights = ckpt.weight_values(model[0].module)
     loaded_state = ckpt.optimizer_snapshot(optimizer, model[0].module)
     losses += [train_step(scenario, model, optimizer, s, dp_rank) for s in range(SAVE_AFTER, 5)]
+    final_weights_differ = _mismatches(final_weights, ckpt.weight_snapshot(model[0].module))
+    final_state_differ = _mismatches(
+        final_state, ckpt.optimizer_snapshot(optimizer, model[0].module)
+    )
+    control = None
+    if with_control:
+        from tests.support.resume_controls import nudge_first_layer_wise_master
+
+        model, optimizer = _build(scenario, scenario.seed + 1)
+        ckpt.load_torch_dist(model, optimizer, directory, fully_parallel=fully_parallel)
+        nudge_first_layer_wise_master(optimizer)
+        nudged_state = ckpt.optimizer_snapshot(optimizer, model[0].module)
+        for s in range(SAVE_AFTER, 5):
+            train_step(scenario, model, optimizer, s, dp_rank)
+        control = {
+            "state_differ": _mismatches(saved_state, nudged_state),
+            "final_state_differ": _mismatches(
+                final_state, ckpt.optimizer_snapshot(optimizer, model[0].module)
+            ),
+        }
     return {
+        "control": control,
         "reference": reference,
         "losses": losses,
         "weights_differ": _mismatches(saved_weights, loaded_weights),
@@ -94,11 +124,25 @@ def save_load_resume(scenario: Scenario, directory: str, sharding: str, fully_pa
         # The fresh build differs from the checkpoint: a load that did nothing cannot pass.
         "fresh_differs": bool(_mismatches(saved_state, fresh_state)),
         "state_names": sorted(saved_state),
-        "final_weights_differ": _mismatches(final_weights, ckpt.weight_snapshot(model[0].module)),
-        "final_state_differ": _mismatches(
-            final_state, ckpt.optimizer_snapshot(optimizer, model[0].module)
-        ),
+        "final_weights_differ": final_weights_differ,
+        "final_state_differ": final_state_differ,
     }
+
+
+#: (sharding, fully_parallel) -> per-rank results of :func:`save_load_resume`, kept for the
+#: control (the ``dp_reshardable`` run carries it).
+_ROUND_TRIPS: dict[tuple[str, bool], list[dict]] = {}
+
+
+def _round_trip(sharding: str, fully_parallel: bool, directory: str) -> list[dict]:
+    """:func:`save_load_resume` on the ranks, once per session per setting."""
+    key = (sharding, fully_parallel)
+    if key not in _ROUND_TRIPS:
+        _ROUND_TRIPS[key] = run_on_ranks(
+            save_load_resume, BASE, directory, sharding, fully_parallel,
+            sharding == "dp_reshardable", boot=FP8, timeout=400,
+        )  # fmt: skip
+    return _ROUND_TRIPS[key]
 
 
 @pytest.mark.parametrize(
@@ -107,9 +151,7 @@ def save_load_resume(scenario: Scenario, directory: str, sharding: str, fully_pa
     ids=["dp_reshardable-fully-parallel", "fully_reshardable"],
 )
 def test_torch_dist_round_trip_is_bitwise(sharding, fully_parallel, tmp_path):
-    results = run_on_ranks(
-        save_load_resume, BASE, str(tmp_path), sharding, fully_parallel, boot=FP8, timeout=400
-    )
+    results = _round_trip(sharding, fully_parallel, str(tmp_path))
     for rank, result in enumerate(results):
         names = result["state_names"]
         # What must be in the checkpoint: fp32 masters of both optimizers, Muon's momentum,
@@ -123,6 +165,20 @@ def test_torch_dist_round_trip_is_bitwise(sharding, fully_parallel, tmp_path):
         assert result["losses"] == result["reference"], rank  # exact float equality
         assert result["final_weights_differ"] == [], (rank, result["final_weights_differ"])
         assert result["final_state_differ"] == [], (rank, result["final_state_differ"])
+
+
+def test_control_round_trip_with_a_master_one_ulp_off_differs(tmp_path):
+    """Control of ``test_torch_dist_round_trip_is_bitwise`` (``dp_reshardable``, fully
+    parallel): the same checkpoint loaded once more in the same rank task, with each rank's
+    first layer-wise master moved up by one ulp after the load: the same state comparison
+    names exactly that master, and after training on the final state differs too (masters at
+    least; the run is the test's own when it ran first in this session)."""
+    results = _round_trip("dp_reshardable", True, str(tmp_path))
+    for rank, result in enumerate(results):
+        control = result["control"]
+        nudged = [n for n in control["state_differ"] if n.startswith("layerwise:master:")]
+        assert len(nudged) == 1 and control["state_differ"] == nudged, (rank, control)
+        assert any(n.startswith("layerwise:master:") for n in control["final_state_differ"])
 
 
 # --------------------------------------------------------------------------- exact resume

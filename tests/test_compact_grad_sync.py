@@ -413,23 +413,69 @@ def test_wire_traffic_equals_the_plan(overlap):
 # --------------------------------------------------------------------------- checkpoint
 
 
+_RESUME_RUNS: list[tuple[list[dict], str]] = []
+
+
+def _resume_runs(directory: str) -> tuple[list[dict], str]:
+    """5 uninterrupted steps and the checkpoint of the first 3 (owner reduce, overlap), made
+    once per session for the resume test and its control."""
+    if not _RESUME_RUNS:
+        scenario = COMPACT.with_(overlap=True, steps=5)
+        uninterrupted = run_on_ranks(train_recorded, scenario)
+        run_on_ranks(train_recorded, scenario.with_(steps=3, save_dir=directory))
+        _RESUME_RUNS.append((uninterrupted, directory))
+    return _RESUME_RUNS[0]
+
+
+def _resume_mismatches(uninterrupted: list[dict], resumed: list[dict]) -> list[str]:
+    """What of the resumed steps 3-4 differs from the run that never stopped (losses, digest,
+    fp32 masters and Muon state by name), per rank; empty when nothing does."""
+    bad = []
+    for rank, (full, after) in enumerate(zip(uninterrupted, resumed, strict=True)):
+        if full["losses"][3:] != after["losses"]:
+            bad.append(f"rank {rank} losses")
+        if full["digest"] != after["digest"]:
+            bad.append(f"rank {rank} digest")
+        for name, master in full["masters"].items():
+            if not torch.equal(master, after["masters"][name]):
+                bad.append(f"rank {rank} master {name}")
+        for key, value in full["state"].items():
+            if not _equal(value, after["state"][key]):
+                bad.append(f"rank {rank} state {key}")
+    return bad
+
+
 def test_checkpoint_resume_is_bitwise(tmp_path):
     """Save after 3 steps on the owner-reduce path, load in fresh processes, run steps 3-4:
     the same losses, parameters, masters and Muon momentum as 5 uninterrupted steps."""
     from tests.support.harness import get_pool
 
     scenario = COMPACT.with_(overlap=True, steps=5)
-    uninterrupted = run_on_ranks(train_recorded, scenario)
-    run_on_ranks(train_recorded, scenario.with_(steps=3, save_dir=str(tmp_path)))
+    uninterrupted, directory = _resume_runs(str(tmp_path))
     get_pool(2, BootOptions()).shutdown()
-    resumed = run_on_ranks(train_recorded, scenario.with_(first_step=3, load_dir=str(tmp_path)))
-    for full, after in zip(uninterrupted, resumed, strict=True):
-        assert full["losses"][3:] == after["losses"]
-        assert full["digest"] == after["digest"]
-        for name, master in full["masters"].items():
-            assert torch.equal(master, after["masters"][name]), name
-        for key, value in full["state"].items():
-            assert _equal(value, after["state"][key]), key
+    resumed = run_on_ranks(train_recorded, scenario.with_(first_step=3, load_dir=directory))
+    assert _resume_mismatches(uninterrupted, resumed) == []
+
+
+def train_recorded_with_a_nudged_loaded_master(scenario: Scenario) -> dict:
+    """Mutation: :func:`train_recorded` with the first layer-wise master one ulp up after the
+    load (:mod:`tests.support.resume_controls`)."""
+    from tests.support.resume_controls import nudged_loaded_master
+
+    with nudged_loaded_master():
+        return train_recorded(scenario)
+
+
+def test_control_resume_with_a_master_one_ulp_off_differs(tmp_path):
+    """Control of ``test_checkpoint_resume_is_bitwise``: the resumed run with each rank's first
+    layer-wise master moved up by one ulp after the load completes and fails the same
+    comparison with the same uninterrupted run (the test's own, when it ran first in this
+    session), in the masters."""
+    uninterrupted, directory = _resume_runs(str(tmp_path))
+    scenario = COMPACT.with_(overlap=True, steps=5, first_step=3, load_dir=directory)
+    nudged = run_on_ranks(train_recorded_with_a_nudged_loaded_master, scenario)
+    bad = _resume_mismatches(uninterrupted, nudged)
+    assert any(" master " in item for item in bad), bad
 
 
 # --------------------------------------------------------------------------- the owner layout

@@ -30,9 +30,39 @@ def _same(reference: list[dict], candidate: list[dict], label: str) -> None:
     assert len({r["digest"] for r in candidate}) == 1
 
 
+#: Plain Muon runs a parity test compared against, kept for the controls below (same session).
+_REFERENCES: dict[str, list[dict]] = {}
+
+
+def _reference(scenario: Scenario, world_size: int = 2) -> list[dict]:
+    """``train(scenario)`` on ``world_size`` ranks, run once per session."""
+    key = repr((scenario, world_size))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_on_ranks(train, scenario, world_size=world_size)
+    return _REFERENCES[key]
+
+
+def train_with_receivers_skipping_the_last_owner(scenario: Scenario) -> dict:
+    """Mutation: no rank writes the last data-parallel rank's gathered segment into its
+    weights, so the matrices that rank owns stay at their old values everywhere else."""
+    import torch.distributed as dist
+
+    from nemo_lw_fp8.mechanics import owner_gather
+
+    last = dist.get_world_size() - 1
+    original = owner_gather.ranks_to_unpack
+
+    def skipping(plan: object, my_rank: int) -> list[int]:
+        return [rank for rank in original(plan, my_rank) if rank != last]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(owner_gather, "ranks_to_unpack", skipping)
+        return train(scenario)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_compact_equals_plain_muon(world_size):
-    reference = run_on_ranks(train, Scenario(optimizer="muon"), world_size=world_size)
+    reference = _reference(Scenario(optimizer="muon"), world_size)
     for overlap in (False, True):
         # The default tolerance, and an always-even gather (segments padded to the longest).
         for tolerance in (None, math.inf):
@@ -44,9 +74,33 @@ def test_compact_equals_plain_muon(world_size):
 
 def test_compact_tiny_gpt_equals_plain_muon():
     gpt = Scenario(optimizer="muon", model="gpt", steps=3)
-    reference = run_on_ranks(train, gpt)
+    reference = _reference(gpt)
     compact = run_on_ranks(train, COMPACT.with_(model="gpt", steps=3, overlap=True))
     _same(reference, compact, "compact gpt")
+
+
+#: The controls' cases: the plain Muon reference a parity test used, and the compact run.
+_CONTROLLED = {
+    "mlp": (Scenario(optimizer="muon"), COMPACT),
+    "gpt": (Scenario(optimizer="muon", model="gpt", steps=3),
+            COMPACT.with_(model="gpt", steps=3, overlap=True)),
+    "padded_buckets": (Scenario(optimizer="muon", bucket_size=2000),
+                       COMPACT.with_(bucket_size=2000, overlap=True)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(_CONTROLLED))
+def test_control_compact_with_a_skipped_segment_differs_from_plain_muon(case: str) -> None:
+    """Control of ``test_compact_equals_plain_muon`` (``mlp``, 2 ranks),
+    ``test_compact_tiny_gpt_equals_plain_muon`` (``gpt``) and the training comparison of
+    ``test_compact_gathers_no_more_often_than_padded_and_trains_the_same``
+    (``padded_buckets``): the compact run whose receivers skip the last rank's gathered
+    segment completes and fails the same comparison against the same plain Muon run (reused
+    when its test ran first in this session)."""
+    plain, compact = _CONTROLLED[case]
+    reference = _reference(plain)
+    mutated = run_on_ranks(train_with_receivers_skipping_the_last_owner, compact, world_size=2)
+    assert_diverges(reference, mutated, compare=lambda a, b: _same(a, b, case))
 
 
 @needs_te
@@ -166,12 +220,20 @@ def test_stock_padded_layout_pads():
     assert any(b["layer_wise"] and b["numel"] > b["numel_unpadded"] for b in buffers)
 
 
-def test_ownership_is_cost_balanced_and_repeatable():
+_OWNERS: list[dict[str, int]] = []
+
+
+def _first_owners() -> dict[str, int]:
+    """The owners of the test's first build (4 ranks), kept for the control."""
+    if not _OWNERS:
+        _OWNERS.append(run_on_ranks(layout_facts, COMPACT, world_size=4)[0]["owners"])
+    return _OWNERS[0]
+
+
+def _max_load_and_largest_cost(owners: dict[str, int]) -> tuple[int, int]:
+    """The busiest rank's Newton-Schulz work under ``owners``, and the largest matrix's."""
     from nemo_lw_fp8 import layout
 
-    first = run_on_ranks(layout_facts, COMPACT, world_size=4)[0]["owners"]
-    again = run_on_ranks(layout_facts, COMPACT, world_size=4)[0]["owners"]
-    assert first == again
     module_shapes = {
         "net.0.weight": (64, 32),
         "net.3.weight": (64, 64),
@@ -179,11 +241,40 @@ def test_ownership_is_cost_balanced_and_repeatable():
         "net.9.weight": (64, 48),
         "net.12.weight": (16, 64),
     }
-    costs = [layout.newton_schulz_cost(module_shapes[n]) for n in sorted(first)]
-    owners = [first[n] for n in sorted(first)]
-    loads = layout.rank_loads(costs, owners, 4)
+    costs = [layout.newton_schulz_cost(module_shapes[n]) for n in sorted(owners)]
+    loads = layout.rank_loads(costs, [owners[n] for n in sorted(owners)], 4)
+    return max(loads), max(costs)
+
+
+def test_ownership_is_cost_balanced_and_repeatable():
+    first = _first_owners()
+    again = run_on_ranks(layout_facts, COMPACT, world_size=4)[0]["owners"]
+    assert first == again
     # With 5 matrices on 4 ranks the best possible max load is the largest matrix.
-    assert max(loads) == max(costs)
+    busiest, largest = _max_load_and_largest_cost(first)
+    assert busiest == largest
+
+
+def layout_facts_with_unit_costs(scenario: Scenario) -> dict:
+    """Mutation: ownership balanced by matrix count (every Newton-Schulz cost 1), not by cost."""
+    from nemo_lw_fp8.mechanics import compact
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compact, "newton_schulz_cost", lambda param: 1)
+        return layout_facts(scenario)
+
+
+def test_control_ownership_by_count_is_not_cost_balanced() -> None:
+    """Control of ``test_ownership_is_cost_balanced_and_repeatable``: owners chosen with every
+    matrix costing the same (by count: the fifth matrix joins rank 0, which holds the largest)
+    fail both of its checks: they are not the first build's owners, and the busiest rank does
+    more than the largest matrix's work."""
+    first = _first_owners()
+    by_count = run_on_ranks(layout_facts_with_unit_costs, COMPACT, world_size=4)
+    assert all(f["owners"] == by_count[0]["owners"] for f in by_count)  # still one answer
+    assert by_count[0]["owners"] != first
+    busiest, largest = _max_load_and_largest_cost(by_count[0]["owners"])
+    assert busiest > largest
 
 
 # --------------------------------------------------------------------------- collectives
@@ -311,7 +402,7 @@ def test_compact_gathers_no_more_often_than_padded_and_trains_the_same():
         count_layer_wise_gathers, scenario.with_(bucket_cap_numel=0), world_size=2
     )[0]
     assert plain["launches"] > compact["launches"], (plain, compact)
-    reference = run_on_ranks(train, Scenario(optimizer="muon", bucket_size=2000), world_size=2)
+    reference = _reference(Scenario(optimizer="muon", bucket_size=2000))
     candidate = run_on_ranks(train, COMPACT.with_(bucket_size=2000, overlap=True), world_size=2)
     _same(reference, candidate, "compact, padded-layout buckets")
 
@@ -346,24 +437,57 @@ def _mlp_specs():
     ]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("distribution", ["layerwise_padded", "layerwise_compact"])
-def test_planner_bytes_equal_allocated_buffers(world_size, distribution):
+_ALLOCATED: dict[tuple[str, int], list[dict]] = {}
+_PLANNER_KEY = {"layerwise_padded": "stock_padded", "layerwise_compact": "compact"}
+
+
+def _allocated(distribution: str, world_size: int) -> list[dict]:
+    """Rank 0's buffers as megatron allocated them, built once per session (test and control)."""
+    if (distribution, world_size) not in _ALLOCATED:
+        scenario = Scenario(optimizer="muon", distribution=distribution, plugin=True)
+        real = run_on_ranks(allocated_buffers, scenario, world_size=world_size)[0]
+        _ALLOCATED[distribution, world_size] = real
+    return _ALLOCATED[distribution, world_size]
+
+
+def _byte_mismatches(real: list[dict], world_size: int, key: str) -> list[str]:
+    """Where the planner's ``key`` layout at ``world_size`` disagrees with ``real`` (grad and
+    param bytes of the Muon and the Adam buffers); empty when it agrees everywhere."""
     from nemo_lw_fp8.models import plan
 
-    scenario = Scenario(optimizer="muon", distribution=distribution, plugin=True)
-    real = run_on_ranks(allocated_buffers, scenario, world_size=world_size)[0]
-    key = "stock_padded" if distribution == "layerwise_padded" else "compact"
     planned = plan(_mlp_specs(), dp=world_size, fp8_param_gather=False)["layouts"][key]
+    bad = []
     for muon in (True, False):
         prefix = "muon/" if muon else "adam/"
         planned_numel = sum(b["numel"] for b in planned["buffers"] if b["name"].startswith(prefix))
         real_grad = sum(b["grad_bytes"] for b in real if b["muon"] == muon)
-        assert real_grad == planned_numel * 4, (distribution, prefix, real, planned["buffers"])
+        if real_grad != planned_numel * 4:
+            bad.append(f"{prefix} grad bytes")
         real_param = sum(b["param_bytes"] for b in real if b["muon"] == muon)
         # Compact Muon buffers keep params in their own storage: no param buffer at all.
         expected_param = 0 if (muon and key == "compact") else planned_numel * 2
-        assert real_param == expected_param, (distribution, prefix, real)
+        if real_param != expected_param:
+            bad.append(f"{prefix} param bytes")
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("distribution", ["layerwise_padded", "layerwise_compact"])
+def test_planner_bytes_equal_allocated_buffers(world_size, distribution):
+    real = _allocated(distribution, world_size)
+    assert _byte_mismatches(real, world_size, _PLANNER_KEY[distribution]) == [], real
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_control_planner_bytes_of_the_other_layout_differ(world_size: int) -> None:
+    """Control of ``test_planner_bytes_equal_allocated_buffers``: the same allocations (the
+    test's own builds when it ran first in this session) against the planner's other layout
+    fail the same comparison on the Muon buffers (padding and a param buffer, or neither),
+    and only there: the Adam buffers are laid out alike."""
+    other = {"layerwise_padded": "compact", "layerwise_compact": "stock_padded"}
+    for distribution, key in other.items():
+        bad = _byte_mismatches(_allocated(distribution, world_size), world_size, key)
+        assert bad and all(b.startswith("muon/") for b in bad), (distribution, bad)
 
 
 def test_expert_parallel_moe_layouts_equal_plain_muon():

@@ -27,9 +27,10 @@ def _config(**overrides: Any) -> Any:
     return MLATransformerConfig(**settings)
 
 
-def fused_vs_separate(fp8: bool, normalization: str) -> dict[str, Any]:
+def fused_vs_separate(fp8: bool, normalization: str, wrong_eps: bool = False) -> dict[str, Any]:
     """The fused module against the same norm (megatron's WrappedTorchNorm) and linear, applied
-    one after the other with equal weights: outputs and all gradients."""
+    one after the other with equal weights: outputs and all gradients. ``wrong_eps`` (the
+    control's mutation): the fused norm uses an epsilon of 1e-3 instead of the config's."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -43,6 +44,9 @@ def fused_vs_separate(fp8: bool, normalization: str) -> dict[str, Any]:
                   gather_output=False, skip_bias_add=False, is_expert=False)
     torch.manual_seed(0)
     fused = CPULayerNormColumnParallelLinear(64, 96, **kwargs)
+    if wrong_eps:
+        assert fused.eps == config.layernorm_epsilon != 1e-3
+        fused.eps = 1e-3
     with torch.no_grad():
         fused.layer_norm_weight.copy_(torch.rand(64) + 0.5)
         if fused.layer_norm_bias is not None:
@@ -88,6 +92,16 @@ def test_fused_norm_linear_is_norm_then_linear_bitwise(fp8, normalization):
     assert r["linear_is"], r["cls"]
     assert r["out_changed"]
     assert all(r["equal"].values()), r["equal"]
+
+
+def test_control_fused_norm_with_another_epsilon_differs():
+    """Control of ``test_fused_norm_linear_is_norm_then_linear_bitwise`` (MXFP8, RMSNorm): a
+    fused norm that reads an epsilon of 1e-3 instead of the config's 1e-5 (inputs of rms about
+    1, so a relative change near 5e-4, below one bf16 ulp for most elements) fails the same
+    comparison in the output and in every gradient."""
+    r = run_on_ranks(fused_vs_separate, True, "RMSNorm", True, world_size=1)[0]
+    assert r["linear_is"], r["cls"]
+    assert r["equal"] == {"out": False, "dx": False, "dgamma": False, "dW": False}
 
 
 def mla_structure(q_lora_rank: int | None, standin: bool) -> dict[str, Any]:
@@ -149,10 +163,15 @@ def test_mla_with_q_lora_keeps_standalone_norms():
     }
 
 
-def gated_delta_net_checkpoint(te: bool, recipe: str) -> dict[str, Any]:
+def gated_delta_net_checkpoint(
+    te: bool, recipe: str, unfused_in_proj: bool = False
+) -> dict[str, Any]:
     """One Gated DeltaNet layer (Qwen3.5's shape, FP8 weights of ``recipe``) built from megatron's
     TE spec (TE's own Python over the emulation) or from the CPU hybrid spec: its ``torch_dist``
-    entries (key, global shape, dtype; TE's ``_extra_state`` objects by key) and parameters."""
+    entries (key, global shape, dtype; TE's ``_extra_state`` objects by key) and parameters.
+    ``unfused_in_proj`` (the control's mutation, CPU spec only): ``in_proj`` is the recipe's
+    plain FP8 column linear, without the fused input norm the CPU norm + linear provides."""
+    import dataclasses
     import unittest.mock
 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -184,6 +203,13 @@ def gated_delta_net_checkpoint(te: bool, recipe: str) -> dict[str, Any]:
 
         block = cpu_decoder_block_spec(config, fp8=True, fp8_recipe=recipe)
         spec = block.layer_specs[0].submodules.self_attention  # layer 0: linear attention
+        if unfused_in_proj:
+            from nemo_lw_fp8.cpu.layers import FP8_LINEARS
+
+            spec = dataclasses.replace(
+                spec,
+                submodules=dataclasses.replace(spec.submodules, in_proj=FP8_LINEARS[recipe][0]),
+            )
     model_parallel_cuda_manual_seed(1234)
     # TE's module base refuses to start without CUDA; with use_cpu_initialization its
     # construction and state dict do no CUDA work (the emulation serves its quantizers).
@@ -210,6 +236,29 @@ def gated_delta_net_checkpoint(te: bool, recipe: str) -> dict[str, Any]:
     }
 
 
+_TE_GATED_DELTA_NET: dict[str, dict[str, Any]] = {}
+
+
+def _te_gated_delta_net(recipe: str) -> dict[str, Any]:
+    """The TE layer's entries for ``recipe``, built once per session (the test and its control
+    compare against the same build)."""
+    if recipe not in _TE_GATED_DELTA_NET:
+        boot = BootOptions(fp8_emulation=True)
+        _TE_GATED_DELTA_NET[recipe] = run_on_ranks(
+            gated_delta_net_checkpoint, True, recipe, world_size=1, boot=boot
+        )[0]
+    return _TE_GATED_DELTA_NET[recipe]
+
+
+def _tensor_entries(te: dict[str, Any]) -> dict[str, Any]:
+    """TE's checkpoint entries without its FP8 metadata (``_extra_state``, asserted to be
+    exactly those of TE's three modules)."""
+    extra = {key for key, value in te["entries"].items() if key.endswith("._extra_state")}
+    assert extra == {f"self_attention.{m}._extra_state" for m in ("in_proj", "out_norm",
+                                                                   "out_proj")}
+    return {key: value for key, value in te["entries"].items() if key not in extra}
+
+
 @pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
 def test_gated_delta_net_checkpoints_as_tes_layer(recipe):
     """The CPU Gated DeltaNet layer writes the tensors megatron writes for its TE layer on a GPU:
@@ -218,17 +267,33 @@ def test_gated_delta_net_checkpoints_as_tes_layer(recipe):
     dtypes, and the same parameters in the same order (the layer-wise optimizer assigns matrices
     in that order). TE adds its FP8 metadata (``_extra_state``), which the CPU layers keep none
     of; the fused in_proj is the emulated linear of the run's recipe."""
-    boot = BootOptions(fp8_emulation=True)
-    te, cpu = (
-        run_on_ranks(gated_delta_net_checkpoint, on_te, recipe, world_size=1, boot=boot)[0]
-        for on_te in (True, False)
-    )
-    extra = {key for key, value in te["entries"].items() if key.endswith("._extra_state")}
-    assert extra == {f"self_attention.{m}._extra_state" for m in ("in_proj", "out_norm",
-                                                                   "out_proj")}
-    tensors = {key: value for key, value in te["entries"].items() if key not in extra}
+    te = _te_gated_delta_net(recipe)
+    cpu = run_on_ranks(
+        gated_delta_net_checkpoint, False, recipe, world_size=1,
+        boot=BootOptions(fp8_emulation=True),
+    )[0]
+    tensors = _tensor_entries(te)
     assert "self_attention.in_proj.weight.z" in tensors
     assert cpu["entries"] == tensors
     assert cpu["params"] == te["params"]
     assert cpu["in_proj"] == {"mxfp8": "NormMXFP8ColumnParallelLinear",
                               "blockwise": "NormBlockwiseColumnParallelLinear"}[recipe]
+
+
+def test_control_gated_delta_net_without_the_fused_norm_differs():
+    """Control of ``test_gated_delta_net_checkpoints_as_tes_layer`` (MXFP8): a CPU layer whose
+    ``in_proj`` is the plain FP8 linear (what megatron's local backend has to offer without
+    the CPU fused norm + linear) still builds, but fails the same comparisons: TE's
+    ``in_proj.layer_norm_weight`` entry and parameter are missing, nothing else changes."""
+    te = _te_gated_delta_net("mxfp8")
+    cpu = run_on_ranks(
+        gated_delta_net_checkpoint, False, "mxfp8", True, world_size=1,
+        boot=BootOptions(fp8_emulation=True),
+    )[0]
+    tensors = _tensor_entries(te)
+    assert cpu["in_proj"] == "MXFP8ColumnParallelLinear"
+    assert cpu["entries"] != tensors
+    assert set(tensors) - set(cpu["entries"]) == {"self_attention.in_proj.layer_norm_weight"}
+    assert set(cpu["entries"]) <= set(tensors)
+    assert cpu["params"] != te["params"]
+    assert [p for p in te["params"] if p not in cpu["params"]] == ["in_proj.layer_norm_weight"]

@@ -146,18 +146,49 @@ def test_expert_ownership_equals_discrete(precision):
     assert_same_training(discrete, split)
 
 
+def _overlap_eval_scenario():
+    return _base().with_(**PRECISIONS["mxfp8-primary"], overlap=True, steps=4, eval_after=(1,))
+
+
 @needs_te
 def test_expert_ownership_overlap_eval_equals_discrete():
     """MXFP8 primary weights, overlapped gather, grad-buffer reuse, an eval after step 1."""
     from tests.support.parity import assert_same_training
 
-    scenario = _base().with_(
-        **PRECISIONS["mxfp8-primary"], overlap=True, steps=4, eval_after=(1,)
+    discrete = _overlap_eval_discrete()
+    runs = _overlap_eval_scenario().with_(
+        single_grouped_weight=True, grouped_weight_ownership="expert"
     )
-    discrete = _run(scenario)
-    split = _run(scenario.with_(single_grouped_weight=True, grouped_weight_ownership="expert"))
+    split = _run(runs)
     assert len(split[0]["eval_losses"]) == 1
     assert_same_training(discrete, split)
+
+
+_OVERLAP_EVAL_RUNS: list[list[dict]] = []
+
+
+def _overlap_eval_discrete() -> list[dict]:
+    """The discrete-expert run of the overlap / eval test, made once per session (the test
+    and its control compare against it)."""
+    if not _OVERLAP_EVAL_RUNS:
+        _OVERLAP_EVAL_RUNS.append(_run(_overlap_eval_scenario()))
+    return _OVERLAP_EVAL_RUNS[0]
+
+
+@needs_te
+def test_control_overlap_eval_without_the_owners_own_bytes_differs():
+    """Control of ``test_expert_ownership_overlap_eval_equals_discrete``: the expert-run build
+    whose owners skip their own gathered segment (the mutation of
+    ``test_control_mxfp8_slices_need_the_owners_own_bytes``) completes with its eval and fails
+    the same comparison with the same discrete run."""
+    from tests.support.parity import assert_diverges, assert_same_training
+
+    runs = _overlap_eval_scenario().with_(
+        single_grouped_weight=True, grouped_weight_ownership="expert"
+    )
+    broken = _run(runs, fn=_train_skipping_own_segment)
+    assert len(broken[0]["eval_losses"]) == 1
+    assert_diverges(_overlap_eval_discrete(), broken, assert_same_training)
 
 
 def _train_skipping_own_segment(scenario):
@@ -221,6 +252,26 @@ def test_auto_keeps_balanced_grouped_weights_whole():
     assert_same_training(whole, auto)
 
 
+def train_with_auto_always_splitting(scenario) -> dict:
+    """Mutation: ``auto`` splits whenever splitting is not worse by more than 100 % (the gain
+    it asks for set to -1), so balanced grouped weights are owned in runs of experts."""
+    from tests.support.training import train
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layout, "AUTO_SPLIT_GAIN", -1.0)
+        return train(scenario)
+
+
+def test_control_auto_that_always_splits_owns_expert_runs():
+    """Control of ``test_auto_keeps_balanced_grouped_weights_whole``: with ``auto`` mutated to
+    split whatever the balance, the same build owns the grouped weight in runs of experts,
+    which the test's first check rejects."""
+    scenario = _base().with_(single_grouped_weight=True, grouped_weight_ownership="auto")
+    split = _run(scenario, fn=train_with_auto_always_splitting)
+    owners = _expert_owners(split)
+    assert owners != {} and set(owners.values()) == {0, 1}, owners
+
+
 def _slice_storage(scenario) -> list[tuple[int, int, int]]:
     """(owner, this rank, bytes of storage) for every expert slice this rank knows."""
     import torch.distributed as dist
@@ -257,6 +308,30 @@ def test_mxfp8_slices_hold_no_copy():
     for found in _run(scenario, fn=_slice_storage):
         assert found and {owner for owner, _, _ in found} == {0, 1}
         assert all(nbytes <= 2 for _, _, nbytes in found), found
+
+
+def _slice_storage_keeping_copies(scenario) -> list[tuple[int, int, int]]:
+    """Mutation: :func:`_slice_storage` with the owner's bf16 copy never released."""
+    from nemo_lw_fp8.mechanics import expert_slices
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(expert_slices, "release_copy", lambda piece: None)
+        return _slice_storage(scenario)
+
+
+@needs_te
+def test_control_mxfp8_slices_that_keep_their_copy_are_caught():
+    """Control of ``test_mxfp8_slices_hold_no_copy``: when the owner's bf16 copy is not
+    released, each rank's own runs hold their full bf16 bytes, which the same size check
+    rejects; the runs other ranks own still hold none."""
+    scenario = _base().with_(
+        **PRECISIONS["mxfp8-primary"], single_grouped_weight=True, grouped_weight_ownership="expert"
+    )
+    for found in _run(scenario, fn=_slice_storage_keeping_copies):
+        own = [nbytes for owner, rank, nbytes in found if owner == rank]
+        others = [nbytes for owner, rank, nbytes in found if owner != rank]
+        assert own and all(nbytes > 2 for nbytes in own), found
+        assert all(nbytes <= 2 for nbytes in others), found
 
 
 def _reloaded_masters(scenario) -> dict:

@@ -270,22 +270,64 @@ def test_a_recipe_other_than_the_parameters_is_rejected_when_the_optimizer_is_bu
 # --------------------------------------------------------------------------- checkpoint resume
 
 
+#: overlap -> (6 uninterrupted steps, the first 3 steps that saved, the checkpoint directory):
+#: the runs of a resume test, kept for its control (same session).
+_RESUME_RUNS: dict[bool, tuple[list[dict], list[dict], str]] = {}
+
+
+def _resume_runs(overlap: bool, directory: str) -> tuple[list[dict], list[dict], str]:
+    """The uninterrupted run and the saving run of the resume test, made once per session."""
+    if overlap not in _RESUME_RUNS:
+        scenario = BASE.with_(overlap=overlap, fp8_param_gather=True, steps=6)
+        uninterrupted = run(scenario)
+        first = run(scenario.with_(steps=3, save_dir=directory))
+        _RESUME_RUNS[overlap] = (uninterrupted, first, directory)
+    return _RESUME_RUNS[overlap]
+
+
+def _resume_mismatches(
+    uninterrupted: list[dict], first: list[dict], resumed: list[dict]
+) -> list[str]:
+    """What of the resumed run differs from the run that never stopped: losses, digest, every
+    fp32 master (by name), the probe's forward output; per rank. Empty when nothing does."""
+    bad = []
+    for rank, (full, before, after) in enumerate(zip(uninterrupted, first, resumed, strict=True)):
+        if full["losses"] != before["losses"] + after["losses"]:
+            bad.append(f"rank {rank} losses")
+        if full["digest"] != after["digest"]:
+            bad.append(f"rank {rank} digest")
+        for name, master in full["masters"].items():
+            if not torch.equal(master, after["masters"][name]):
+                bad.append(f"rank {rank} master {name}")
+        if not torch.equal(full["probe_output"], after["probe_output"]):
+            bad.append(f"rank {rank} probe output")
+    return bad
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 def test_checkpoint_resume_in_fresh_processes_is_bitwise(overlap, tmp_path):
     """Save after 3 steps, start new rank processes, load, run steps 3-5: same bits as 6 steps."""
     from tests.support.harness import get_pool
 
     scenario = BASE.with_(overlap=overlap, fp8_param_gather=True, steps=6)
-    uninterrupted = run(scenario)
-    first = run(scenario.with_(steps=3, save_dir=str(tmp_path)))
+    uninterrupted, first, directory = _resume_runs(overlap, str(tmp_path))
     pool = get_pool(2, FP8)
     old_pids = [proc.pid for proc in pool._procs]
     pool.shutdown()
-    resumed = run(scenario.with_(first_step=3, load_dir=str(tmp_path)))
+    resumed = run(scenario.with_(first_step=3, load_dir=directory))
     assert [proc.pid for proc in get_pool(2, FP8)._procs] != old_pids
-    for full, before, after in zip(uninterrupted, first, resumed, strict=True):
-        assert full["losses"] == before["losses"] + after["losses"]
-        assert full["digest"] == after["digest"]
-        for name, master in full["masters"].items():
-            assert torch.equal(master, after["masters"][name]), name
-        assert torch.equal(full["probe_output"], after["probe_output"])
+    assert _resume_mismatches(uninterrupted, first, resumed) == []
+
+
+def test_control_resume_with_a_master_one_ulp_off_differs(tmp_path):
+    """Control of ``test_checkpoint_resume_in_fresh_processes_is_bitwise`` (no overlap): the
+    resumed run with each rank's first layer-wise master moved up by one ulp after the load
+    completes and fails the same comparison with the same uninterrupted run (the test's own,
+    when it ran first in this session), in the masters."""
+    from tests.support.resume_controls import train_with_a_nudged_loaded_master
+
+    uninterrupted, first, directory = _resume_runs(False, str(tmp_path))
+    scenario = BASE.with_(fp8_param_gather=True, steps=6, first_step=3, load_dir=directory)
+    nudged = run_on_ranks(train_with_a_nudged_loaded_master, scenario, world_size=2, boot=FP8)
+    bad = _resume_mismatches(uninterrupted, first, nudged)
+    assert any(" master " in item for item in bad), bad

@@ -12,6 +12,7 @@ import itertools
 import math
 import random
 import threading
+from collections.abc import Callable
 from fractions import Fraction
 
 import pytest
@@ -303,6 +304,22 @@ def _special_blocks(dtype=torch.bfloat16):
     return x
 
 
+def _quantize_mismatches(x: torch.Tensor, fmt: torch.dtype, two_d: bool) -> list[str]:
+    """Which of the four outputs of ``mx.quantize`` differ from the exact reference (empty when
+    all are equal): one check shared by the test and its control, so the control shows that
+    this very comparison can fail."""
+    q = mx.quantize(x, fmt, two_d=two_d)
+    rc, rs, cc, cs = ref_quantize(x, fmt, two_d=two_d)
+    rows, cols = rc.shape
+    outputs = {
+        "rowwise scales": (q.rowwise_scale_inv[:rows, : cols // 32], rs),
+        "columnwise scales": (q.columnwise_scale_inv[: rows // 32, :cols], cs),
+        "rowwise codes": (q.rowwise_data.view(rows, cols), rc),
+        "columnwise codes": (q.columnwise_data.view(rows, cols), cc),
+    }
+    return [name for name, (got, want) in outputs.items() if not torch.equal(got, want)]
+
+
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
 @pytest.mark.parametrize(
     "name",
@@ -320,13 +337,34 @@ def test_quantize_matches_reference(fmt, name):
         x = _special_blocks(torch.float32)
     else:
         x = _special_blocks()
-    q = mx.quantize(x, fmt, two_d=two_d)
-    rc, rs, cc, cs = ref_quantize(x, fmt, two_d=two_d)
-    rows, cols = rc.shape
-    assert torch.equal(q.rowwise_scale_inv[:rows, : cols // 32], rs)
-    assert torch.equal(q.columnwise_scale_inv[: rows // 32, :cols], cs)
-    assert torch.equal(q.rowwise_data.view(rows, cols), rc)
-    assert torch.equal(q.columnwise_data.view(rows, cols), cc)
+    assert _quantize_mismatches(x, fmt, two_d) == []
+
+
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
+def test_control_quantize_with_scale_exponent_off_by_one_differs(
+    src: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Control of ``test_quantize_matches_reference``: a quantizer whose E8M0 scale is one
+    power of two too large (finite scales below saturation) must fail the same comparison,
+    in the scales and in the codes. bf16 inputs take the scale from the cached lookup table,
+    fp32 inputs compute it directly: both paths are mutated (the table is rebuilt)."""
+    original = mxf.e8m0_from_amax
+
+    def one_too_large(amax: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> torch.Tensor:
+        e8m0 = original(amax, fp8_dtype)
+        return torch.where(e8m0 < 0xFE, e8m0 + 1, e8m0).to(torch.uint8)
+
+    x = (torch.randn(64, 96, generator=torch.Generator().manual_seed(1)) * 3).to(src)
+    assert _quantize_mismatches(x, E4M3, False) == []  # unmutated: equal
+    with monkeypatch.context() as m:
+        m.setattr(mx, "e8m0_from_amax", one_too_large)
+        m.setattr(mx, "_AMAX_LUT", {})  # the table was built with the unmutated rule
+        assert _quantize_mismatches(x, E4M3, False) == [
+            "rowwise scales",
+            "columnwise scales",
+            "rowwise codes",
+            "columnwise codes",
+        ]
 
 
 def test_special_blocks_behave_like_te():
@@ -423,24 +461,57 @@ def test_swizzle_index_formula():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", [E4M3, E5M2])
-def test_dequantize_matches_reference(fmt):
-    x = _special_blocks()
-    q = mx.quantize(x, fmt)
+def _dequantize_mismatches(q: mx.MXFP8Data, fmt: torch.dtype) -> list[tuple[str, int, int]]:
+    """(direction, row, column) of every element ``mx.dequantize`` gives differently from the
+    exact reference (NaN equals NaN); shared by the test and its control."""
+    bad: list[tuple[str, int, int]] = []
     for use, codes, scales in (
         ("rowwise", q.rowwise_data, q.rowwise_scale_inv),
         ("columnwise", q.columnwise_data, q.columnwise_scale_inv),
     ):
         out = mx.dequantize(q, torch.float32, use=use)
-        for r in range(64):
-            for c in range(64):
+        rows, cols = out.shape
+        for r in range(rows):
+            for c in range(cols):
                 e = int(scales[r, c // 32] if use == "rowwise" else scales[r // 32, c])
                 want = ref_dequant(int(codes[r, c]), e, fmt)
                 got = float(out[r, c])
-                assert (math.isnan(want) and math.isnan(got)) or want == got, (use, r, c)
+                if not ((math.isnan(want) and math.isnan(got)) or want == got):
+                    bad.append((use, r, c))
+    return bad
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_dequantize_matches_reference(fmt):
+    x = _special_blocks()
+    q = mx.quantize(x, fmt)
+    assert _dequantize_mismatches(q, fmt) == []
     assert mx.dequantize(q).dtype == torch.bfloat16
     y = torch.tensor([[1.5, -3.0, 0.25, 448.0] * 8] * 32, dtype=torch.bfloat16)
     assert torch.equal(mx.dequantize(mx.quantize(y)), y)
+
+
+def test_control_dequantize_with_scale_exponent_off_by_one_differs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Control of ``test_dequantize_matches_reference``: a dequantizer that multiplies by
+    ``2^(e - 126)`` instead of ``2^(e - 127)`` must fail the same element-wise comparison on
+    every non-zero finite element (and on the zeros of the inf block, whose doubled 2^127
+    multiplier overflows to inf: 0 * inf is NaN)."""
+    q = mx.quantize(_special_blocks(), E4M3)
+    rowwise = mx.dequantize(q, torch.float32, use="rowwise")
+    nonzero_finite = {
+        ("rowwise", r, c) for r, c in (rowwise.isfinite() & rowwise.ne(0)).nonzero().tolist()
+    }
+    original = mx.dequantize_multipliers
+
+    def one_too_large(e8m0: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return original(e8m0, dtype) * 2
+
+    with monkeypatch.context() as m:
+        m.setattr(mx, "dequantize_multipliers", one_too_large)
+        bad = _dequantize_mismatches(q, E4M3)
+    assert nonzero_finite and nonzero_finite <= set(bad)
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,9 +524,13 @@ def _cuts(numel: int, ranks: int, rng: random.Random) -> list[int]:
     return [0, *inner, numel]
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("trial", range(6))
-def test_shard_cuts_give_full_quantize_bytes(ranks, trial):
+def _shard_cut_mismatches(
+    ranks: int, trial: int, offset_of: Callable[[int], int] = lambda start: start
+) -> list[str]:
+    """Quantise a tensor as ``ranks`` shards cut at random offsets (partial block amaxes, their
+    MAX, E8M0 scales, each shard cast into its slice) and name what differs from a full
+    quantise (empty: none). ``offset_of`` maps a shard's start to the offset it is processed
+    at (the identity, or a control's mutation)."""
     rng = random.Random(100 * ranks + trial)
     shape = rng.choice([(64, 96), (96, 160), (32, 256), (160, 64)])
     x = _wide_range(shape, trial) if trial % 2 else torch.randn(shape).bfloat16()
@@ -466,31 +541,58 @@ def test_shard_cuts_give_full_quantize_bytes(ranks, trial):
     cuts = _cuts(flat.numel(), ranks, rng)
     if trial == 0:
         cuts[1] = cuts[2] if ranks > 2 else cuts[1]  # an empty shard
-    partial = [mxs.compute_partial_amax(flat[a:b], shape, a) for a, b in itertools.pairwise(cuts)]
+    shards = list(itertools.pairwise(cuts))
+    partial = [mxs.compute_partial_amax(flat[a:b], shape, offset_of(a)) for a, b in shards]
     amax_row = torch.stack([p[0] for p in partial]).amax(0)  # the MAX all-reduce
     amax_col = torch.stack([p[1] for p in partial]).amax(0)
     scale_row, scale_col = mxf.e8m0_from_amax(amax_row), mxf.e8m0_from_amax(amax_col)
-    assert torch.equal(scale_row, full.rowwise_scale_inv)
-    assert torch.equal(scale_col, full.columnwise_scale_inv)
+    bad = []
+    if not torch.equal(scale_row, full.rowwise_scale_inv):
+        bad.append("rowwise scales")
+    if not torch.equal(scale_col, full.columnwise_scale_inv):
+        bad.append("columnwise scales")
     rows, cols = [], []
-    for a, b in itertools.pairwise(cuts):
-        rc, cc = mxs.partial_cast(flat[a:b], scale_row, scale_col, shape, a)
+    for a, b in shards:
+        rc, cc = mxs.partial_cast(flat[a:b], scale_row, scale_col, shape, offset_of(a))
         assert rc.numel() == b - a
         rows.append(rc)
         cols.append(cc)
-    assert torch.equal(torch.cat(rows), full.rowwise_data.reshape(-1))
-    assert torch.equal(torch.cat(cols), full.columnwise_data.reshape(-1))
+    if not torch.equal(torch.cat(rows), full.rowwise_data.reshape(-1)):
+        bad.append("rowwise codes")
+    if not torch.equal(torch.cat(cols), full.columnwise_data.reshape(-1)):
+        bad.append("columnwise codes")
+    return bad
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_quantize_shard_with_all_reduce_hook(ranks):
+@pytest.mark.parametrize("trial", range(6))
+def test_shard_cuts_give_full_quantize_bytes(ranks, trial):
+    assert _shard_cut_mismatches(ranks, trial) == []
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_control_shards_processed_at_offset_zero_differ(ranks: int) -> None:
+    """Control of ``test_shard_cuts_give_full_quantize_bytes``: when every shard is taken for
+    the start of the tensor (offset 0), its elements fall into other blocks; the same
+    comparison fails in every scale and code."""
+    assert _shard_cut_mismatches(ranks, 1, offset_of=lambda start: 0) == [
+        "rowwise scales",
+        "columnwise scales",
+        "rowwise codes",
+        "columnwise codes",
+    ]
+
+
+def _sharded_hook_mismatches(ranks: int, hook: Callable[[torch.Tensor], None]) -> list[str]:
+    """``quantize_shard`` on ``ranks`` threads (random cuts of one tensor) with the amax
+    all-reduce ``hook``: what differs from a full quantise (any rank's scales, the gathered
+    codes); empty when nothing does."""
     rng = random.Random(ranks)
     shape = (128, 96)
     x = _wide_range(shape, 7)
     full = mx.quantize(x)
     flat = x.reshape(-1)
     cuts = _cuts(flat.numel(), ranks, rng)
-    hook = ThreadedMaxAllReduce(ranks)
     results: dict[int, mxs.ShardQuantization] = {}
 
     def rank(i: int) -> None:
@@ -502,13 +604,36 @@ def test_quantize_shard_with_all_reduce_hook(ranks):
         t.start()
     for t in threads:
         t.join()
+    assert sorted(results) == list(range(ranks)), "a rank did not finish"
+    bad = []
     for i in range(ranks):
-        assert torch.equal(results[i].rowwise_scale_inv, full.rowwise_scale_inv)
-        assert torch.equal(results[i].columnwise_scale_inv, full.columnwise_scale_inv)
+        if not torch.equal(results[i].rowwise_scale_inv, full.rowwise_scale_inv):
+            bad.append(f"rank {i} rowwise scales")
+        if not torch.equal(results[i].columnwise_scale_inv, full.columnwise_scale_inv):
+            bad.append(f"rank {i} columnwise scales")
     codes = torch.cat([results[i].rowwise_codes for i in range(ranks)])
-    assert torch.equal(codes, full.rowwise_data.reshape(-1))
+    if not torch.equal(codes, full.rowwise_data.reshape(-1)):
+        bad.append("rowwise codes")
     codes = torch.cat([results[i].columnwise_codes for i in range(ranks)])
-    assert torch.equal(codes, full.columnwise_data.reshape(-1))
+    if not torch.equal(codes, full.columnwise_data.reshape(-1)):
+        bad.append("columnwise codes")
+    return bad
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_quantize_shard_with_all_reduce_hook(ranks):
+    assert _sharded_hook_mismatches(ranks, ThreadedMaxAllReduce(ranks)) == []
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_control_quantize_shard_without_the_all_reduce_differs(ranks: int) -> None:
+    """Control of ``test_quantize_shard_with_all_reduce_hook``: with an all-reduce that does
+    nothing each rank scales by the amaxes of its own shard (blocks it does not touch count
+    0); the same comparison fails on every rank's scales and in the columnwise codes (a
+    32-row block spans the cuts)."""
+    bad = _sharded_hook_mismatches(ranks, lambda buffer: None)
+    assert {f"rank {i} columnwise scales" for i in range(ranks)} <= set(bad), bad
+    assert "columnwise codes" in bad, bad
 
 
 def test_shard_outside_tensor_refused():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 
@@ -71,28 +72,92 @@ def _snapshot():
     }
 
 
-def test_apply_twice_equals_once_and_revert_restores_identity(selftest_patch):
-    before = _snapshot()
-    assert nemo_lw_fp8.apply([TEST_FEATURE]) == {TEST_FEATURE: "patched"}
-    once = _snapshot()
-    assert nemo_lw_fp8.apply([TEST_FEATURE]) == {TEST_FEATURE: "patched"}
-    assert _snapshot() == once, "a second apply changed the patched objects"
-    assert len(selftest_patch._saved) == 4
-    assert nemo_lw_fp8.applied() == [TEST_FEATURE]
-
+def _put_back(before: dict) -> None:
+    """Undo whatever a control left on megatron's objects (they are shared by every test of
+    this process): the snapshot's objects go back, the marker goes away."""
     module, cls = _targets()
-    assert once["method"] is _replacement_sync
-    assert once["marker"] is True
-    # The original stays reachable while patched.
-    assert framework.original(cls, "start_param_sync_for_bucket_group_subset") is before["method"]
+    cls.start_param_sync_for_bucket_group_subset = before["method"]
+    cls._shard_divisor = before["static"]
+    module.is_managed_by_layer_wise_optimizer = before["function"]
+    if "_nemo_lw_fp8_selftest_marker" in cls.__dict__:
+        del cls._nemo_lw_fp8_selftest_marker
 
+
+def _apply_twice_then_revert(patch: Patch, between: Callable[[], None] = lambda: None) -> list[str]:
+    """Apply the self-test patch, apply it again (``between`` runs before the second apply),
+    revert: the names of the checks that failed (empty: apply twice = once, and revert gives
+    back the very objects, a staticmethod included, and removes the added attribute)."""
+    failed: list[str] = []
+    before = _snapshot()
+    _, cls = _targets()
+    if nemo_lw_fp8.apply([TEST_FEATURE]) != {TEST_FEATURE: "patched"}:
+        failed.append("first apply")
+    once = _snapshot()
+    if once["method"] is not _replacement_sync or once["marker"] is not True:
+        failed.append("patched objects")
+    # The original stays reachable while patched.
+    if framework.original(cls, "start_param_sync_for_bucket_group_subset") is not before["method"]:
+        failed.append("original while patched")
+    between()
+    if nemo_lw_fp8.apply([TEST_FEATURE]) != {TEST_FEATURE: "patched"}:
+        failed.append("second apply")
+    if _snapshot() != once:
+        failed.append("second apply changed the patched objects")
+    if len(patch._saved) != 4 or nemo_lw_fp8.applied() != [TEST_FEATURE]:
+        failed.append("saved objects")
     nemo_lw_fp8.revert([TEST_FEATURE])
     after = _snapshot()
-    assert after["method"] is before["method"]
-    assert after["static"] is before["static"]
-    assert after["function"] is before["function"]
-    assert after["marker"] is False
-    assert nemo_lw_fp8.applied() == []
+    for key in ("method", "static", "function"):
+        if after[key] is not before[key]:
+            failed.append(f"revert: {key}")
+    if after["marker"] is not False:
+        failed.append("revert: marker")
+    if nemo_lw_fp8.applied() != []:
+        failed.append("revert: applied")
+    return failed
+
+
+def test_apply_twice_equals_once_and_revert_restores_identity(selftest_patch):
+    assert _apply_twice_then_revert(selftest_patch) == []
+
+
+@pytest.mark.parametrize("mutation", ["revert_skips_the_staticmethod", "apply_forgets_it_applied"])
+def test_control_apply_twice_and_revert_catch_a_broken_framework(
+    selftest_patch: Patch, mutation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Control of ``test_apply_twice_equals_once_and_revert_restores_identity``: the same
+    checks fail on a revert that leaves one replaced attribute (the staticmethod) behind, and
+    on an apply that does not know it already applied (the second apply saves the
+    replacements as the originals, so revert puts the replacements back)."""
+    before = _snapshot()
+    between: Callable[[], None] = lambda: None  # noqa: E731
+    if mutation == "revert_skips_the_staticmethod":
+        restore = framework._restore
+
+        def skip_static(saved: list) -> None:
+            restore([entry for entry in saved if entry[1] != "_shard_divisor"])
+
+        monkeypatch.setattr(framework, "_restore", skip_static)
+        expected = ["revert: static"]
+    else:
+
+        def forget() -> None:
+            selftest_patch.applied = False
+
+        between = forget
+        expected = [
+            # the re-built overrides are new objects (the staticmethod and function lambdas)
+            "second apply changed the patched objects",
+            "revert: method",
+            "revert: static",
+            "revert: function",
+            "revert: marker",
+        ]
+    try:
+        assert _apply_twice_then_revert(selftest_patch, between) == expected
+    finally:
+        _put_back(before)
+    assert _snapshot() == before
 
 
 def test_native_detection_skips_the_patch():
@@ -130,7 +195,10 @@ def test_unknown_feature_is_refused():
         nemo_lw_fp8.apply(["no_such_feature"])
 
 
-def test_failed_override_leaves_nothing_behind():
+def _apply_a_patch_that_fails_part_way() -> Patch:
+    """Register a patch whose third override cannot be installed (a ``__slots__`` object takes
+    no new attribute), apply it and expect that ``AttributeError``; the patch is returned."""
+
     class Frozen:
         __slots__ = ()
 
@@ -139,13 +207,37 @@ def test_failed_override_leaves_nothing_behind():
 
     patch = framework.register(Patch(TEST_FEATURE, 0, "broken", lambda: (False, ""), broken))
     try:
-        before = _snapshot()
-        with pytest.raises(AttributeError):
+        with pytest.raises(AttributeError, match="anything"):
             nemo_lw_fp8.apply([TEST_FEATURE])
-        assert _snapshot() == before
-        assert not patch.applied
     finally:
         framework.unregister(TEST_FEATURE)
+    return patch
+
+
+def test_failed_override_leaves_nothing_behind():
+    before = _snapshot()
+    patch = _apply_a_patch_that_fails_part_way()
+    assert _snapshot() == before
+    assert not patch.applied
+
+
+def test_control_failed_override_without_the_restore_leaves_a_replacement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Control of ``test_failed_override_leaves_nothing_behind``: when the restore after a
+    part-way failure is skipped, the same snapshot comparison shows the two overrides that
+    were installed before the failure (the method and the staticmethod)."""
+    before = _snapshot()
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(framework, "_restore", lambda saved: None)
+            _apply_a_patch_that_fails_part_way()
+        after = _snapshot()
+    finally:
+        _put_back(before)
+    assert after != before
+    assert {key for key in before if after[key] is not before[key]} == {"method", "static"}
+    assert _snapshot() == before
 
 
 def _apply_after_building_a_model():

@@ -136,15 +136,39 @@ def _assert_planned(rank: int, real: dict, planned: dict) -> None:
     assert ns == real["newton_schulz"], (rank, planned["newton_schulz"], real)
 
 
-def _compare(
-    scenario: Scenario, whole: Scenario, parallel: ParallelSpec, boot=BootOptions()
+#: (scenario, whole, parallel, boot) -> (the whole model's specs, {distribution: allocations}):
+#: the rank runs of a test, kept for its control (same session, same pools).
+_RUNS: dict[str, tuple[list, dict[str, list[dict]]]] = {}
+
+
+def _runs(
+    scenario: Scenario, whole: Scenario, parallel: ParallelSpec, boot: BootOptions
+) -> tuple[list, dict[str, list[dict]]]:
+    """The whole model's parameter list and every rank's allocation in both layouts."""
+    key = repr((scenario, whole, parallel, boot))
+    if key not in _RUNS:
+        specs = _specs(run_on_ranks(model_params, whole, world_size=4, boot=boot)[0])
+        reals = {
+            distribution: run_on_ranks(
+                allocation,
+                scenario.with_(distribution=distribution),
+                world_size=4,
+                parallel=parallel,
+                boot=boot,
+            )
+            for distribution in LAYOUTS
+        }
+        _RUNS[key] = (specs, reals)
+    return _RUNS[key]
+
+
+def _plans(
+    specs: list, scenario: Scenario, parallel: ParallelSpec, layout: str, **settings: object
 ) -> list[dict]:
-    """Plan every stage from the whole model and compare it with every rank, both layouts;
-    returns the compact layout's allocations."""
+    """The planner's ``layout`` for every pipeline stage, from the whole model."""
     from nemo_lw_fp8.models import plan
     from nemo_lw_fp8.models.pipeline import specs_on_rank
 
-    specs = _specs(run_on_ranks(model_params, whole, world_size=4, boot=boot)[0])
     pp, ep = parallel.pp, parallel.ep
     dp = 4 // pp
     # Megatron's default split: layers evenly over the stages, embedding first, loss last.
@@ -152,25 +176,41 @@ def _compare(
     per = layers // pp
     stages = [(["E"] if s == 0 else []) + ["t"] * per for s in range(pp)]
     stages[-1].append("L")
-    ownership = scenario.grouped_weight_ownership
+    options: dict = dict(
+        fp8_param_gather=False,
+        overlap_grad_reduce=False,
+        grouped_weight_ownership=scenario.grouped_weight_ownership,
+    )
+    options.update(settings)
+    return [
+        plan(specs_on_rank(specs, stages, pp, stage), dp, ep, **options)["layouts"][layout]
+        for stage in range(pp)
+    ]
+
+
+def _compare(
+    scenario: Scenario, whole: Scenario, parallel: ParallelSpec, boot=BootOptions()
+) -> list[dict]:
+    """Plan every stage from the whole model and compare it with every rank, both layouts;
+    returns the compact layout's allocations."""
+    specs, runs = _runs(scenario, whole, parallel, boot)
     for distribution, key in LAYOUTS.items():
-        case = scenario.with_(distribution=distribution)
-        reals = run_on_ranks(allocation, case, world_size=4, parallel=parallel, boot=boot)
-        plans = [
-            plan(
-                specs_on_rank(specs, stages, pp, stage),
-                dp,
-                ep,
-                fp8_param_gather=False,
-                overlap_grad_reduce=False,
-                grouped_weight_ownership=ownership,
-            )["layouts"][key]
-            for stage in range(pp)
-        ]
-        for rank, real in enumerate(reals):
-            assert real["stage"] == rank // dp
+        plans = _plans(specs, scenario, parallel, key)
+        for rank, real in enumerate(runs[distribution]):
+            assert real["stage"] == rank // (4 // parallel.pp)
             _assert_planned(rank, real, plans[real["stage"]])
-    return reals
+    return runs["layerwise_compact"]
+
+
+def _failing_ranks(reals: list[dict], plans: list[dict]) -> list[int]:
+    """The ranks whose allocation the comparison of the test rejects against ``plans``."""
+    failing = []
+    for rank, real in enumerate(reals):
+        try:
+            _assert_planned(rank, real, plans[real["stage"]])
+        except AssertionError:
+            failing.append(rank)
+    return failing
 
 
 def test_planner_equals_megatron_at_pp2():
@@ -183,6 +223,25 @@ def test_planner_equals_megatron_at_ep2():
     """EP 2 x DP 2: each rank holds 2 of the 4 experts of each MoE layer, owned over an
     expert-data-parallel group of 2 while dense matrices are owned over all 4 ranks."""
     _compare(MOE.with_(ep=2), MOE, ParallelSpec(ep=2))
+
+
+@pytest.mark.parametrize("wrong", ["padding", "bucket_size"])
+def test_control_planner_told_a_wrong_setting_differs(wrong: str) -> None:
+    """Control of ``test_planner_equals_megatron_at_pp2`` (the comparison the EP 2 and
+    grouped-expert tests share): the same rank allocations (the test's own runs when it ran
+    first in this session) against a planner told a wrong setting fail that comparison on
+    every rank: ``padding``, the padded layout's plan where megatron laid out compact buffers
+    and the other way round; ``bucket_size``, buckets of 1000 elements where megatron made one
+    bucket per buffer (no overlapped grad reduce)."""
+    parallel = ParallelSpec(pp=2)
+    specs, runs = _runs(MOE, MOE, parallel, BootOptions())
+    other = {"stock_padded": "compact", "compact": "stock_padded"}
+    for distribution, key in LAYOUTS.items():
+        if wrong == "padding":
+            plans = _plans(specs, MOE, parallel, other[key])
+        else:
+            plans = _plans(specs, MOE, parallel, key, overlap_grad_reduce=True, bucket_size=1000)
+        assert _failing_ranks(runs[distribution], plans) == [0, 1, 2, 3], distribution
 
 
 @needs_te

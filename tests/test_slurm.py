@@ -212,39 +212,69 @@ def test_user_env_overrides_default_once() -> None:
 # --------------------------------------------------------------------------- bad inputs
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "flag"),
-    [
-        (dict(nodes=0), "--nodes"),
-        (dict(nodes=-3), "--nodes"),
-        (dict(nodes=True), "--nodes"),
-        (dict(nodes=1, gpus_per_node=0), "--gpus-per-node"),
-        (dict(nodes=1, recipe=""), "RECIPE"),
-        (dict(nodes=1, recipe="   "), "RECIPE"),
-        (dict(nodes=1, recipe="a\nb"), "RECIPE"),
-        (dict(nodes=1, overrides=["novalue"]), "key=value"),
-        (dict(nodes=1, overrides=["=1"]), "key=value"),
-        (dict(nodes=1, overrides=["a b=1"]), "key=value"),
-        (dict(nodes=1, overrides=["a=1\nrm -rf /"]), "key=value"),
-        (dict(nodes=1, time="4 hours"), "--time"),
-        (dict(nodes=1, partition="a b"), "--partition"),
-        (dict(nodes=1, account="x;y"), "--account"),
-        (dict(nodes=1, job_name="my job"), "--job-name"),
-        (dict(nodes=1, output_dir="logs dir"), "--output-dir"),
-        (dict(nodes=1, env={"1BAD": "x"}), "--env"),
-        (dict(nodes=1, env={"A-B": "x"}), "--env"),
-        (dict(nodes=1, container_mounts=["/a:/b"]), "--container-mounts"),
-        (dict(nodes=1, container_image="i", container_mounts=["/a,/b"]), "--container-mounts"),
-        (dict(nodes=1, container_image=""), "--container-image"),
-        (dict(nodes=1, gpu_arch="ampere"), "--gpu-arch"),
-        (dict(nodes=1, srun_cmd=""), "--srun-cmd"),
-    ],
-)
-def test_bad_inputs_name_the_flag(kwargs: dict, flag: str) -> None:
+BAD_INPUTS: list[tuple[dict, str]] = [
+    (dict(nodes=0), "--nodes"),
+    (dict(nodes=-3), "--nodes"),
+    (dict(nodes=True), "--nodes"),
+    (dict(nodes=1, gpus_per_node=0), "--gpus-per-node"),
+    (dict(nodes=1, recipe=""), "RECIPE"),
+    (dict(nodes=1, recipe="   "), "RECIPE"),
+    (dict(nodes=1, recipe="a\nb"), "RECIPE"),
+    (dict(nodes=1, overrides=["novalue"]), "key=value"),
+    (dict(nodes=1, overrides=["=1"]), "key=value"),
+    (dict(nodes=1, overrides=["a b=1"]), "key=value"),
+    (dict(nodes=1, overrides=["a=1\nrm -rf /"]), "key=value"),
+    (dict(nodes=1, time="4 hours"), "--time"),
+    (dict(nodes=1, partition="a b"), "--partition"),
+    (dict(nodes=1, account="x;y"), "--account"),
+    (dict(nodes=1, job_name="my job"), "--job-name"),
+    (dict(nodes=1, output_dir="logs dir"), "--output-dir"),
+    (dict(nodes=1, env={"1BAD": "x"}), "--env"),
+    (dict(nodes=1, env={"A-B": "x"}), "--env"),
+    (dict(nodes=1, container_mounts=["/a:/b"]), "--container-mounts"),
+    (dict(nodes=1, container_image="i", container_mounts=["/a,/b"]), "--container-mounts"),
+    (dict(nodes=1, container_image=""), "--container-image"),
+    (dict(nodes=1, gpu_arch="ampere"), "--gpu-arch"),
+    (dict(nodes=1, srun_cmd=""), "--srun-cmd"),
+]
+
+
+def _refusal_message(kwargs: dict) -> str:
+    """The message of the ``SlurmConfigError`` that ``write_sbatch`` raises for ``kwargs``."""
+    kwargs = dict(kwargs)
     recipe = kwargs.pop("recipe", "tiny_deepseek_v3")
     with pytest.raises(SlurmConfigError) as info:
         write_sbatch(recipe, **kwargs)
-    assert str(info.value).startswith(flag), str(info.value)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(("kwargs", "flag"), BAD_INPUTS)
+def test_bad_inputs_name_the_flag(kwargs: dict, flag: str) -> None:
+    message = _refusal_message(kwargs)
+    assert message.startswith(flag), message
+
+
+def _errors_without_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutation for the controls below: every refusal keeps its reason but drops the flag
+    (``config_error`` is imported by name into the modules that raise)."""
+    from nemo_lw_fp8.launch import slurm, slurm_env, slurm_settings
+
+    def unnamed(flag: str, message: str) -> SlurmConfigError:
+        return SlurmConfigError(message)
+
+    for module in (slurm_settings, slurm, slurm_cli, slurm_env):
+        monkeypatch.setattr(module, "config_error", unnamed)
+
+
+def test_control_refusals_without_the_flag_fail_the_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Control of ``test_bad_inputs_name_the_flag``: with refusals that do not name their flag,
+    every one of its cases fails the same ``startswith`` check (still refused: the error is
+    the same class, only the message changed)."""
+    _errors_without_the_flag(monkeypatch)
+    named = [flag for kwargs, flag in BAD_INPUTS if _refusal_message(kwargs).startswith(flag)]
+    assert named == []
 
 
 # --------------------------------------------------------------------------- execution
@@ -472,18 +502,32 @@ def test_cli_writes_script_and_mixes_options_with_overrides(tmp_path: Path, caps
     assert capsys.readouterr().out.startswith("#!/bin/bash\n")
 
 
-@pytest.mark.parametrize(
-    ("argv", "flag"),
-    [
-        (["r", "--nodes", "0"], "--nodes"),
-        (["r", "--nodes", "1", "oops"], "key=value"),
-        (["r", "--nodes", "1", "--dryrun"], "--dryrun"),
-        (["r", "--nodes", "1", "--executor", "nemo-run", "--output", "f"], "--output"),
-    ],
-)
+BAD_ARGV: list[tuple[list[str], str]] = [
+    (["r", "--nodes", "0"], "--nodes"),
+    (["r", "--nodes", "1", "oops"], "key=value"),
+    (["r", "--nodes", "1", "--dryrun"], "--dryrun"),
+    (["r", "--nodes", "1", "--executor", "nemo-run", "--output", "f"], "--output"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag"), BAD_ARGV)
 def test_cli_bad_input_exit_code(argv: list[str], flag: str, capsys) -> None:
     assert slurm_cli.main(argv) == 2
     assert f"error: {flag}" in capsys.readouterr().err
+
+
+def test_control_cli_errors_without_the_flag_fail_the_check(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Control of ``test_cli_bad_input_exit_code``: with refusals that do not name their flag
+    the CLI still exits with 2, and the same stderr check fails for every case."""
+    _errors_without_the_flag(monkeypatch)
+    named = []
+    for argv, flag in BAD_ARGV:
+        assert slurm_cli.main(argv) == 2
+        if f"error: {flag}" in capsys.readouterr().err:
+            named.append(flag)
+    assert named == []
 
 
 def test_subcommand_registration_passes_everything_through(capsys) -> None:

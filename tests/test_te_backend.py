@@ -147,6 +147,23 @@ R["linear_weight_grad"] = [type(f8.weight.grad).__name__, str(f8.weight.grad.dty
 ref = (quantize_dequantize(xs).float() @ quantize_dequantize(hp.weight.detach()).float().t()
        + hp.bias.float()).bfloat16()
 R["linear_matches_formula"] = torch.equal(y1, ref)
+# control: the same persistent weight, but its columnwise copy (dgrad's operand) left as it
+# was before the copy of hp's weight: the forward (rowwise) still equals, the input grad not
+with te.quantized_model_init(enabled=True, recipe=MXFP8BlockScaling()):
+    stale = MXFP8Linear(96, 64)
+old_columnwise = stale.weight._columnwise_data.clone()
+with torch.no_grad():
+    stale.weight.copy_(hp.weight)
+    stale.bias.copy_(hp.bias)
+R["stale_copy_was_refreshed"] = not torch.equal(stale.weight._columnwise_data, old_columnwise)
+stale.weight._columnwise_data.copy_(old_columnwise)
+x3 = xs.clone().requires_grad_(True)
+y3 = stale(x3)
+R["stale_linear_identical"] = torch.equal(y1, y3)
+y3.float().square().sum().backward()
+R["stale_linear_grads_identical"] = [torch.equal(x1.grad, x3.grad),
+                                     torch.equal(hp.weight.grad, stale.weight.grad),
+                                     torch.equal(hp.bias.grad, stale.bias.grad)]
 
 # --- TE's quantize_master_weights with simulated ranks (threads + MAX all-reduce)
 class ThreadedMaxAllReduce:
@@ -281,6 +298,18 @@ def test_fp8_linear_identical_in_both_modes(backend_results):
 
 
 @needs_te
+def test_control_fp8_linear_with_a_stale_columnwise_weight_differs(backend_results):
+    """Control of ``test_fp8_linear_identical_in_both_modes``: a persistent MXFP8 weight whose
+    columnwise copy (the dgrad GEMM's operand) is left stale after the weight copy gives the
+    same forward output (rowwise) but fails the same gradient comparison in the input
+    gradient; the weight and bias gradients do not read the weight."""
+    r = backend_results
+    assert r["stale_copy_was_refreshed"], "the copy itself rewrites the columnwise bytes"
+    assert r["stale_linear_identical"]
+    assert r["stale_linear_grads_identical"] == [False, True, True]
+
+
+@needs_te
 def test_te_quantize_master_weights_shards(backend_results):
     for world, api, ok, errors in backend_results["distributed"]:
         assert ok and not errors, (world, api, errors)
@@ -346,6 +375,18 @@ def test_other_te_version_is_refused(monkeypatch):
 
 def test_working_te_is_never_shadowed(monkeypatch):
     """An already-imported TE with its real extension is left alone."""
+    assert _activate_over_an_imported_te(monkeypatch) == (
+        "transformer_engine",
+        "transformer_engine",
+        False,
+        "TE's Python untouched",
+    )
+
+
+def _activate_over_an_imported_te(monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, bool, str]:
+    """``activate()`` with a TE whose extension is not the emulation already imported (stand-in
+    modules; this process never imports TE): what it returns, ``active_backend()``,
+    ``is_emulated()``, and whether it patched TE's Python (recorded, not done)."""
     import types
 
     fake_ext = types.ModuleType("transformer_engine_torch")
@@ -353,10 +394,25 @@ def test_working_te_is_never_shadowed(monkeypatch):
     monkeypatch.setitem(
         sys.modules, "transformer_engine.pytorch", types.ModuleType("transformer_engine.pytorch")
     )
-    assert te_backend.activate() == "transformer_engine"
+    patched: list[bool] = []
+    monkeypatch.setattr(te_backend, "_patch_te_python", lambda: patched.append(True))
+    answer = te_backend.activate()
     assert sys.modules["transformer_engine_torch"] is fake_ext
-    assert te_backend.active_backend() == "transformer_engine"
-    assert te_backend.is_emulated() is False
+    touched = "TE's Python patched" if patched else "TE's Python untouched"
+    return answer, te_backend.active_backend(), te_backend.is_emulated(), touched
+
+
+def test_control_te_taken_for_the_emulation_is_shadowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control of ``test_working_te_is_never_shadowed``: a detector that takes every loaded
+    extension for the emulation makes ``activate()`` answer "emulated" over the real TE and
+    patch TE's Python, which the same check catches."""
+    monkeypatch.setattr(te_backend, "_emulated_extension_loaded", lambda: True)
+    assert _activate_over_an_imported_te(monkeypatch) == (
+        "emulated",
+        "emulated",
+        True,
+        "TE's Python patched",
+    )
 
 
 # --------------------------------------------------------------------------------------------

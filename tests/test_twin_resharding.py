@@ -33,10 +33,15 @@ def _differences(a: dict, b: dict) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
-def rng_entries_at_load(directory: str) -> list:
+def rng_entries_at_load(directory: str, blind_to_the_saved_size: bool = False) -> list:
     """The entries :func:`rng_state_for_load` makes of Bridge's RNG entry for (PP 1, TP 0, DP 3
     of 4), and for (PP 1, TP 0, DP 1 of 2), when loading a checkpoint saved at DP 2, at DP 4,
-    and outside a load: ``(global shape, offset, replica)`` of each entry read."""
+    and outside a load: ``(global shape, offset, replica)`` of each entry read.
+    ``blind_to_the_saved_size`` (the control's mutation): the checkpoint's RNG data-parallel
+    size is not found, as if the checkpoint had none."""
+    import contextlib
+    from unittest import mock
+
     import torch
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
@@ -51,18 +56,22 @@ def rng_entries_at_load(directory: str) -> list:
         return [(entry.global_shape, entry.global_offset, entry.replica_id)]
 
     out = []
-    for saved_dp in (2, 4):
-        directory_dp = f"{directory}/dp{saved_dp}"
-        dcp.save({f"rng_state/shard_{pp}.0.{dp}_2.1.{saved_dp}": torch.zeros(1)
-                  for pp in (0, 1) for dp in range(saved_dp)},
-                 checkpoint_id=directory_dp, no_dist=True)  # fmt: skip
-        with checkpointing.loading_into(cfg=None):
-            checkpointing._LOADING_INTO.get().iteration_dir = directory_dp
-            for size, dp in ((4, 3), (2, 1)):
-                entry = ShardedObject("rng_state", [{}], (2, 1, size), (1, 0, dp), replica_id=0)
-                out.append(read(checkpointing.rng_state_for_load(entry)))
-    entry = ShardedObject("rng_state", [{}], (2, 1, 4), (1, 0, 3), replica_id=0)
-    out.append(read(checkpointing.rng_state_for_load(entry)))  # no load in progress
+    blind = mock.patch.object(
+        checkpointing, "saved_rng_data_parallel_size", lambda *args: None
+    )
+    with blind if blind_to_the_saved_size else contextlib.nullcontext():
+        for saved_dp in (2, 4):
+            directory_dp = f"{directory}/dp{saved_dp}"
+            dcp.save({f"rng_state/shard_{pp}.0.{dp}_2.1.{saved_dp}": torch.zeros(1)
+                      for pp in (0, 1) for dp in range(saved_dp)},
+                     checkpoint_id=directory_dp, no_dist=True)  # fmt: skip
+            with checkpointing.loading_into(cfg=None):
+                checkpointing._LOADING_INTO.get().iteration_dir = directory_dp
+                for size, dp in ((4, 3), (2, 1)):
+                    entry = ShardedObject("rng_state", [{}], (2, 1, size), (1, 0, dp), replica_id=0)
+                    out.append(read(checkpointing.rng_state_for_load(entry)))
+        entry = ShardedObject("rng_state", [{}], (2, 1, 4), (1, 0, 3), replica_id=0)
+        out.append(read(checkpointing.rng_state_for_load(entry)))  # no load in progress
     return out
 
 
@@ -77,6 +86,22 @@ def test_rng_state_of_another_data_parallel_size_maps_to_the_same_expert_rank(tm
         [((2, 1, 4), (1, 0, 3), 0)],  # same size
         [((2, 1, 4), (1, 0, 1), 0), ((2, 1, 4), (1, 0, 3), 0)],  # saved at DP 4, loaded at DP 2
         [((2, 1, 4), (1, 0, 3), 0)],  # not a load
+    ]
+
+
+def test_control_rng_state_without_the_saved_size_is_not_mapped(tmp_path):
+    """Control of ``test_rng_state_of_another_data_parallel_size_maps_to_the_same_expert_rank``:
+    when the checkpoint's data-parallel size is not found, every load asks for its own entry,
+    as Bridge does unpatched: the DP 4 load of a DP 2 checkpoint asks for
+    ``(1, 0, 3)`` of a DP 4 grid, which that checkpoint does not have, and the DP 2 load of a
+    DP 4 checkpoint reads one entry instead of two. The same expectations fail at both."""
+    [out] = run_on_ranks(rng_entries_at_load, str(tmp_path), True, world_size=1)
+    assert out == [
+        [((2, 1, 4), (1, 0, 3), 0)],  # mapped: [((2, 1, 2), (1, 0, 1), 1)]
+        [((2, 1, 2), (1, 0, 1), 0)],
+        [((2, 1, 4), (1, 0, 3), 0)],
+        [((2, 1, 2), (1, 0, 1), 0)],  # mapped: saved entries 1 and 3 of a DP 4 grid
+        [((2, 1, 4), (1, 0, 3), 0)],
     ]
 
 
