@@ -8,6 +8,10 @@ in megatron DDP with the plugin's layer-wise Muon (compact layout, whole or expe
 ownership of the grouped weights), stepped once on fixed gradients, saved with megatron's
 ``dist_checkpointing`` (``torch_dist``) and loaded into a build from another seed.
 
+The model is built with ``use_cpu_initialization=False`` (TE initialises its weights, so the
+high-precision init values the masters start from are the weights' own; with ``True`` megatron
+writes the weights afterwards and the layer-wise optimizer refuses the stale values).
+
 TE's module construction asks ``torch.cuda.is_available``; it is answered True during
 construction only (:func:`_te_construction`), as ``tests/test_cpu_norm_linear.py`` does, until
 the general scoped device answers land. Construction and ``sharded_state_dict`` need no kernel;
@@ -88,7 +92,8 @@ def build_te_moe(fp8: bool, seed: int):
         add_bias_linear=False, moe_token_dispatcher_type="allgather", moe_router_dtype="fp64",
         moe_grouped_gemm=True, use_transformer_engine_op_fuser=True,
         moe_single_grouped_weight=True, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, normalization="RMSNorm", **quantized,
+        activation_func=torch.nn.functional.silu, normalization="RMSNorm",
+        use_cpu_initialization=False, **quantized,
     )  # fmt: skip
     init: contextlib.AbstractContextManager = contextlib.nullcontext()
     if fp8:

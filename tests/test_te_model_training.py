@@ -99,14 +99,35 @@ def _stale_columnwise(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(MXFP8Quantizer, "update_quantized", rowwise_only)
 
 
-def te_moe_run(fp8_param_gather: bool, mutation: str | None) -> dict[str, Any]:
-    """Two steps of layer-wise Muon (compact layout, owner reduce, whole grouped weights) on the
-    TE-spec MoE; losses and this rank's fp32 masters."""
+def _nudge_first_master(optimizer: Any) -> None:
+    """The resume control: this rank's first layer-wise fp32 master moves up by one ulp after
+    the load (the state the run goes on from is then not the state that was saved)."""
+    from nemo_lw_fp8.mechanics.masters import float16_children
+
+    for child in float16_children(optimizer):
+        for group in child.fp32_from_float16_groups:
+            if group:
+                flat = group[0].data.view(-1)
+                flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+                return
+
+
+def te_moe_run(
+    fp8_param_gather: bool,
+    mutation: str | None,
+    steps: tuple[int, int] = (0, STEPS),
+    save_dir: str | None = None,
+    load_dir: str | None = None,
+) -> dict[str, Any]:
+    """Steps ``steps[0]..steps[1]-1`` of layer-wise Muon (compact layout, owner reduce, Q/K/V
+    parts, whole grouped weights) on the TE-spec MoE, after a ``torch_dist`` load from
+    ``load_dir`` and before a save to ``save_dir`` (``dp_reshardable``); losses and this rank's
+    fp32 masters and Muon momentum."""
     from megatron.core import parallel_state
 
     import nemo_lw_fp8
     from nemo_lw_fp8.cpu import te_device
-    from tests.support import training
+    from tests.support import dist_checkpoints, training
     from tests.support.scenarios import Scenario
 
     scenario = Scenario(
@@ -120,16 +141,22 @@ def te_moe_run(fp8_param_gather: bool, mutation: str | None) -> dict[str, Any]:
             mp.setenv(name, value)
         if mutation == "stale_columnwise":
             _stale_columnwise(mp)
-        elif mutation is not None:
+        elif mutation not in (None, "nudge_loaded_master"):
             raise ValueError(mutation)
-        module, config = build_te_moe(fp8_param_gather, seed=11)
+        module, config = build_te_moe(fp8_param_gather, seed=11 if load_dir is None else 23)
         model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
+        if load_dir is not None:
+            dist_checkpoints.load_torch_dist(model, optimizer, load_dir)
+            if mutation == "nudge_loaded_master":
+                _nudge_first_master(optimizer)
         dp_rank = parallel_state.get_data_parallel_rank()
         losses = [
             training.train_step(scenario, model, optimizer, step, dp_rank)
-            for step in range(STEPS)
+            for step in range(*steps)
         ]
         training.final_sync(model, optimizer)
+        if save_dir is not None:
+            dist_checkpoints.save_torch_dist(model, optimizer, save_dir, "dp_reshardable")
         persistent = sum(
             type(p).__name__ in ("MXFP8Tensor", "GroupedTensor")
             and getattr(p, "quantizer", getattr(p, "_quantizer", None)) is not None
@@ -137,7 +164,7 @@ def te_moe_run(fp8_param_gather: bool, mutation: str | None) -> dict[str, Any]:
         )
         return {
             "losses": losses,
-            "masters": training.master_snapshot(optimizer, model[0].module),
+            "masters": training.state_by_part(optimizer, model[0].module),
             "persistent_fp8": persistent,
         }
 
@@ -166,37 +193,26 @@ def test_te_spec_moe_fp8_param_gather_on_equals_off():
     assert_diverges(off, stale, compare=_same_training)
 
 
-def build_with_cpu_initialization(cpu_init: bool) -> str:
-    """Build the TE-spec MoE with persistent MXFP8 weights and the layer-wise optimizer; the
-    error the optimizer build raised, or ``"built"``."""
-    import nemo_lw_fp8
-    from nemo_lw_fp8.cpu import te_device
-    from tests.support import training
-    from tests.support.scenarios import Scenario
-
-    scenario = Scenario(
-        model="moe_grouped", single_grouped_weight=True, fp8=True, fp8_param_gather=True,
-        plugin=True, optimizer="muon", distribution="layerwise_compact", seed=11,
-    )  # fmt: skip
-    nemo_lw_fp8.apply()
-    with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(te_device.BLACKWELL):
-        for name, value in TE_ENV.items():
-            mp.setenv(name, value)
-        module, config = build_te_moe(True, seed=11, cpu_init=cpu_init)
-        try:
-            training.wrap_and_build_optimizer(module, config, scenario)
-        except ValueError as exc:
-            return str(exc)
-    return "built"
-
-
-def test_stale_init_value_is_refused():
-    """With ``use_cpu_initialization=True`` megatron writes TE's weights after TE kept their
-    high-precision init values (uninitialised memory): the layer-wise optimizer refuses to start
-    its fp32 masters from them, in one line naming the flag and the fix. Control: the same
-    build with ``use_cpu_initialization=False`` starts."""
-    refused = run_on_ranks(build_with_cpu_initialization, True, world_size=1, boot=BOOT)[0]
-    assert "use_cpu_initialization=False" in refused and "init value" in refused, refused
-    assert "\n" not in refused
-    started = run_on_ranks(build_with_cpu_initialization, False, world_size=1, boot=BOOT)[0]
-    assert started == "built", started
+def test_te_spec_moe_resumes_bitwise(tmp_path):
+    """Save the TE-spec MoE (persistent MXFP8 weights, single grouped experts) after two steps
+    in ``torch_dist``, load it into a build from another seed and train two more steps: the
+    losses and every rank's masters and Muon state equal four uninterrupted steps, bitwise (the
+    weights after the load are derived from the loaded masters). Control: the same resume with
+    one loaded fp32 master one ulp off diverges."""
+    saved = str(tmp_path / "step2")
+    whole = run_on_ranks(te_moe_run, True, None, (0, 4), world_size=2, boot=BOOT)
+    first = run_on_ranks(te_moe_run, True, None, (0, 2), saved, world_size=2, boot=BOOT)
+    resumed = run_on_ranks(te_moe_run, True, None, (2, 4), None, saved, world_size=2, boot=BOOT)
+    for rank in range(2):
+        assert first[rank]["losses"] + resumed[rank]["losses"] == whole[rank]["losses"]
+    _same_training(
+        [{**r, "losses": []} for r in whole], [{**r, "losses": []} for r in resumed]
+    )
+    nudged = run_on_ranks(
+        te_moe_run, True, "nudge_loaded_master", (2, 4), None, saved, world_size=2, boot=BOOT
+    )
+    assert_diverges(
+        [{**r, "losses": []} for r in whole],
+        [{**r, "losses": []} for r in nudged],
+        compare=_same_training,
+    )
