@@ -199,6 +199,7 @@ def test_te_spec_moe_resumes_bitwise(tmp_path):
     losses and every rank's masters and Muon state equal four uninterrupted steps, bitwise (the
     weights after the load are derived from the loaded masters). Control: the same resume with
     one loaded fp32 master one ulp off diverges."""
+    (tmp_path / "step2").mkdir()
     saved = str(tmp_path / "step2")
     whole = run_on_ranks(te_moe_run, True, None, (0, 4), world_size=2, boot=BOOT)
     first = run_on_ranks(te_moe_run, True, None, (0, 2), saved, world_size=2, boot=BOOT)
