@@ -99,19 +99,6 @@ def _stale_columnwise(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(MXFP8Quantizer, "update_quantized", rowwise_only)
 
 
-def _nudge_first_master(optimizer: Any) -> None:
-    """The resume control: this rank's first layer-wise fp32 master moves up by one ulp after
-    the load (the state the run goes on from is then not the state that was saved)."""
-    from nemo_lw_fp8.mechanics.masters import float16_children
-
-    for child in float16_children(optimizer):
-        for group in child.fp32_from_float16_groups:
-            if group:
-                flat = group[0].data.view(-1)
-                flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
-                return
-
-
 def te_moe_run(
     fp8_param_gather: bool,
     mutation: str | None,
@@ -128,6 +115,7 @@ def te_moe_run(
     import nemo_lw_fp8
     from nemo_lw_fp8.cpu import te_device
     from tests.support import dist_checkpoints, training
+    from tests.support.resume_controls import nudge_first_layer_wise_master
     from tests.support.scenarios import Scenario
 
     scenario = Scenario(
@@ -148,7 +136,7 @@ def te_moe_run(
         if load_dir is not None:
             dist_checkpoints.load_torch_dist(model, optimizer, load_dir)
             if mutation == "nudge_loaded_master":
-                _nudge_first_master(optimizer)
+                nudge_first_layer_wise_master(optimizer)
         dp_rank = parallel_state.get_data_parallel_rank()
         losses = [
             training.train_step(scenario, model, optimizer, step, dp_rank)
