@@ -69,6 +69,7 @@ TE_CALLERS = (
     "transformer_engine.pytorch.attention.",
     "transformer_engine.pytorch.ops.",
     "transformer_engine.pytorch.cpp_extensions.",
+    "transformer_engine.pytorch.permutation",
 )
 """Module-name prefixes of the TE code whose CUDA questions get the target's answer."""
 

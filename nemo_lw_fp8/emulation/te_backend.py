@@ -322,6 +322,10 @@ def _patch_te_python() -> None:
     forward = functools.wraps(_cpu_from_mxfp8_forward)(_cpu_from_mxfp8_forward)
     forward.__wrapped_by_nemo_lw_fp8__ = True  # type: ignore[attr-defined]
     func.forward = staticmethod(forward)
+    # TE's Triton MoE permutation launchers (moe_permute_fusion) cannot launch on CPU
+    from . import te_triton_permutation
+
+    te_triton_permutation.install()
 
 
 def _install_emulation(version: str) -> None:
