@@ -108,12 +108,21 @@ def target_for_recipe(recipe: Any) -> TargetGPU:
 
 
 def _asked_by_te(depth: int = 2) -> bool:
-    """Whether the frame ``depth`` levels up belongs to TE code listed in :data:`TE_CALLERS`."""
+    """Whether the frame ``depth`` levels up belongs to TE code listed in :data:`TE_CALLERS`.
+
+    A quantized tensor's own ``is_cuda`` property (TE's ``tensor/`` classes ask their data
+    buffers) passes the question on: then its caller decides."""
     try:
-        name = sys._getframe(depth).f_globals.get("__name__", "")
+        frame = sys._getframe(depth)
+        name = frame.f_globals.get("__name__", "")
+        if frame.f_code.co_name == "is_cuda" and name.startswith(_TE_TENSORS) and frame.f_back:
+            name = frame.f_back.f_globals.get("__name__", "")
     except ValueError:
         return False
     return name.startswith(TE_CALLERS)
+
+
+_TE_TENSORS = "transformer_engine.pytorch.tensor."
 
 
 _REAL_IS_CUDA = torch.Tensor.is_cuda

@@ -70,8 +70,7 @@ WRAPPERS = (
 
 def _refuse(what: str) -> NotImplementedError:
     return NotImplementedError(
-        f"TE's Triton permutation kernel {what} is not implemented by the nemo_lw_fp8 CPU "
-        "stand-in"
+        f"TE's Triton permutation kernel {what} is not implemented by the nemo_lw_fp8 CPU stand-in"
     )
 
 
@@ -113,6 +112,14 @@ def _check_rows(row: torch.Tensor, rows: int, what: str) -> None:
         )
 
 
+def _check_tokens(row_id_map: torch.Tensor, num_tokens: int, what: str) -> None:
+    if row_id_map.shape[0] != num_tokens:
+        raise _refuse(
+            f"{what} for {num_tokens} tokens with a row map of {row_id_map.shape[0]} (a restore "
+            "shape other than the routing map's tokens: the GPU kernel would read out of bounds)"
+        )
+
+
 def permute_with_mask_map(
     inp: torch.Tensor,
     row_id_map: torch.Tensor,
@@ -126,6 +133,7 @@ def permute_with_mask_map(
     scale_hidden_dim: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """TE's ``permute_with_mask_map``: (permuted rows, permuted scale rows, permuted probs)."""
+    _check_tokens(row_id_map, num_tokens, "permute_with_mask_map")
     token, _, expert, row = _routed_slots(row_id_map, num_experts, pad_offsets)
     _check_rows(row, num_out_tokens, "permute_with_mask_map")
     output = torch.zeros((num_out_tokens, hidden_size), dtype=inp.dtype, device=inp.device)
@@ -157,6 +165,7 @@ def unpermute_with_mask_map(
     hidden_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """TE's ``unpermute_with_mask_map``: (tokens restored and summed, probs scattered back)."""
+    _check_tokens(row_id_map, num_tokens, "unpermute_with_mask_map")
     count = row_id_map[:, 2 * num_experts].to(torch.int64)
     _, _, _, all_rows = _routed_slots(row_id_map, num_experts, pad_offsets)
     _check_rows(all_rows, inp.shape[0], "unpermute_with_mask_map")
@@ -197,6 +206,7 @@ def unpermute_with_mask_map_bwd_with_merging_probs(
     hidden_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TE's backward of the merging-probs unpermute: (permuted-rows grad, merging-probs grad)."""
+    _check_tokens(row_id_map, num_tokens, "unpermute_with_mask_map_bwd_with_merging_probs")
     token, _, expert, row = _routed_slots(row_id_map, num_experts, pad_offsets)
     _check_rows(row, num_out_tokens, "unpermute_with_mask_map_bwd_with_merging_probs")
     grad = fwd_output_grad[token, :hidden_size].to(torch.float32)
