@@ -21,15 +21,23 @@ everything can be undone with :func:`uninstall`.
     megatron's ``TransformerBlock.forward`` enters TE's ``autocast``, which asks the GPU's
     compute capability whether FP8 (MXFP8, blockwise) is supported. With the emulation backend
     active (:mod:`nemo_lw_fp8.emulation.te_backend`) both are: the CPU layers quantize exactly.
-``router_torch_gemm``
+``router_torch_gemm`` (``--cpu-modules project`` only)
     With TE importable, megatron's ``RouterGatingLinearFunction`` (``moe_utils.py``) runs the
     router GEMM through TE's cuBLAS ``general_gemm``; megatron's own fallback (``torch.mm``, taken
-    when ``te_general_gemm`` is ``None``) is used instead.
-``local_mtp_spec``
+    when ``te_general_gemm`` is ``None``) is used instead. With TE's modules the router GEMM
+    runs TE's ``general_gemm`` over the emulated ``generic_gemm``, as on the GPU.
+``local_mtp_spec`` (``--cpu-modules project`` only)
     ``gpt_provider.mtp_block_spec`` builds multi-token-prediction layers with
     ``use_transformer_engine=True`` whatever the decoder uses; on CPU they take megatron's local
     backend (its ``get_gpt_mtp_block_spec(use_transformer_engine=False)``) like the decoder, with
     the decoder's zero-centred RMSNorm when the config asks for it.
+
+Two model paths (``nemo-lw-fp8 pretrain --cpu --cpu-modules``): ``te`` (the default) keeps the
+recipe's model exactly as on the GPU -- Bridge's provider, megatron's TE spec, TE 2.20.2's own
+modules, the recipe's fusions -- with only ``transformer_engine_torch`` and TE's Triton
+permutation launchers emulated and TE's device questions answered as the recipe's target GPU
+(:func:`device_answers`); ``project`` swaps in the project's CPU layers (the earlier path, kept
+as a cross-check while the twins move over).
 
 RNG states in checkpoints: ``checkpointing.py::get_rng_state`` / the loader's
 ``torch.cuda.get/set_rng_state`` act on the
@@ -70,8 +78,8 @@ def installed() -> bool:
     return bool(_undo)
 
 
-def install() -> None:
-    """Install megatron-core's CPU stand-ins, then Bridge's (idempotent)."""
+def install(modules: str = "te") -> None:
+    """Install megatron-core's CPU stand-ins, then Bridge's (idempotent per process)."""
     if _undo:
         return
     from nemo_lw_fp8.cpu import standins
@@ -122,6 +130,8 @@ def install() -> None:
         for check in checks:
             _swap(quantization, check, lambda: (True, ""))
 
+    if modules == "te":
+        return
     from megatron.core.models.gpt import gpt_layer_specs
 
     original_mtp_spec = gpt_layer_specs.get_gpt_mtp_block_spec
@@ -144,24 +154,44 @@ def uninstall() -> None:
         _undo.pop()()
 
 
-def adapt_config(cfg: Any) -> Any:
+def device_answers(cfg: Any, modules: str = "te") -> contextlib.AbstractContextManager:
+    """The scope in which TE's device questions get the recipe's target GPU's answers
+    (:func:`nemo_lw_fp8.cpu.te_device.target_gpu`): SM 10.0 for MXFP8 and bf16 recipes, SM 9.0
+    for blockwise FP8. Nothing to answer on the project's layers."""
+    if modules != "te":
+        return contextlib.nullcontext()
+    from nemo_lw_fp8.cpu import te_device
+
+    recipe = getattr(cfg.mixed_precision, "fp8_recipe", None) if cfg.mixed_precision else None
+    fp8 = getattr(cfg.mixed_precision, "fp8", None) if cfg.mixed_precision else None
+    target = te_device.HOPPER if fp8 and recipe == "blockwise" else te_device.BLACKWELL
+    return te_device.target_gpu(target)
+
+
+def adapt_config(cfg: Any, modules: str = "te") -> Any:
     """Make a Bridge ``ConfigContainer`` run on CPU ranks, keeping its features.
 
-    gloo instead of NCCL; megatron's local layers (TE's need CUDA) with the emulated FP8 linears
-    and single grouped experts of :mod:`nemo_lw_fp8.cpu.layers` when the config asks for
-    FP8 / single grouped weights (decided when the model is built, after every override); the
-    CUDA-only fusions off. Pipeline (and virtual pipeline) and expert parallel run as configured;
-    tensor parallel stays 1 (the CPU FP8 layers do no tensor-parallel communication).
+    gloo instead of NCCL. ``modules="te"``: nothing else changes -- the model is built as on the
+    GPU (Bridge's provider, megatron's TE spec, the recipe's fusions). ``modules="project"``:
+    megatron's local layers with the emulated FP8 linears and single grouped experts of
+    :mod:`nemo_lw_fp8.cpu.layers` when the config asks for FP8 / single grouped weights
+    (decided when the model is built, after every override), the CUDA-only fusions off.
+    Pipeline (and virtual pipeline) and expert parallel run as configured; tensor parallel
+    stays 1 (issue 29).
     """
-    from nemo_lw_fp8.cpu.layers import cpu_decoder_block_spec
-
     model = cfg.model
+    if modules not in ("te", "project"):
+        raise ValueError(f"--cpu-modules {modules!r}: one of te, project")
     if model.tensor_model_parallel_size != 1:
         raise ValueError(
-            "--cpu runs tensor_model_parallel_size=1 only (the CPU FP8 layers do no tensor-"
-            f"parallel communication); got model.tensor_model_parallel_size="
+            "--cpu runs tensor_model_parallel_size=1 only (tensor parallelism on CPU ranks is "
+            f"not built yet); got model.tensor_model_parallel_size="
             f"{model.tensor_model_parallel_size}. Fix: model.tensor_model_parallel_size=1."
         )
+    cfg.dist.distributed_backend = "gloo"
+    if modules == "te":
+        return cfg
+    from nemo_lw_fp8.cpu.layers import cpu_decoder_block_spec
 
     def cpu_spec(config: Any, vp_stage: int | None = None) -> Any:
         return cpu_decoder_block_spec(
@@ -188,5 +218,4 @@ def adapt_config(cfg: Any) -> Any:
         if hasattr(model, fusion):
             setattr(model, fusion, False)
     model.attention_backend = None
-    cfg.dist.distributed_backend = "gloo"
     return cfg

@@ -22,6 +22,7 @@ prints one progress line with an ETA per iteration (every few on long runs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -44,6 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu", action="store_true", help="train on CPU ranks (gloo) with the FP8 emulation"
     )
     parser.add_argument(
+        "--cpu-modules",
+        choices=CPU_MODULES,
+        default="te",
+        help="with --cpu: 'te' builds the model as on the GPU (Bridge's provider, megatron's TE "
+        "spec, TE's own modules over the emulated kernels; docs/te-modules.md); 'project' swaps "
+        "in the project's CPU layers (the earlier path, kept as a cross-check)",
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="resolve, check and print the config; no training"
     )
     parser.add_argument(
@@ -53,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "parameter, at the start of training (after a load) and at the end",
     )
     parser.add_argument("overrides", nargs="*", help="Hydra-style key=value overrides")
+
+
+CPU_MODULES = ("te", "project")
+"""The model paths of ``--cpu`` (:func:`nemo_lw_fp8.cpu.bridge.adapt_config`)."""
 
 
 def check_command_line(
@@ -94,6 +107,7 @@ def resolve_config(
     overrides: Sequence[str] = (),
     cpu: bool = False,
     dry_run: bool = False,
+    cpu_modules: str = "te",
 ) -> Any:
     """The final ``ConfigContainer``: recipe, then YAML, then ``key=value``; checked.
 
@@ -146,7 +160,7 @@ def resolve_config(
     if cpu:
         from nemo_lw_fp8.cpu import bridge as cpu_bridge
 
-        cpu_bridge.adapt_config(cfg)
+        cpu_bridge.adapt_config(cfg, cpu_modules)
     bridge.finalize(cfg)
     return cfg
 
@@ -328,24 +342,34 @@ def run(
     overrides: Sequence[str] = (),
     cpu: bool = False,
     losses_json: str | None = None,
+    cpu_modules: str = "te",
 ) -> _LossRecorder:
     """Resolve the config and train with Megatron-Bridge's ``pretrain``."""
-    return train(resolve_config(recipe, config_file, overrides, cpu), cpu, losses_json)
+    cfg = resolve_config(recipe, config_file, overrides, cpu, cpu_modules=cpu_modules)
+    return train(cfg, cpu, losses_json, cpu_modules)
 
 
-def train(cfg: Any, cpu: bool = False, losses_json: str | None = None) -> _LossRecorder:
-    """Train a resolved config with Megatron-Bridge's ``pretrain`` (progress on rank 0)."""
+def train(
+    cfg: Any, cpu: bool = False, losses_json: str | None = None, cpu_modules: str = "te"
+) -> _LossRecorder:
+    """Train a resolved config with Megatron-Bridge's ``pretrain`` (progress on rank 0).
+
+    On CPU with TE's modules, TE's device questions are answered as the recipe's target GPU
+    would for the whole run (:func:`nemo_lw_fp8.cpu.bridge.device_answers`)."""
+    scope: contextlib.AbstractContextManager = contextlib.nullcontext()
     if cpu:
         from nemo_lw_fp8.cpu import bridge as cpu_bridge
 
-        cpu_bridge.install()
+        cpu_bridge.install(cpu_modules)
+        scope = cpu_bridge.device_answers(cfg, cpu_modules)
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
     progress = Progress(cfg.train.train_iters) if int(os.environ.get("RANK", "0")) == 0 else None
     recorder = _LossRecorder(progress)
     recorder.digest_wanted = bool(losses_json)
-    pretrain(cfg, forward_step, callbacks=[recorder.as_callback()])
+    with scope:
+        pretrain(cfg, forward_step, callbacks=[recorder.as_callback()])
     reports = recorder.reports
     if reports is None:
         reports = int(os.environ.get("RANK", "0")) == 0
@@ -383,18 +407,22 @@ def main(args: argparse.Namespace) -> int:
 
     check_command_line(args.recipe, args.config_file, args.overrides)
     if os.environ.get(DEBUG_ENV) == "1":
-        cfg = resolve_config(args.recipe, args.config_file, args.overrides, args.cpu, args.dry_run)
+        cfg = resolve_config(
+            args.recipe, args.config_file, args.overrides, args.cpu, args.dry_run,
+            args.cpu_modules,
+        )  # fmt: skip
     else:
         with held_back() as held:
             cfg = resolve_config(
-                args.recipe, args.config_file, args.overrides, args.cpu, args.dry_run
-            )
+                args.recipe, args.config_file, args.overrides, args.cpu, args.dry_run,
+                args.cpu_modules,
+            )  # fmt: skip
         if held.messages:
             sys.stderr.write(held.summary().replace("--verbose", "--debug") + "\n")
     if args.dry_run:
         print(summary(cfg))
         return 0
-    train(cfg, args.cpu, args.losses_json)
+    train(cfg, args.cpu, args.losses_json, args.cpu_modules)
     return 0
 
 

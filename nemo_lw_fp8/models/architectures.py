@@ -410,7 +410,9 @@ def tiny(arch: MoEArchitecture, *, num_layers: int | None = None) -> MoEArchitec
 
     Kept: attention kind (MLA with / without q LoRA, gated GQA, hybrid Gated DeltaNet pattern),
     leading dense layers, shared experts (and their gate), router kind (sigmoid + expert bias +
-    group-limited routing), MTP, untied output layer. Widths are multiples of 32 (MXFP8 blocks);
+    group-limited routing), MTP, untied output layer. Widths are multiples of 32 (MXFP8 blocks),
+    expert widths of 128 (TE's grouped MXFP8 tensors lay out scales alike in its kernel and its
+    Python only for multiples of 128, docs/te-modules.md);
     8 experts split over EP 1, 2, 4 or 8; top-2. ``num_layers``: another depth (recipe twins
     give each pipeline stage its layers).
     """
@@ -431,14 +433,14 @@ def tiny(arch: MoEArchitecture, *, num_layers: int | None = None) -> MoEArchitec
         "num_attention_heads": 4,
         "ffn_hidden_size": 256 if dense else None,
         "num_moe_experts": experts,
-        "moe_ffn_hidden_size": 64,
+        "moe_ffn_hidden_size": 128,
         "moe_router_topk": 2,
         "moe_layer_freq": _first_k_dense(dense, layers) if dense else 1,
     }
     if arch.moe_shared_expert_intermediate_size:
         # keep the ratio of shared to routed width (2 for DeepSeek-V2-Lite's two shared experts)
         ratio = arch.moe_shared_expert_intermediate_size // arch.moe_ffn_hidden_size
-        changes["moe_shared_expert_intermediate_size"] = 64 * max(ratio, 1)
+        changes["moe_shared_expert_intermediate_size"] = 128 * max(ratio, 1)
     if arch.moe_router_num_groups:
         changes |= {"moe_router_num_groups": 4, "moe_router_group_topk": 2}
     if arch.multi_latent_attention:
