@@ -36,6 +36,23 @@ def install_mutation(mutation: str) -> None:
         import nemo_lw_fp8.mechanics.blockwise as blockwise
 
         blockwise.derive_columnwise = lambda params: None
+    elif mutation == "te_stale_columnwise":
+        # TE's modules: every re-quantization of a persistent MXFP8 weight (the gather's copy
+        # into the weights) refreshes the rowwise copy only; the columnwise copy the dgrad GEMM
+        # reads keeps its old bytes.
+        from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+
+        refresh = MXFP8Quantizer.update_quantized
+
+        def rowwise_only(self, src, dst, *, noop_flag=None):
+            names = ("_columnwise_data", "_columnwise_scale_inv")
+            kept = {n: getattr(dst, n).clone() for n in names if getattr(dst, n) is not None}
+            out = refresh(self, src, dst, noop_flag=noop_flag)
+            for name, old in kept.items():
+                getattr(dst, name).copy_(old)
+            return out
+
+        MXFP8Quantizer.update_quantized = rowwise_only
     elif mutation == "nudge_loaded_master":
         # After a checkpoint load, each rank's first layer-wise fp32 master moves up by one ulp:
         # the state the run goes on from is then not the state that was saved.
@@ -95,6 +112,8 @@ def install_probe(prefix: str) -> None:
 
     * ``fp8_weights``: the model parameters held as persistent FP8 tensors (MXFP8, blockwise,
       grouped), which only an FP8 param gather updates: > 0 proves the gather ON, 0 OFF;
+    * ``te_modules`` / ``project_layers``: the model's modules of TE's classes / of the
+      project's CPU layers (which path ``--cpu-modules`` built);
     * ``reduces``: the ``torch.distributed.reduce`` calls this rank issued (the owner reduce
       sends each Muon gradient span to its owner with one; the all-reduce sync issues none);
     * ``linears``, ``blockwise_weights``, ``blockwise_groups``: what the layer-wise optimizer of
@@ -151,6 +170,9 @@ def install_probe(prefix: str) -> None:
             for param in chunk.parameters()
             if expert_slices.uses_quantized_storage(param)
         )
+        kinds = [type(m).__module__ for c in optimizer.model_chunks for m in c.modules()]
+        _seen["te_modules"] = sum(k.startswith("transformer_engine.") for k in kinds)
+        _seen["project_layers"] = sum(k.startswith("nemo_lw_fp8.cpu.") for k in kinds)
         with open(f"{prefix}.rank{os.environ.get('RANK', '0')}.json", "w") as handle:
             json.dump(_seen, handle)
         return _digest(optimizer)
