@@ -40,6 +40,9 @@ def install_mutation(mutation: str) -> None:
         # TE's modules: every re-quantization of a persistent MXFP8 weight (the gather's copy
         # into the weights) refreshes the rowwise copy only; the columnwise copy the dgrad GEMM
         # reads keeps its old bytes.
+        from nemo_lw_fp8.emulation import te_backend
+
+        te_backend.activate()  # TE over the CPU emulation before anything imports it
         from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 
         refresh = MXFP8Quantizer.update_quantized

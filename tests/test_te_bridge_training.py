@@ -8,7 +8,8 @@ as SM 10.0.
 The claim: FP8 param gather ON = OFF bitwise, for the training and evaluation losses, the grad
 norms and every rank's fp32 masters and optimizer state, and the run really was what it says (a
 probe counts TE's modules, no project layer, and persistent MXFP8 weights only ON). Control:
-ON with each gathered weight's columnwise copy left stale diverges."""
+ON with each gathered weight's columnwise copy left stale diverges (from step 3's gradients on:
+the grad norms and every rank's state; the losses only from step 4)."""
 
 from __future__ import annotations
 
@@ -60,5 +61,8 @@ def test_te_modules_gather_on_equals_off_through_bridge(tmp_path):
 def test_control_stale_columnwise_diverges_through_bridge(tmp_path):
     off = _off(tmp_path)
     stale = _run(tmp_path, "te-stale", mutation="te_stale_columnwise")
-    assert br.losses(stale)[0] == br.losses(off)[0]  # the first forward reads fresh weights
-    assert br.losses(stale) != br.losses(off)
+    # Steps 1 and 2 read fresh copies (the first gathers re-quantize both); step 3's dgrad reads
+    # stale columnwise copies: its gradients, so its grad norm and the masters after it, differ.
+    assert br.losses(stale)[0] == br.losses(off)[0]
+    assert br.grad_norms(stale) != br.grad_norms(off)
+    assert stale["ranks"] != off["ranks"]

@@ -21,6 +21,10 @@ everything can be undone with :func:`uninstall`.
     megatron's ``TransformerBlock.forward`` enters TE's ``autocast``, which asks the GPU's
     compute capability whether FP8 (MXFP8, blockwise) is supported. With the emulation backend
     active (:mod:`nemo_lw_fp8.emulation.te_backend`) both are: the CPU layers quantize exactly.
+``apex_wgrad`` (``--cpu-modules te`` only)
+    Bridge turns ``gradient_accumulation_fusion`` on where TE imports; megatron's own
+    ``ColumnParallelLinear`` (the output layer) then needs APEX's ``fused_weight_gradient_mlp_cuda``
+    kernel, stood in by :mod:`nemo_lw_fp8.cpu.apex_wgrad`.
 ``router_torch_gemm`` (``--cpu-modules project`` only)
     With TE importable, megatron's ``RouterGatingLinearFunction`` (``moe_utils.py``) runs the
     router GEMM through TE's cuBLAS ``general_gemm``; megatron's own fallback (``torch.mm``, taken
@@ -131,6 +135,10 @@ def install(modules: str = "te") -> None:
             _swap(quantization, check, lambda: (True, ""))
 
     if modules == "te":
+        from nemo_lw_fp8.cpu import apex_wgrad
+
+        if apex_wgrad.install():
+            _undo.append(apex_wgrad.uninstall)
         return
     from megatron.core.models.gpt import gpt_layer_specs
 
