@@ -43,19 +43,10 @@ def install_mutation(mutation: str) -> None:
         from nemo_lw_fp8.emulation import te_backend
 
         te_backend.activate()  # TE over the CPU emulation before anything imports it
+        from support.te_helpers import rowwise_only_refresh  # tests/ is this script's path
         from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 
-        refresh = MXFP8Quantizer.update_quantized
-
-        def rowwise_only(self, src, dst, *, noop_flag=None):
-            names = ("_columnwise_data", "_columnwise_scale_inv")
-            kept = {n: getattr(dst, n).clone() for n in names if getattr(dst, n) is not None}
-            out = refresh(self, src, dst, noop_flag=noop_flag)
-            for name, old in kept.items():
-                getattr(dst, name).copy_(old)
-            return out
-
-        MXFP8Quantizer.update_quantized = rowwise_only
+        MXFP8Quantizer.update_quantized = rowwise_only_refresh(MXFP8Quantizer.update_quantized)
     elif mutation == "nudge_loaded_master":
         # After a checkpoint load, each rank's first layer-wise fp32 master moves up by one ulp:
         # the state the run goes on from is then not the state that was saved.

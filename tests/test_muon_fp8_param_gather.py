@@ -20,6 +20,7 @@ from tests.support.harness import BootOptions, RankFailure, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.parity import assert_fp8_gather_parity as assert_bitwise
 from tests.support.scenarios import Scenario
+from tests.support.te_helpers import rowwise_only_refresh
 from tests.support.training import train
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
@@ -216,19 +217,9 @@ def train_with_stale_columnwise(scenario: Scenario) -> dict:
     persistent weights) updates the rowwise copy only; the columnwise copy keeps its bytes."""
     from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 
-    refresh = MXFP8Quantizer.update_quantized
-
-    def rowwise_only(self, src, dst, *, noop_flag=None):
-        names = ("_columnwise_data", "_columnwise_scale_inv")
-        kept = {name: getattr(dst, name) for name in names}
-        kept = {name: value.clone() for name, value in kept.items() if value is not None}
-        out = refresh(self, src, dst, noop_flag=noop_flag)
-        for name, old in kept.items():
-            getattr(dst, name).copy_(old)
-        return out
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(MXFP8Quantizer, "update_quantized", rowwise_only)
+        stale = rowwise_only_refresh(MXFP8Quantizer.update_quantized)
+        mp.setattr(MXFP8Quantizer, "update_quantized", stale)
         return train(scenario)
 
 

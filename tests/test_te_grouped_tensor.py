@@ -15,19 +15,14 @@ import torch
 
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges
+from tests.support.te_helpers import spread
 
 BOOT = BootOptions(fp8_emulation=True)
 K, N = 256, 128  # in / out features: multiples of 128, as TE's grouped MXFP8 layout needs
 SPLITS = [256, 0, 128]  # tokens per expert, aligned as megatron aligns op-fuser experts
 
 
-def _spread(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
-    """Gaussian values times powers of two per row and column (2^0 .. 2^-13): the small elements
-    of a block become e4m3 subnormals in one direction and not the other, so a GEMM that reads
-    the wrong copy, or a stale one, gives other bits."""
-    row = 2.0 ** -torch.randint(0, 14, (rows, 1), generator=gen).float()
-    col = 2.0 ** -torch.randint(0, 14, (1, cols), generator=gen).float()
-    return torch.randn(rows, cols, generator=gen) * row * col
+_spread = spread
 
 
 def _mutate(mp: pytest.MonkeyPatch, mutation: str | None) -> None:

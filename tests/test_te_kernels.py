@@ -10,24 +10,20 @@ bf16 ulp (``2^-8 |value|``, bf16 keeps 8 significant bits) for the one cast."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
 
 from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.te_helpers import spread
 
 BOOT = BootOptions(fp8_emulation=True)
 U32, U_BF16 = 2.0**-24, 2.0**-8  # unit roundoffs of fp32 and bf16 (8-bit significand)
 
 
-def _spread(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
-    """Gaussian values spread by powers of two per row and column (2^0 .. 2^-13): the small
-    elements of a block fall into e4m3's subnormals in one direction and not the other, so
-    rowwise and columnwise FP8 copies hold different values."""
-    row = 2.0 ** -torch.randint(0, 14, (rows, 1), generator=gen).float()
-    col = 2.0 ** -torch.randint(0, 14, (1, cols), generator=gen).float()
-    return (torch.randn(rows, cols, generator=gen) * row * col).bfloat16()
+_spread = functools.partial(spread, dtype=torch.bfloat16)
 
 
 def _excess(value: torch.Tensor, ref64: torch.Tensor, bound: torch.Tensor) -> float:

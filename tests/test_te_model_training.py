@@ -26,6 +26,7 @@ import torch
 from nemo_lw_fp8.emulation import te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges
+from tests.support.te_helpers import rowwise_only_refresh
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
     pytest.skip("TE's own modules need TE's Python package", allow_module_level=True)
@@ -85,18 +86,9 @@ def _stale_columnwise(mp: pytest.MonkeyPatch) -> None:
     copy the dgrad GEMM reads keeps its old bytes."""
     from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 
-    refresh = MXFP8Quantizer.update_quantized
-
-    def rowwise_only(self: Any, src: Any, dst: Any, *, noop_flag: Any = None) -> Any:
-        names = ("_columnwise_data", "_columnwise_scale_inv")
-        kept = {name: getattr(dst, name) for name in names}
-        kept = {name: value.clone() for name, value in kept.items() if value is not None}
-        out = refresh(self, src, dst, noop_flag=noop_flag)
-        for name, old in kept.items():
-            getattr(dst, name).copy_(old)
-        return out
-
-    mp.setattr(MXFP8Quantizer, "update_quantized", rowwise_only)
+    mp.setattr(
+        MXFP8Quantizer, "update_quantized", rowwise_only_refresh(MXFP8Quantizer.update_quantized)
+    )
 
 
 def te_moe_run(

@@ -15,6 +15,7 @@ import torch
 
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges
+from tests.support.te_helpers import spread
 
 BOOT = BootOptions(fp8_emulation=True)
 M, K, N = 64, 256, 128  # tokens, in_features, out_features (multiples of 32 and 128)
@@ -33,16 +34,7 @@ def _recipe(name: str) -> tuple[Any, Any]:
     }[name]
 
 
-def _spread(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
-    """Gaussian values times powers of two from 1 down to 2^-13 per row and per column.
-
-    Rowwise and columnwise FP8 copies of well-scaled data hold the same values (power-of-two
-    scales only move the exponent); with magnitudes spread this wide, the small elements of a
-    block fall into e4m3's subnormals in one direction and not in the other, so a GEMM that
-    reads the wrong copy gives other bits."""
-    row = 2.0 ** -torch.randint(0, 14, (rows, 1), generator=gen).float()
-    col = 2.0 ** -torch.randint(0, 14, (1, cols), generator=gen).float()
-    return torch.randn(rows, cols, generator=gen) * row * col
+_spread = spread
 
 
 def _data(bias: bool) -> dict[str, torch.Tensor]:

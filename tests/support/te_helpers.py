@@ -1,0 +1,41 @@
+"""Shared by the tests of TE's own modules: inputs that tell FP8 copies apart, and the
+stale-columnwise mutation their controls use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def spread(
+    rows: int, cols: int, gen: torch.Generator, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Gaussian values times powers of two from 1 down to 2^-13 per row and per column.
+
+    Rowwise and columnwise FP8 copies of well-scaled data hold the same values (power-of-two
+    scales only move the exponent); with magnitudes spread this wide, the small elements of a
+    block fall into e4m3's subnormals in one direction and not in the other, so a GEMM that reads
+    the wrong copy, or a stale one, gives other bits."""
+    row = 2.0 ** -torch.randint(0, 14, (rows, 1), generator=gen).float()
+    col = 2.0 ** -torch.randint(0, 14, (1, cols), generator=gen).float()
+    return (torch.randn(rows, cols, generator=gen) * row * col).to(dtype)
+
+
+def rowwise_only_refresh(refresh: Callable[..., Any]) -> Callable[..., Any]:
+    """The stale-columnwise mutation of ``MXFP8Quantizer.update_quantized`` (``refresh``): every
+    re-quantization into a persistent MXFP8 weight (the gathers' copy into the weights, TE's
+    and the grouped members alike) refreshes the rowwise copy only; the columnwise copy the
+    dgrad GEMM reads keeps its old bytes."""
+
+    def rowwise_only(self: Any, src: Any, dst: Any, *, noop_flag: Any = None) -> Any:
+        names = ("_columnwise_data", "_columnwise_scale_inv")
+        kept = {name: getattr(dst, name) for name in names}
+        kept = {name: value.clone() for name, value in kept.items() if value is not None}
+        out = refresh(self, src, dst, noop_flag=noop_flag)
+        for name, old in kept.items():
+            getattr(dst, name).copy_(old)
+        return out
+
+    return rowwise_only
