@@ -9,7 +9,11 @@ The claim: FP8 param gather ON = OFF bitwise, for the training and evaluation lo
 norms and every rank's fp32 masters and optimizer state, and the run really was what it says (a
 probe counts TE's modules, no project layer, and persistent MXFP8 weights only ON). Control:
 ON with each gathered weight's columnwise copy left stale diverges (from step 3's gradients on:
-the grad norms and every rank's state; the losses only from step 4)."""
+the grad norms and every rank's state; the losses only from step 4).
+
+And resume: the ON run saves at iteration 2; fresh processes load it and train iteration 3 =
+the run that went on, bitwise (losses, evaluation, grad norm, every rank's state). Control: each
+rank's first loaded master one ulp up diverges."""
 
 from __future__ import annotations
 
@@ -23,7 +27,14 @@ pytestmark = pytest.mark.usefixtures("bridge_installed")
 
 RECIPE = "tiny_deepseek_v3"
 STEPS = 3
+SAVED_AT = 2
 _runs: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder for the module's runs (the resume tests load the ON run's checkpoint)."""
+    return tmp_path_factory.mktemp("te-bridge")
 
 
 def _run(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
@@ -37,15 +48,24 @@ def _run(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
 
 
 def _on(tmp: Path) -> dict:
-    return _run(tmp, "te-on")
+    """The ON run; it also saves at iteration 2 (a save must not change what it trains)."""
+    saving = (f"checkpoint.save={tmp / 'ckpt'}", f"checkpoint.save_interval={SAVED_AT}")
+    return _run(tmp, "te-on", *saving)
+
+
+def _resumed(tmp: Path, mutation: str = "") -> dict:
+    """Fresh processes load the ON run's iteration-2 checkpoint and train iteration 3."""
+    _on(tmp)
+    loading = (f"checkpoint.load={tmp / 'ckpt'}", f"checkpoint.ckpt_step={SAVED_AT}")
+    return _run(tmp, f"te-resumed{mutation and '-' + mutation}", *loading, mutation=mutation)
 
 
 def _off(tmp: Path) -> dict:
     return _run(tmp, "te-off", *br.GATHER_OFF)
 
 
-def test_te_modules_gather_on_equals_off_through_bridge(tmp_path):
-    on, off = _on(tmp_path), _off(tmp_path)
+def test_te_modules_gather_on_equals_off_through_bridge(runs):
+    on, off = _on(runs), _off(runs)
     for run in (on, off):
         for rank in run["probe"]:
             assert rank["te_modules"] > 0 and rank["project_layers"] == 0, rank
@@ -58,11 +78,27 @@ def test_te_modules_gather_on_equals_off_through_bridge(tmp_path):
     assert on["ranks"] == off["ranks"]  # every rank's masters and optimizer state
 
 
-def test_control_stale_columnwise_diverges_through_bridge(tmp_path):
-    off = _off(tmp_path)
-    stale = _run(tmp_path, "te-stale", mutation="te_stale_columnwise")
+def test_control_stale_columnwise_diverges_through_bridge(runs):
+    off = _off(runs)
+    stale = _run(runs, "te-stale", mutation="te_stale_columnwise")
     # Steps 1 and 2 read fresh copies (the first gathers re-quantize both); step 3's dgrad reads
     # stale columnwise copies: its gradients, so its grad norm and the masters after it, differ.
     assert br.losses(stale)[0] == br.losses(off)[0]
     assert br.grad_norms(stale) != br.grad_norms(off)
     assert stale["ranks"] != off["ranks"]
+
+
+def test_te_modules_resume_in_fresh_processes_is_bitwise(runs):
+    """Single grouped MXFP8 weights through TE's modules save in TE's per-expert layout and load
+    back; the resumed iteration, its evaluation and every rank's final state equal the run that
+    went on."""
+    on, resumed = _on(runs), _resumed(runs)
+    assert br.losses(resumed) == br.losses(on)[SAVED_AT:]
+    assert br.grad_norms(resumed) == br.grad_norms(on)[SAVED_AT:]
+    assert br.eval_losses(resumed) == br.eval_losses(on)[-len(br.eval_losses(resumed)) :]
+    assert resumed["ranks"] == on["ranks"]
+
+
+def test_control_loaded_master_one_ulp_off_diverges(runs):
+    on, nudged = _on(runs), _resumed(runs, mutation="nudge_loaded_master")
+    assert nudged["ranks"] != on["ranks"]
