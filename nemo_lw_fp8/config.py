@@ -70,7 +70,9 @@ class LayerWiseConfig:
     place to the rank that owns the matrix only (each bucket's gradients lie in owner order, one
     reduce per owner's span, one launch per bucket group);
     ``"all_reduce"`` all-reduces them to every rank as upstream #5388 does (twice the bytes).
-    The padded and legacy layouts reduce-scatter or all-reduce as megatron does either way.
+    The padded and legacy layouts reduce-scatter or all-reduce as megatron does, so there a
+    non-default ``grad_sync``, ``bucket_cap_numel`` or ``gather_padding_tolerance`` would be
+    ignored: it is refused instead (rules ``compact-only-*``, docs/guards.md).
     ``bucket_cap_numel`` (compact): where layer-wise buckets end. ``None`` (default): where
     megatron's padded layout ends them (a bucket closes at ``max(bucket_size, 0.9 x group size x
     its largest matrix)`` elements), so the compact layout issues as many gather and gradient

@@ -14,41 +14,25 @@ rank computes the same answer, before and after a resume, and the planner can ru
   :func:`even_gather_fits` decides per bucket group whether that padding is small enough.
 * :func:`stock_padded_layout`, :func:`stock_distopt_layout`, :func:`default_buckets` -
   megatron-core 0.19.2's own layouts, computed by *calling* megatron's layout code on
-  meta-device stand-ins, for comparison and for the compact bucketing.
+  meta-device stand-ins, for comparison and for the compact bucketing (written in
+  :mod:`.stock_layout`, the part that imports megatron; :func:`newton_schulz_cost` and
+  :func:`rank_loads` in :mod:`.ns_cost`, which both use; importable from here).
 """
 
 from __future__ import annotations
 
 import heapq
-import logging
-import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# --------------------------------------------------------------------------- cost
-
-
-def newton_schulz_cost(shape: Sequence[int]) -> int:
-    """Relative Newton-Schulz work for one parameter: ``m * n * min(m, n)``.
-
-    One Newton-Schulz iteration on an ``m x n`` matrix is a few GEMMs of ``min(m, n)``-sided
-    Gram matrices, i.e. ``O(m * n * min(m, n))`` flops; the constant (iterations, GEMMs per
-    iteration) is the same for every matrix, so it is left out. A 3-D grouped expert weight
-    ``(E, m, n)`` is orthogonalised per expert: ``E * m * n * min(m, n)``.
-
-    Raises ``ValueError`` for anything that is not a matrix or a stack of matrices (Muon does not
-    touch vectors; they have no Newton-Schulz cost to balance).
-    """
-    dims = tuple(int(d) for d in shape)
-    if len(dims) == 2:
-        m, n = dims
-        return m * n * min(m, n)
-    if len(dims) == 3:
-        e, m, n = dims
-        return e * m * n * min(m, n)
-    raise ValueError(f"Newton-Schulz cost is defined for 2-D and 3-D shapes, got {dims}")
-
+# The cost and megatron's own layouts live in modules of their own (ns_cost.py, stock_layout.py;
+# neither imports this one); their names stay importable from here.
+from .ns_cost import newton_schulz_cost as newton_schulz_cost
+from .ns_cost import rank_loads as rank_loads
+from .stock_layout import StockLayout as StockLayout
+from .stock_layout import default_buckets as default_buckets
+from .stock_layout import stock_distopt_layout as stock_distopt_layout
+from .stock_layout import stock_padded_layout as stock_padded_layout
 
 # --------------------------------------------------------------------------- ownership
 
@@ -366,14 +350,6 @@ def piece_loads(
     return loads
 
 
-def rank_loads(values: Sequence[int], owners: Sequence[int], world_size: int) -> list[int]:
-    """Sum of ``values`` per owner rank."""
-    loads = [0] * world_size
-    for value, owner in zip(values, owners, strict=True):
-        loads[owner] += int(value)
-    return loads
-
-
 def imbalance(loads: Sequence[int]) -> float:
     """``max / mean`` of per-rank loads (1.0 is perfect balance; 1.0 for all-zero loads)."""
     total = sum(loads)
@@ -530,187 +506,3 @@ def even_gather_fits(segment_numel: Sequence[int], tolerance: float) -> bool:
         return True
     padding = len(segment_numel) * max(int(n) for n in segment_numel) - total
     return padding <= tolerance * total
-
-
-@dataclass(frozen=True)
-class StockLayout:
-    """megatron-core 0.19.2's layout of one buffer, as its own code computes it.
-
-    ``owners[i]``: the shard (data-parallel rank) that updates parameter ``i`` (layer-wise
-    layouts only; ``None`` for the distributed-optimizer byte-level layout). ``buckets``: per
-    bucket ``(start, end, unpadded numel)``; ``padding_numel = numel - sum(param numels)``;
-    ``bucket_params[b]``: indices of the parameters in bucket ``b`` (backprop order).
-    ``rank_numel``: elements each rank updates (layer-wise: whole owned parameters;
-    distributed optimizer: parameter elements inside the rank's byte range of every bucket).
-    ``rank_cost``: Newton-Schulz cost per rank (layer-wise only).
-    """
-
-    numel: int
-    padding_numel: int
-    buckets: list[tuple[int, int, int]]
-    bucket_params: list[list[int]]
-    owners: list[int] | None = None
-    rank_numel: list[int] | None = None
-    rank_cost: list[int] | None = None
-
-
-@contextmanager
-def _quiet_megatron() -> Iterator[None]:
-    """megatron warns at import and in ``log_single_rank`` about things a pure layout
-    computation does not use (no TE/Apex, no CUDA, no process group to read the rank from)."""
-    torch_logger = logging.getLogger("torch.utils.cpp_extension")
-    level = torch_logger.level
-    torch_logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        torch_logger.setLevel(level)
-
-
-def _stand_ins(shapes: Sequence[Sequence[int]], shared_embedding: Sequence[bool] | None):
-    """Meta-device parameters: megatron's layout code reads only ``.data.nelement()`` and
-    attributes such as ``shared_embedding``, and meta tensors allocate nothing."""
-    import torch
-
-    params = []
-    for i, shape in enumerate(shapes):
-        p = torch.nn.Parameter(torch.empty(tuple(shape), device="meta"))
-        if shared_embedding is not None and shared_embedding[i]:
-            p.shared_embedding = True
-        params.append(p)
-    return params
-
-
-def _ddp_config(pad_buckets_for_high_nccl_busbw: bool):
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    return DistributedDataParallelConfig(
-        use_distributed_optimizer=True,
-        pad_buckets_for_high_nccl_busbw=pad_buckets_for_high_nccl_busbw,
-    )
-
-
-def _bucket_params(layout, params) -> list[list[int]]:
-    """Parameter indices per bucket, in backprop order (start offset order)."""
-    per_bucket: list[list[tuple[int, int]]] = [[] for _ in layout.bucket_indices]
-    for index, p in enumerate(params):
-        start, _, bucket_id = layout.param_index_map[p]
-        per_bucket[bucket_id].append((start, index))
-    return [[index for _, index in sorted(entries)] for entries in per_bucket]
-
-
-def _buckets(layout) -> list[tuple[int, int, int]]:
-    return [
-        (start, end, unpadded)
-        for (start, end), unpadded in zip(
-            layout.bucket_indices, layout.per_bucket_numel_unpadded, strict=True
-        )
-    ]
-
-
-def stock_padded_layout(
-    shapes: Sequence[Sequence[int]],
-    dp: int,
-    bucket_size: int | None,
-    *,
-    shared_embedding: Sequence[bool] | None = None,
-    pad_buckets_for_high_nccl_busbw: bool = False,
-) -> StockLayout:
-    """megatron-core 0.19.2's padded layer-wise layout of one Muon buffer over ``dp`` ranks.
-
-    Calls ``LayerWiseDistributedOptimizer._compute_per_buffer_param_layout`` itself on
-    meta-device stand-ins (``shapes`` in model-definition order, as megatron passes a buffer's
-    params), then reads ownership the way ``_shard_params_from_layout`` does: a parameter
-    belongs to the shard its start falls in. Every rank allocates the whole padded buffer.
-    """
-    with _quiet_megatron():
-        from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
-
-        params = _stand_ins(shapes, shared_embedding)
-        layout = LayerWiseDistributedOptimizer._compute_per_buffer_param_layout(
-            params, bucket_size, dp, _ddp_config(pad_buckets_for_high_nccl_busbw)
-        )
-    numels = [p.numel() for p in params]
-    costs = [newton_schulz_cost(tuple(p.shape)) for p in params]
-    owners = []
-    for p in params:
-        start, end, bucket_id = layout.param_index_map[p]
-        bucket_start, bucket_end = layout.bucket_indices[bucket_id]
-        shard = (bucket_end - bucket_start) // layout.num_optimizer_shards
-        owner = (start - bucket_start) // shard
-        assert end <= bucket_start + (owner + 1) * shard, "megatron layout crosses a shard"
-        owners.append(owner)
-    numel = layout.bucket_indices[-1][1] if layout.bucket_indices else 0
-    return StockLayout(
-        numel=numel,
-        padding_numel=numel - sum(numels),
-        buckets=_buckets(layout),
-        bucket_params=_bucket_params(layout, params),
-        owners=owners,
-        rank_numel=rank_loads(numels, owners, dp),
-        rank_cost=rank_loads(costs, owners, dp),
-    )
-
-
-def stock_distopt_layout(
-    shapes: Sequence[Sequence[int]],
-    dp: int,
-    bucket_size: int | None,
-    *,
-    shared_embedding: Sequence[bool] | None = None,
-    pad_buckets_for_high_nccl_busbw: bool = False,
-) -> StockLayout:
-    """megatron-core 0.19.2's ``DistributedOptimizer`` (byte-level, Adam) layout of one buffer.
-
-    Calls ``DistributedOptimizer._compute_per_buffer_param_layout`` on stand-ins: params start
-    64-element aligned, bucket ends are padded to a multiple of ``lcm(dp, 128)``. Each bucket is
-    cut into ``dp`` equal byte ranges; ``rank_numel[r]`` counts the parameter elements inside
-    rank ``r``'s ranges (what its fp32 masters and Adam states cover).
-    """
-    with _quiet_megatron():
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        params = _stand_ins(shapes, shared_embedding)
-        layout = DistributedOptimizer._compute_per_buffer_param_layout(
-            params, bucket_size, dp, _ddp_config(pad_buckets_for_high_nccl_busbw)
-        )
-    rank_numel = [0] * dp
-    for p in params:
-        start, end, bucket_id = layout.param_index_map[p]
-        bucket_start, bucket_end = layout.bucket_indices[bucket_id]
-        shard = (bucket_end - bucket_start) // dp
-        if end == start:
-            continue
-        for rank in range((start - bucket_start) // shard, (end - 1 - bucket_start) // shard + 1):
-            lo = bucket_start + rank * shard
-            rank_numel[rank] += min(end, lo + shard) - max(start, lo)
-    numel = layout.bucket_indices[-1][1] if layout.bucket_indices else 0
-    return StockLayout(
-        numel=numel,
-        padding_numel=numel - sum(p.numel() for p in params),
-        buckets=_buckets(layout),
-        bucket_params=_bucket_params(layout, params),
-        rank_numel=rank_numel,
-    )
-
-
-def default_buckets(shapes: Sequence[Sequence[int]], bucket_size: int | None) -> StockLayout:
-    """megatron's unpadded DDP layout (``_compute_default_per_buffer_param_layout``): backprop
-    order, a bucket closes once it holds ``bucket_size`` elements. It is the layout of plain DDP,
-    of the legacy layer-wise path, and the bucketing the compact layout starts from."""
-    with _quiet_megatron():
-        from megatron.core.distributed.param_and_grad_buffer import (
-            _compute_default_per_buffer_param_layout,
-        )
-
-        params = _stand_ins(shapes, None)
-        layout = _compute_default_per_buffer_param_layout(params, bucket_size)
-    numel = layout.bucket_indices[-1][1] if layout.bucket_indices else 0
-    return StockLayout(
-        numel=numel,
-        padding_numel=numel - sum(p.numel() for p in params),
-        buckets=_buckets(layout),
-        bucket_params=_bucket_params(layout, params),
-    )

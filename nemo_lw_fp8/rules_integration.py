@@ -9,7 +9,13 @@ other rule (docs/guards.md).
 from __future__ import annotations
 
 from .guard_settings import Rule, Settings
-from .layout import GRAD_SYNC_MODES, GROUPED_WEIGHT_OWNERSHIP, LAYER_WISE_LAYOUTS, QKV_OWNERSHIP
+from .layout import (
+    DEFAULT_GATHER_PADDING_TOLERANCE,
+    GRAD_SYNC_MODES,
+    GROUPED_WEIGHT_OWNERSHIP,
+    LAYER_WISE_LAYOUTS,
+    QKV_OWNERSHIP,
+)
 
 # --------------------------------------------------------------------------- recipes and
 # launchers (issue 7): what a Megatron-Bridge config can combine (docs/recipes.md)
@@ -225,6 +231,48 @@ def _owner_grads_logged(s: Settings) -> str | None:
     return None
 
 
+# Settings only the compact layout reads: on the padded or legacy layout megatron's own bucketing,
+# gathers and reduce-scatter / all-reduce run, so a value set there would be silently ignored.
+
+
+def _compact_only(s: Settings) -> bool:
+    """Whether the run is layer-wise on a layout that ignores the compact layout's settings."""
+    return s.layer_wise and s.layer_wise_layout in ("padded", "legacy")
+
+
+def _compact_only_grad_sync(s: Settings) -> str | None:
+    if _compact_only(s) and s.layer_wise_grad_sync != "reduce_to_owner":
+        return (
+            f"layer_wise_grad_sync={s.layer_wise_grad_sync!r} (LayerWiseConfig.grad_sync) is "
+            f"read by the compact layout only; the {s.layer_wise_layout!r} layout syncs "
+            "gradients as megatron does, so the setting would be ignored. Fix: leave "
+            "layer_wise_grad_sync unset, or layer_wise_layout='compact'."
+        )
+    return None
+
+
+def _compact_only_bucket_cap(s: Settings) -> str | None:
+    if _compact_only(s) and s.bucket_cap_numel is not None:
+        return (
+            f"bucket_cap_numel={s.bucket_cap_numel!r} is read by the compact layout only; the "
+            f"{s.layer_wise_layout!r} layout ends buckets as megatron does, so the setting would "
+            "be ignored. Fix: leave bucket_cap_numel unset (use bucket_size for megatron's "
+            "buckets), or layer_wise_layout='compact'."
+        )
+    return None
+
+
+def _compact_only_padding_tolerance(s: Settings) -> str | None:
+    if _compact_only(s) and s.gather_padding_tolerance != DEFAULT_GATHER_PADDING_TOLERANCE:
+        return (
+            f"gather_padding_tolerance={s.gather_padding_tolerance!r} is read by the compact "
+            f"layout only; the {s.layer_wise_layout!r} layout gathers as megatron does, so the "
+            "setting would be ignored. Fix: leave gather_padding_tolerance unset (default "
+            f"{DEFAULT_GATHER_PADDING_TOLERANCE}), or layer_wise_layout='compact'."
+        )
+    return None
+
+
 INTEGRATION_RULES: tuple[Rule, ...] = (
     Rule("grouped-weight-needs-grouped-gemm", "one grouped weight = TE grouped GEMM experts",
          _grouped_needs_grouped_gemm),
@@ -260,4 +308,11 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
          _qkv_split_needs_compact),
     Rule("qkv-split-blockwise", "blockwise FP8 QKV weights are owned whole",
          _qkv_split_blockwise),
+    Rule("compact-only-grad-sync", "grad sync is a compact-layout setting",
+         _compact_only_grad_sync),
+    Rule("compact-only-bucket-cap", "the bucket cap is a compact-layout setting",
+         _compact_only_bucket_cap),
+    Rule("compact-only-gather-padding-tolerance",
+         "the gather padding tolerance is a compact-layout setting",
+         _compact_only_padding_tolerance),
 )

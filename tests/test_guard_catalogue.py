@@ -114,6 +114,14 @@ CASES: list[tuple[str, dict, str]] = [
      "qkv-split-needs-compact"),
     ("explicit QKV split with blockwise FP8", HOPPER | dict(qkv_ownership="split"),
      "qkv-split-blockwise"),
+    ("owner-reduce setting on the padded layout", GOOD | dict(
+        layer_wise_layout="padded", layer_wise_grad_sync="all_reduce"), "compact-only-grad-sync"),
+    ("bucket cap on the padded layout", GOOD | dict(layer_wise_layout="padded",
+                                                   bucket_cap_numel=0),
+     "compact-only-bucket-cap"),
+    ("gather padding tolerance on the padded layout", GOOD | dict(
+        layer_wise_layout="padded", gather_padding_tolerance=0.0),
+     "compact-only-gather-padding-tolerance"),
     ("op-fuser SwiGLU experts without the CuTe-DSL switch", GOOD | dict(
         num_moe_experts=8, gated_linear_unit=True, activation_func="silu",
         cutedsl_fused_grouped_mlp=False), "op-fuser-glu-experts-env"),

@@ -238,3 +238,46 @@ def test_layer_wise_config_refuses_split_on_the_padded_layout():
     with pytest.raises(ConfigError, match=r"qkv-split-needs-compact.*Fix: qkv_ownership='auto'"):
         LayerWiseConfig(layout="padded", qkv_ownership="split")
     assert LayerWiseConfig(layout="compact", qkv_ownership="split").qkv_ownership == "split"
+
+
+#: The compact layout's own settings, each at a non-default value: (rule, field, value, fix).
+COMPACT_ONLY = [
+    ("compact-only-grad-sync", "layer_wise_grad_sync", "all_reduce",
+     "Fix: leave layer_wise_grad_sync unset, or layer_wise_layout='compact'"),
+    ("compact-only-bucket-cap", "bucket_cap_numel", 500_000_000,
+     "Fix: leave bucket_cap_numel unset"),
+    ("compact-only-gather-padding-tolerance", "gather_padding_tolerance", 0.0,
+     "Fix: leave gather_padding_tolerance unset"),
+]
+
+
+@pytest.mark.parametrize("layout", ["padded", "legacy"])
+@pytest.mark.parametrize(("rule", "field", "value", "fix"), COMPACT_ONLY,
+                         ids=[case[0] for case in COMPACT_ONLY])
+def test_compact_only_setting_on_another_layout_is_refused(rule, field, value, fix, layout):
+    """The padded and legacy layouts sync, bucket and gather as megatron does: a compact-only
+    setting there would be ignored, so it is refused naming the flag and the fix."""
+    base = dict(optimizer="muon", use_layer_wise_distributed_optimizer=True, bf16=True,
+                layer_wise_layout=layout, use_layer_wise_param_layout=layout != "legacy")
+    with pytest.raises(ConfigError) as info:
+        guards.check(Settings(**base, **{field: value}))
+    assert info.value.rule == rule
+    message = str(info.value)
+    assert f"{field}={value!r}" in message  # the flag
+    assert fix in message  # the fix
+    assert len(message.splitlines()) == 1
+    guards.check(Settings(**base))  # the defaults pass
+    guards.check(Settings(**dict(base, layer_wise_layout="compact",
+                                 use_layer_wise_param_layout=True), **{field: value}))
+
+
+def test_layer_wise_config_refuses_compact_settings_on_the_padded_layout():
+    from nemo_lw_fp8 import LayerWiseConfig
+
+    with pytest.raises(ConfigError, match=r"compact-only-grad-sync.*layer_wise_grad_sync"):
+        LayerWiseConfig(layout="padded", grad_sync="all_reduce")
+    with pytest.raises(ConfigError, match=r"compact-only-bucket-cap.*bucket_cap_numel=0"):
+        LayerWiseConfig(layout="padded", bucket_cap_numel=0)
+    with pytest.raises(ConfigError, match=r"compact-only-gather-padding-tolerance"):
+        LayerWiseConfig(layout="legacy", gather_padding_tolerance=0.5)
+    assert LayerWiseConfig(layout="padded").grad_sync == "reduce_to_owner"

@@ -252,3 +252,35 @@ def test_stock_distopt_layout_by_hand():
     assert s.rank_numel == [2112, 4160 - 2112]
     flat = lo.default_buckets([(64, 64), (64,)], None)
     assert flat.numel == 4160 and flat.padding_numel == 0 and flat.bucket_params == [[1, 0]]
+
+
+def test_split_modules_import_neither_layout_nor_each_other_circularly():
+    """layout.py re-exports the cost (ns_cost.py) and megatron's own layouts (stock_layout.py);
+    those two never import layout (no import circle; the package's own ``__init__`` imports
+    layout, so this reads their import statements), and the re-exported names are the same
+    objects."""
+    import ast
+    from pathlib import Path
+
+    from nemo_lw_fp8 import ns_cost, stock_layout
+
+    allowed = {"ns_cost": set(), "stock_layout": {"ns_cost"}}
+    for module in (ns_cost, stock_layout):
+        tree = ast.parse(Path(module.__file__).read_text())
+        plugin = {
+            (node.module or "").split(".")[-1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level > 0
+        } | {
+            alias.name.split(".")[-1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in node.names
+            if isinstance(node, ast.Import) and alias.name.startswith("nemo_lw_fp8")
+        }
+        short = module.__name__.split(".")[-1]
+        assert plugin <= allowed[short], (short, plugin)
+    assert lo.newton_schulz_cost is ns_cost.newton_schulz_cost
+    assert lo.rank_loads is ns_cost.rank_loads
+    for name in ("StockLayout", "stock_padded_layout", "stock_distopt_layout", "default_buckets"):
+        assert getattr(lo, name) is getattr(stock_layout, name)

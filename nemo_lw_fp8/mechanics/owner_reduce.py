@@ -12,12 +12,13 @@ per bucket group); gloo has no coalescing and runs them one after the other. Oth
 local (scaled, unreduced; on gloo possibly partly summed) values in spans they do not own, which
 nothing reads.
 
-What megatron's callers rely on is kept: gradients are scaled by the buckets'
-``gradient_scaling_factor`` before the collective and summed (or averaged with
-``average_in_collective``), the NaN / large-gradient checks run on the local gradients first,
-``grad_reduce_handle`` is the pending work (megatron's own ``finish_grad_sync`` waits on it and
-copies separate fp32 ``main_grad`` back), a forced all-reduce (``force_all_reduce``) still
-all-reduces, and a first overlapped batch reduces from ``finish_grad_sync`` as megatron's does.
+megatron's own ``start_grad_sync`` runs (:func:`start_grad_sync`): its NaN / large-gradient
+checks, the staging of separate fp32 ``main_grad``, the ``gradient_scaling_factor`` scaling, the
+reduce op (``average_in_collective``), the first-overlapped-batch and previous-group handling and
+``grad_reduce_handle`` stay upstream's, so an upstream fix to that method reaches plugin runs.
+Only the collective it issues on the group's bucket buffers inside its coalescing manager is
+replaced, for the length of the call, by the reduces to the owners; megatron's
+``finish_grad_sync`` waits on them. A forced all-reduce (``force_all_reduce``) still all-reduces.
 
 The layout order and the wire arithmetic (a ring reduce: every rank but the destination sends
 the span once) are here too, as functions of sizes and owners, so the planner's model
@@ -27,6 +28,7 @@ the span once) are here too, as functions of sizes and owners, so the planner's 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -149,65 +151,143 @@ def reduce_spans(
 
 
 # --------------------------------------------------------------------------- megatron's contract
+#
+# megatron's own ``_ParamAndGradBucketGroup.start_grad_sync`` runs for an owner-reduced group: its
+# checks, staging, scaling, reduce op, overlap and handle bookkeeping are upstream's, so an
+# upstream fix to them reaches plugin runs (the fingerprint check in patches/ still refuses a
+# megatron whose method changed). Only the collective it issues inside its coalescing manager
+# (the all-reduce of each bucket's ``grad_data``, or the reduce-scatter with the distributed
+# optimizer) is replaced, for the length of that call, by the reduces to the owners.
 
 
-def _wait_for_graph_replays(group: Any) -> None:
-    """A local CUDA-graph replay accumulates gradients asynchronously to the autograd hooks:
-    the current stream waits for each replay's event before the gradients are read."""
-    import torch
+class _PendingReduces:
+    """What megatron's coalescing manager hands back for an owner-reduced group: megatron stores
+    it as ``grad_reduce_handle`` (overlapped) and ``finish_grad_sync`` waits on it."""
 
-    stream = None
-    seen: set[int] = set()
-    for bucket in group.buckets:
-        for param in bucket.params_list:
-            event = getattr(param, "_cudagraph_wgrad_ready_event", None)
-            if event is None or id(event) in seen:
-                continue
-            stream = stream or torch.cuda.current_stream()
-            stream.wait_event(event)
-            seen.add(id(event))
+    def __init__(self) -> None:
+        self.work: ReduceWork | None = None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
 
 
-def _stage_separate_main_grads(group: Any) -> None:
-    """Params accumulating in a separate fp32 ``main_grad`` copy it into their slot of the
-    bucket's grad buffer, which is what the collective reduces (megatron copies it back in
-    ``finish_grad_sync``)."""
-    for bucket in group.buckets:
-        for param in bucket.params_with_extra_main_grads:
-            slot = getattr(param, "main_grad_copy_in_grad_buffer", None)
-            if slot is not None:
-                slot.copy_(param.main_grad)
+class _OwnerCollectives:
+    """One owner-reduced ``start_grad_sync`` call: stands in for megatron's coalescing manager
+    and bucket collectives for this group only. Anything else issued during the call (a previous
+    group's sync that megatron finishes first, another group's reduce, the NaN check) reaches the
+    real collective: only calls on this group's own bucket buffers, inside the coalescing block,
+    are taken over."""
+
+    def __init__(self, group: Any, dispatch: Callable[[Any, Any, bool], ReduceWork | None]):
+        self.group = group
+        self.dispatch = dispatch
+        self.inside = False
+        self.recorded: list[tuple[Any, bool]] = []
+        self.pending = _PendingReduces()
+
+    def owns(self, tensor: Any) -> bool:
+        """Whether ``tensor`` is one of this group's bucket buffers (what megatron reduces)."""
+        return self.inside and any(tensor is b.grad_data for b in self.group.buckets)
+
+    def record(self, op: Any, async_op: bool) -> _PendingReduces:
+        self.recorded.append((op, bool(async_op)))
+        return self.pending
+
+    def finish(self) -> None:
+        """At the end of megatron's coalescing block: one reduce per owner's span, in place."""
+        if len(self.recorded) != len(self.group.buckets):
+            raise RuntimeError(
+                f"megatron's start_grad_sync issued {len(self.recorded)} bucket collectives for "
+                f"{len(self.group.buckets)} buckets; the owner reduce replaces one per bucket"
+            )
+        if len(set(self.recorded)) != 1:
+            raise RuntimeError("megatron's bucket collectives disagree on reduce op or async")
+        op, async_op = self.recorded[0]
+        self.pending.work = self.dispatch(self.group, op, async_op)
+
+
+_ACTIVE: list[_OwnerCollectives | None] = []
+
+
+@contextmanager
+def _coalescing(process_group: Any, device: Any = None, async_ops: bool = False):
+    """megatron's ``_coalescing_manager`` while an owner-reduced group syncs: the real one for
+    anything else, for this group's bucket collectives a handle to the reduces it dispatches."""
+    scope = _ACTIVE[-1] if _ACTIVE else None
+    if scope is None or scope.inside:
+        with _REAL["coalescing"](process_group, device=device, async_ops=async_ops) as cm:
+            yield cm
+        return
+    scope.inside = True
+    try:
+        yield scope.pending
+    finally:
+        scope.inside = False
+    scope.finish()
+
+
+_REAL: dict[str, Any] = {}
+
+
+def _all_reduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    scope = _ACTIVE[-1] if _ACTIVE else None
+    if scope is None or not scope.owns(tensor):
+        return _REAL["all_reduce"](tensor, *args, **kwargs)
+    op = kwargs.get("op", args[0] if args else None)
+    return scope.record(op, kwargs.get("async_op", False))
+
+
+def _reduce_scatter(output: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    scope = _ACTIVE[-1] if _ACTIVE else None
+    if scope is None or not scope.owns(tensor):
+        return _REAL["reduce_scatter"](output, tensor, *args, **kwargs)
+    return scope.record(kwargs.get("op"), kwargs.get("async_op", False))
+
+
+@contextmanager
+def _owner_collectives(group: Any, dispatch: Callable[[Any, Any, bool], ReduceWork | None]):
+    """For the length of one ``start_grad_sync`` call, megatron's bucket collectives of
+    ``group`` become the owner reduce. Nested calls (megatron finishing a previous group's sync,
+    which may start it) open their own scope or, with ``None``, pass straight through."""
+    if dispatch is None and not _ACTIVE:
+        yield  # megatron's collectives as they are; nothing to tell apart
+        return
+    import torch.distributed as dist
+    from megatron.core.distributed import param_and_grad_buffer as buffer_module
+
+    outermost = not _ACTIVE
+    if outermost:
+        _REAL.update(
+            coalescing=buffer_module._coalescing_manager,
+            all_reduce=dist.all_reduce,
+            reduce_scatter=buffer_module.dist_reduce_scatter_func,
+        )
+        buffer_module._coalescing_manager = _coalescing
+        dist.all_reduce = _all_reduce
+        buffer_module.dist_reduce_scatter_func = _reduce_scatter
+    _ACTIVE.append(_OwnerCollectives(group, dispatch) if dispatch is not None else None)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+        if outermost:
+            buffer_module._coalescing_manager = _REAL["coalescing"]
+            dist.all_reduce = _REAL["all_reduce"]
+            buffer_module.dist_reduce_scatter_func = _REAL["reduce_scatter"]
+            _REAL.clear()
 
 
 def start_grad_sync(
     group: Any,
-    dispatch: Callable[[Any, Any, bool], ReduceWork | None],
-) -> None:
-    """megatron's ``start_grad_sync`` for a group reduced to its owners: the same checks,
-    scaling and reduce op, then ``dispatch(group, op, async_op)`` issues the reduces (returning
-    the pending work when asynchronous, else ``None``)."""
-    import torch
-
-    config = group.ddp_config
-    if group.is_first_batch and group.grad_reduce_handle is not None:
-        return  # the first overlapped batch already dispatched this group
-    previous = group.previous_grad_reduce_bucket_group
-    if previous is not None and previous.grad_reduce_handle is not None:
-        previous.finish_grad_sync()
-    if group.grad_reduce_handle is not None:
-        raise RuntimeError("a bucket group's gradient reduce is already in flight")
-    _wait_for_graph_replays(group)
-    _stage_separate_main_grads(group)
-    if config.check_for_nan_in_grad or config.check_for_large_grads:
-        group.check_grads(
-            check_for_nan_or_inf=config.check_for_nan_in_grad,
-            check_for_large=config.check_for_large_grads,
-        )
-    with torch.no_grad():
-        for bucket in group.buckets:
-            if bucket.gradient_scaling_factor != 1.0:
-                bucket.grad_data.mul_(bucket.gradient_scaling_factor)
-    ops = torch.distributed.ReduceOp
-    op = ops.AVG if config.average_in_collective else ops.SUM
-    async_op = config.overlap_grad_reduce and config.num_distributed_optimizer_instances == 1
-    group.grad_reduce_handle = dispatch(group, op, async_op)
+    original: Callable[..., Any],
+    dispatch: Callable[[Any, Any, bool], ReduceWork | None] | None,
+    force_all_reduce: bool = False,
+) -> Any:
+    """Run megatron's ``start_grad_sync`` (``original``) on ``group``; with ``dispatch``, the
+    bucket collectives it issues become ``dispatch(group, op, async_op)`` (the reduces to the
+    owners, returning the pending work when asynchronous, else ``None``). Without, megatron's
+    collectives run as they are (inside another group's owner-reduced call, too)."""
+    with _owner_collectives(group, dispatch):
+        return original(group, force_all_reduce)

@@ -171,12 +171,13 @@ def _make_finish(original):
 
 def _make_start_grad_sync(original):
     def start_grad_sync(self, force_all_reduce: bool = False):
-        """Compact groups reduce each gradient to its owner; a forced all-reduce (megatron's
-        ``force_all_reduce``: every rank wants every gradient) and the ``all_reduce`` setting
-        keep megatron's all-reduce."""
-        if force_all_reduce or not compact.grads_to_owners(self):
-            return original(self, force_all_reduce)
-        return owner_reduce.start_grad_sync(self, compact.dispatch_grads)
+        """megatron's own method runs for every group. Compact groups reduce each gradient to
+        its owner: only the bucket collectives megatron issues become the owner reduce, for the
+        length of the call. A forced all-reduce (megatron's ``force_all_reduce``: every rank
+        wants every gradient) and the ``all_reduce`` setting keep megatron's collectives."""
+        to_owners = not force_all_reduce and compact.grads_to_owners(self)
+        dispatch = compact.dispatch_grads if to_owners else None
+        return owner_reduce.start_grad_sync(self, original, dispatch, force_all_reduce)
 
     start_grad_sync.__wrapped__ = original
     return start_grad_sync
