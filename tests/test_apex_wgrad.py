@@ -60,21 +60,33 @@ def test_control_rounding_the_product_first_leaves_the_bound():
     assert (unfused.double() - ref).abs().item() > bound.item()
 
 
-def test_installed_where_megatron_looks_and_undone():
+def install_round_trip() -> dict:
+    """In a rank worker (TE activated before megatron, as every CPU run does): install, check
+    where megatron looks, install again, uninstall, check everything is back."""
     import sys
 
     from megatron.core.tensor_parallel import layers
 
     before = layers._grad_accum_fusion_available
-    assert apex_wgrad.install()
+    first, second = apex_wgrad.install(), None
     try:
-        assert layers._grad_accum_fusion_available is True
-        assert layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 is (
-            apex_wgrad.wgrad_gemm_accum_fp32
-        )
-        assert sys.modules[apex_wgrad.EXTENSION].EMULATED is True
-        assert not apex_wgrad.install()  # idempotent
+        seen = {
+            "flag": layers._grad_accum_fusion_available,
+            "kernel": layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32
+            is apex_wgrad.wgrad_gemm_accum_fp32,
+            "emulated": sys.modules[apex_wgrad.EXTENSION].EMULATED,
+        }
+        second = apex_wgrad.install()
     finally:
         apex_wgrad.uninstall()
-    assert layers._grad_accum_fusion_available is before
-    assert apex_wgrad.EXTENSION not in sys.modules
+    restored = layers._grad_accum_fusion_available == before
+    return {"first": first, "second": second, **seen, "restored": restored,
+            "gone": apex_wgrad.EXTENSION not in sys.modules}  # fmt: skip
+
+
+def test_installed_where_megatron_looks_and_undone():
+    from tests.support.harness import BootOptions, run_on_ranks
+
+    r = run_on_ranks(install_round_trip, world_size=1, boot=BootOptions(fp8_emulation=True))[0]
+    assert r == {"first": True, "second": False, "flag": True, "kernel": True, "emulated": True,
+                 "restored": True, "gone": True}, r  # fmt: skip
