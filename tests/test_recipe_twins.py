@@ -63,8 +63,11 @@ def twin_run(tmp_path_factory):
     record's ``checkpoint``."""
     done: dict[tuple, dict] = {}
 
-    def run(recipe: str, tag: str, *overrides: str, mutation: str = "", save: bool = False):
-        key = (recipe, tag, overrides, mutation, save)
+    def run(
+        recipe: str, tag: str, *overrides: str, mutation: str = "", save: bool = False,
+        cpu_modules: str = "project",
+    ):  # fmt: skip
+        key = (recipe, tag, overrides, mutation, save, cpu_modules)
         if key not in done:
             tmp = tmp_path_factory.mktemp(f"{recipe}-{tag}")
             nproc = twins.twin_world_size(recipe)
@@ -72,7 +75,7 @@ def twin_run(tmp_path_factory):
             saving = saving if save else ()
             done[key] = br.pretrain(
                 tmp, tag, f"twin_{recipe}", *SHORT, *overrides, *saving, nproc=nproc,
-                mutation=mutation, probe=True,
+                mutation=mutation, probe=True, cpu_modules=cpu_modules,
             )  # fmt: skip
             done[key]["checkpoint"] = str(tmp / "ckpt") if save else None
         return done[key]
@@ -108,6 +111,32 @@ def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
             assert not any(name.startswith("MXFP8") for name in rank["linears"]), rank
         assert all(r["blockwise_weights"] > 0 and r["blockwise_groups"] > 0 for r in on["probe"])
         assert all(r["blockwise_weights"] == 0 == r["blockwise_groups"] for r in off["probe"])
+
+
+#: Twins also run on TE's own modules (``--cpu-modules te``, docs/te-modules.md): the flagship
+#: MXFP8 twin in the gate, the Qwen3-30B-A3B MXFP8 twin in the extended tier. The others still
+#: run the project's CPU layers only.
+TE_TWINS = ("deepseek_v3_mxfp8", pytest.param("qwen3_30b_a3b_mxfp8", marks=pytest.mark.extended))
+
+
+@pytest.mark.parametrize("recipe", TE_TWINS)
+def test_twin_on_te_modules_fp8_gather_on_equals_off(twin_run, recipe):
+    """The twin built as on the GPU (megatron's TE spec, TE's modules, op-fuser experts with
+    single grouped MXFP8 weights, fused permutation), its PP / VPP / EP structure as shipped:
+    ON = OFF bitwise. The stale-columnwise control of the same gather on TE's modules is
+    tests/test_te_bridge_training.py's (tiny recipe, three steps: the twin runs two)."""
+    on = twin_run(recipe, "te-on", cpu_modules="te")
+    off = twin_run(recipe, "te-off", *br.GATHER_OFF, cpu_modules="te")
+    for rank in on["probe"] + off["probe"]:
+        assert rank["te_modules"] > 0 and rank["project_layers"] == 0, rank
+    assert all(rank["fp8_weights"] > 0 for rank in on["probe"]), on["probe"]
+    assert all(rank["fp8_weights"] == 0 for rank in off["probe"]), off["probe"]
+    assert len(br.losses(on)) == 2 and len(br.eval_losses(on)) == 3, on
+    assert br.losses(on) == br.losses(off)
+    assert br.grad_norms(on) == br.grad_norms(off)
+    assert br.eval_losses(on) == br.eval_losses(off)
+    assert on["ranks"] == off["ranks"]
+    assert len(set(on["ranks"])) == twins.twin_world_size(recipe)
 
 
 @pytest.mark.extended
