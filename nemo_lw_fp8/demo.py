@@ -7,11 +7,11 @@ built from explicit hyper-parameters. It is trained twice by Megatron-Bridge's o
 loop (``torchrun``, 2 gloo ranks, ``nemo-lw-fp8 pretrain --cpu``) with every plugin feature on:
 layer-wise Muon, compact layout, overlapped param gather, MXFP8 compute, evaluation mid-run, on
 Transformer Engine's own modules as a GB200 builds them (``--cpu-modules te``: megatron's TE spec,
-the op fuser's grouped MLP, TE's fused permutation; only TE's kernels emulated); the two runs differ only in the FP8 parameter
-all-gather: ON (persistent MXFP8 weights, bf16 masters staged in the grad buffer) and OFF (bf16
-weights quantized on the fly). The plugin makes training and evaluation bitwise identical; the
-demo prints both loss curves step by step and the evaluation losses with the verdict, writes
-``losses.json`` and ``loss.png``.
+the op fuser's grouped MLP, TE's fused permutation; only TE's kernels emulated); the two runs
+differ only in the FP8 parameter all-gather: ON (persistent MXFP8 weights, bf16 masters staged
+in the grad buffer) and OFF (bf16 weights quantized on the fly). The plugin makes training and
+evaluation bitwise identical; the demo prints both loss curves step by step and the evaluation
+losses with the verdict, writes ``losses.json`` and ``loss.png``.
 
 Everything is embedded: nothing is downloaded.
 """
