@@ -351,6 +351,65 @@ def test_fp8_bytes_on_the_wire_are_about_half_of_bf16(distribution):
     assert on["bytes_per_step"] <= 0.55 * off["bytes_per_step"], (on, off)
 
 
+def _bf16_on_the_wire():
+    """Mutation: each blockwise weight travels as its owner's bf16 values (2 bytes an element,
+    no scales), and receivers quantize what they get; the gather is otherwise the patch's."""
+    from nemo_lw_fp8.mechanics import blockwise
+
+    wire, unpack = blockwise.param_wire_bytes, blockwise._unpack_param
+
+    def param_wire_bytes(param):
+        return 2 * param.numel() if blockwise.is_blockwise(param) else wire(param)
+
+    def pack_owned(state, rank, out):
+        offset = 0
+        for param in state.segments[rank]:
+            master = blockwise._master(param)
+            if blockwise.is_blockwise(param):
+                if master is not None:
+                    blockwise.quantize_owned(param, master)
+                source = master if master is not None else param.dequantize()
+                raw = source.detach().to(torch.bfloat16)
+            else:
+                raw = (master if master is not None else param).detach().to(param.dtype)
+            raw = raw.reshape(-1).contiguous().view(torch.uint8)
+            out[offset : offset + raw.numel()].copy_(raw)
+            offset += raw.numel()
+
+    def _unpack_param(param, payload):
+        if blockwise.is_blockwise(param):
+            blockwise.quantize_owned(param, payload.clone().view(torch.bfloat16).float())
+        else:
+            unpack(param, payload)
+
+    return {"param_wire_bytes": param_wire_bytes, "pack_owned": pack_owned,
+            "_unpack_param": _unpack_param}  # fmt: skip
+
+
+def gather_bytes_of_bf16(scenario: Scenario) -> dict:
+    from nemo_lw_fp8.mechanics import blockwise
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, replacement in _bf16_on_the_wire().items():
+            mp.setattr(blockwise, name, replacement)
+        return gather_bytes(scenario)
+
+
+def test_control_bf16_on_the_wire_fails_the_byte_bound():
+    """Control of ``test_fp8_bytes_on_the_wire_are_about_half_of_bf16`` (compact layout): the
+    same gather carrying each blockwise weight as bf16 (what gather off sends) completes, its
+    collectives still uint8 and exactly as planned, and the measured ratio fails the 0.55
+    bound."""
+    scenario = BASE.with_(distribution="layerwise_compact", gather_padding_tolerance=0.0)
+    bf16 = run_on_ranks(gather_bytes_of_bf16, scenario.with_(fp8_param_gather=True), boot=FP8)[0]
+    off = run_on_ranks(gather_bytes, scenario, boot=FP8)[0]
+    assert bf16["blockwise_states"] == bf16["groups"] >= 1
+    assert {dtype for _, dtype in bf16["calls"]} == {"torch.uint8"}
+    assert bf16["bytes_per_step"] == bf16["planned_bytes"] == bf16["wire_bytes"]
+    assert bf16["wire_bytes"] == 2 * bf16["numel"]
+    assert bf16["bytes_per_step"] > 0.55 * off["bytes_per_step"], (bf16, off)
+
+
 # --------------------------------------------------------------------------- guards
 
 

@@ -7,6 +7,8 @@ different ranks, and training is bitwise what discrete expert weights (and whole
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -241,6 +243,28 @@ def test_expert_parallel_grouped_weights_equal_discrete():
 
 
 @needs_te
+def test_control_expert_parallel_experts_paired_with_the_wrong_weights_differ():
+    """Control of ``test_expert_parallel_grouped_weights_equal_discrete``: the discrete EP 2 run
+    whose first two local experts start with each other's fc1 weights
+    (tests/support/expert_controls.py) completes and fails the same comparison with the
+    expert-run single grouped run."""
+    from tests.support.expert_controls import train_with_two_experts_swapped
+    from tests.support.harness import ParallelSpec
+    from tests.support.parity import assert_diverges, assert_same_training
+
+    scenario = _base().with_(ep=2)
+    ep2 = ParallelSpec(ep=2)
+    single = _run(
+        scenario.with_(single_grouped_weight=True, grouped_weight_ownership="expert"),
+        world_size=4,
+        parallel=ep2,
+    )
+    swapped = _run(scenario, world_size=4, parallel=ep2, fn=train_with_two_experts_swapped)
+    compare = functools.partial(assert_same_training, replicas=[[0, 2], [1, 3]])
+    assert_diverges(swapped, single, compare)
+
+
+@needs_te
 def test_auto_keeps_balanced_grouped_weights_whole():
     """The test model's 4 grouped weights balance on 2 ranks: auto owns them whole."""
     from tests.support.parity import assert_same_training
@@ -366,3 +390,40 @@ def test_reload_model_params_reads_mxfp8_slices_from_the_model():
         assert torch.equal(master, split[name]), name
         if ".experts." in name:  # (norm weights start at 1.0 anyway)
             assert not torch.all(master == 1.0), name
+
+
+def _reloaded_masters_from_the_wrong_experts(scenario) -> dict:
+    """Mutation: the model -> master copy of an expert run reads the experts one place before
+    its own (the grouped weight's experts rolled by one), i.e. each master is paired with
+    another expert's weights."""
+    from nemo_lw_fp8.mechanics import expert_slices
+
+    def shifted(piece):
+        if piece.quantized_parent:
+            experts = torch.roll(piece.parent.detach().dequantize(), shifts=1, dims=0)
+            return experts[piece.lo : piece.hi]
+        return piece.data
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(expert_slices, "model_values", shifted)
+        return _reloaded_masters(scenario)
+
+
+@needs_te
+def test_control_reload_reading_the_wrong_experts_differs():
+    """Control of ``test_reload_model_params_reads_mxfp8_slices_from_the_model``: a reload whose
+    expert runs read their neighbours' experts completes and its masters differ from whole
+    ownership's."""
+    from tests.support.parity import _merged_masters
+
+    scenario = _base().with_(**PRECISIONS["mxfp8-primary"], single_grouped_weight=True)
+    whole = _merged_masters(_run(scenario, fn=_reloaded_masters))
+    split = _merged_masters(
+        _run(
+            scenario.with_(grouped_weight_ownership="expert"),
+            fn=_reloaded_masters_from_the_wrong_experts,
+        )
+    )
+    assert whole.keys() == split.keys()
+    differ = [name for name, master in whole.items() if not torch.equal(master, split[name])]
+    assert differ and all(".experts." in name for name in differ), differ

@@ -65,6 +65,19 @@ def test_single_grouped_equals_discrete(precision, fusion, optimizer):
     assert_same_training(discrete, single)
 
 
+def test_control_distopt_adam_experts_paired_with_the_wrong_weights_differ():
+    """Control of ``test_single_grouped_equals_discrete`` for DistOpt Adam (bf16, no fusion):
+    the discrete run whose first two experts start with each other's fc1 weights
+    (tests/support/expert_controls.py) completes and fails the same comparison with the single
+    grouped run."""
+    from tests.support.expert_controls import train_with_two_experts_swapped
+
+    scenario = BASE.with_(**OPTIMIZERS["distopt-adam"])
+    single = run(scenario.with_(single_grouped_weight=True))
+    swapped = run_on_ranks(train_with_two_experts_swapped, scenario, world_size=2, boot=FP8)
+    assert_diverges(swapped, single, assert_same_training)
+
+
 def test_grad_accum_fusion_changes_the_arithmetic():
     """Control for the fusion axis: it is really on (fp32 accumulation, other last bits)."""
     plain = run(BASE.with_(**OPTIMIZERS["layerwise-muon"], single_grouped_weight=True))

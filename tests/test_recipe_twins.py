@@ -185,6 +185,22 @@ def test_flagship_twin_resumes_from_the_parity_run(twin_run, tmp_path, recipe):
     assert resumed["state"]["end"] == on["state"]["end"]
 
 
+@pytest.mark.parametrize("recipe", _tiered(RESUMED))
+def test_control_resume_from_the_parity_run_with_a_master_one_ulp_off(twin_run, tmp_path, recipe):
+    """Control of ``test_flagship_twin_resumes_from_the_parity_run``: the same resume from the
+    same checkpoint with each rank's first layer-wise fp32 master one ulp up right after the
+    load (mutation ``nudge_loaded_master``, tests/bridge_run.py) completes, and every rank's
+    state at the end differs from the ON run's."""
+    on = twin_run(recipe, "on", save=True)
+    nudged = br.pretrain(tmp_path, "nudged", f"twin_{recipe}", *SHORT,
+                         f"checkpoint.load={on['checkpoint']}", "checkpoint.ckpt_step=1",
+                         nproc=twins.twin_world_size(recipe),
+                         mutation="nudge_loaded_master")  # fmt: skip
+    assert len(br.losses(nudged)) == 1 and len(br.eval_losses(nudged)) == 2
+    assert nudged["ranks"] != on["ranks"]
+    assert nudged["state"]["end"] != on["state"]["end"]
+
+
 #: Flagship twins whose parity ON run's iteration-2 checkpoint (written as Bridge writes it by
 #: default: the sibling Adam ``dp_reshardable``) is loaded at DP 4, and the grouped-weight
 #: ownership there: the Qwen3-235B MXFP8 twin splits each single grouped weight's experts over
