@@ -153,7 +153,8 @@ def test_tiny_keeps_structure(arch):
         assert set(t.linear_attention_pattern()) == {0, 1}
     assert 2 <= t.num_layers <= 4 and t.seq_length == 64 and t.vocab_size <= 512
     assert t.num_moe_experts % 2 == 0 and t.moe_router_topk == 2
-    assert A.count_parameters(t, include_mtp=True) < 3_000_000
+    # small enough for seconds per step on 2 CPU ranks (experts 128 wide: TE's grouped MXFP8 layout)
+    assert A.count_parameters(t, include_mtp=True) < 4_000_000
     for s in A.to_model_spec(t, include_mtp=True).params():
         if s.quantized:  # TE linear weights: MXFP8 blocks of 32 both ways
             assert all(d % 32 == 0 for d in s.shape), (s.name, s.shape)
