@@ -31,6 +31,11 @@ def _error_lines(text: str) -> list[str]:
             "does not exist",
             "YAML",
         ),
+        (
+            ["pretrain", "--recipe", "tiny_deepseek_v3", "--cpu-modules", "project"],
+            "--cpu-modules project chooses the model path of CPU ranks only",
+            "add --cpu",
+        ),
     ],
 )
 def test_bad_command_lines_in_process(capsys, argv, problem, fix):

@@ -137,6 +137,10 @@ def install(modules: str = "te") -> None:
     if modules == "te":
         from nemo_lw_fp8.cpu import apex_wgrad
 
+        # Gated DeltaNet (Qwen3-Next, Qwen3.5) calls fla's Triton kernels from megatron's own
+        # module whichever spec builds it; TE's spec changes the linears and norms around them.
+        standins.install(("gated_delta_rule",))
+
         if apex_wgrad.install():
             _undo.append(apex_wgrad.uninstall)
         return

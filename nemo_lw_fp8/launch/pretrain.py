@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cpu-modules",
         choices=CPU_MODULES,
-        default="te",
-        help="with --cpu: 'te' builds the model as on the GPU (Bridge's provider, megatron's TE "
+        default=None,
+        help="with --cpu (refused without it): 'te' (the default) builds the model as on the GPU (Bridge's provider, megatron's TE "
         "spec, TE's own modules over the emulated kernels; docs/te-modules.md); 'project' swaps "
         "in the project's CPU layers (the earlier path, kept as a cross-check)",
     )
@@ -406,6 +406,13 @@ def main(args: argparse.Namespace) -> int:
     from ..quiet import held_back
 
     check_command_line(args.recipe, args.config_file, args.overrides)
+    if args.cpu_modules is not None and not args.cpu:
+        raise UsageError(
+            f"--cpu-modules {args.cpu_modules} chooses the model path of CPU ranks only; a GPU "
+            "run always builds megatron's TE spec",
+            "add --cpu, or drop --cpu-modules",
+        )
+    args.cpu_modules = args.cpu_modules or "te"
     if os.environ.get(DEBUG_ENV) == "1":
         cfg = resolve_config(
             args.recipe, args.config_file, args.overrides, args.cpu, args.dry_run,
