@@ -24,6 +24,8 @@ recipe can be overridden from YAML / ``key=value`` (see :mod:`nemo_lw_fp8.launch
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 from typing import Any
 
@@ -92,6 +94,16 @@ def _provider(arch: MoEArchitecture, parallel: ParallelismDefaults, transformer_
         )
 
         kwargs["transformer_layer_spec"] = hybrid_spec
+    elif arch.multi_latent_attention and transformer_impl == "transformer_engine":
+        # as Bridge's DeepSeek-V2 / V3 bridges: megatron's decoder block spec, which reads MLA
+        # and the leading dense layers (moe_layer_freq) from the config. Bridge's default spec
+        # builds one layer kind for all: softmax attention with a fused linear_qkv, MoE in
+        # every layer -- not DeepSeek.
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        kwargs["transformer_layer_spec"] = functools.partial(
+            get_gpt_decoder_block_spec, use_transformer_engine=True
+        )
     cls = MLAModelProvider if arch.multi_latent_attention else GPTModelProvider
     return cls(**{k: v for k, v in kwargs.items() if v is not None or k == "q_lora_rank"})
 
