@@ -25,7 +25,6 @@ recipe can be overridden from YAML / ``key=value`` (see :mod:`nemo_lw_fp8.launch
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable
 from typing import Any
 

@@ -48,9 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-modules",
         choices=CPU_MODULES,
         default=None,
-        help="with --cpu (refused without it): 'te' (the default) builds the model as on the GPU (Bridge's provider, megatron's TE "
-        "spec, TE's own modules over the emulated kernels; docs/te-modules.md); 'project' swaps "
-        "in the project's CPU layers (the earlier path, kept as a cross-check)",
+        help="with --cpu (refused without it): 'te' (the default) builds the model as on the "
+        "GPU (Bridge's provider, megatron's TE spec, TE's own modules over the emulated "
+        "kernels; docs/te-modules.md); 'project' swaps in the project's CPU layers (the "
+        "earlier path, kept as a cross-check)",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="resolve, check and print the config; no training"
