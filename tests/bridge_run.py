@@ -96,6 +96,12 @@ def install_mutation(mutation: str) -> None:
                            **kwargs)  # fmt: skip
 
         dist.reduce = _shifted
+    elif mutation == "skip_own_segment":
+        # Owners unpack only the other ranks' segments of a compact gather (their own MXFP8
+        # expert runs are then not re-quantized from what they stepped).
+        from nemo_lw_fp8.mechanics.compact import CompactGroup
+
+        CompactGroup.unpack_own = False
     elif mutation:
         raise SystemExit(f"unknown mutation {mutation!r}")
 

@@ -39,33 +39,67 @@ def _train(
 _losses, _eval_losses = br.losses, br.eval_losses
 
 
-def test_tiny_deepseek_v3_padded_layout_evals_through_bridge(tmp_path):
+PADDED = "optimizer.layer_wise_layout=padded"
+EXPERT = "optimizer.grouped_weight_ownership=expert"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """``tiny_run(tag, *extra, mutation="")``: tiny DeepSeek-V3, 4 iterations, evaluations at 2,
+    4 and the final one; kept for the module (a control reuses its parity test's reference)."""
+    done: dict[tuple, dict] = {}
+
+    def run(tag: str, *extra: str, mutation: str = "") -> dict:
+        key = (tag, extra, mutation)
+        if key not in done:
+            tmp = tmp_path_factory.mktemp(tag)
+            done[key] = _train(tmp, tag, "tiny_deepseek_v3", 4, *extra, mutation=mutation,
+                               eval_interval=2)  # fmt: skip
+        return done[key]
+
+    return run
+
+
+def test_tiny_deepseek_v3_padded_layout_evals_through_bridge(tiny_run):
     """Padded layer-wise buckets share the grad buffer: an unstaged eval gather ships gradients
     into the MXFP8 weights (NaN); staged, the evals equal FP8 param gather off."""
-    padded = "optimizer.layer_wise_layout=padded"
-    on = _train(tmp_path, "padded-on", "tiny_deepseek_v3", 4, padded, eval_interval=2)
-    off = _train(tmp_path, "padded-off", "tiny_deepseek_v3", 4, padded, *OFF, eval_interval=2)
+    on = tiny_run("padded-on", PADDED)
+    off = tiny_run("padded-off", PADDED, *OFF)
     assert _losses(on) == _losses(off)
     assert len(_eval_losses(on)) == 3
     assert _eval_losses(on) == _eval_losses(off)
 
 
-def test_expert_run_ownership_equals_whole_through_bridge(tmp_path):
+def test_control_padded_layout_evals_without_staging_differ(tiny_run):
+    """Control of the padded-layout test: without staging before an eval's gathers (mutation
+    ``stage_before_hook_gather``, tests/bridge_run.py) the run completes, trains as FP8 param
+    gather off, and its evals differ."""
+    off = tiny_run("padded-off", PADDED, *OFF)
+    stale = tiny_run("padded-unstaged", PADDED, mutation="stage_before_hook_gather")
+    assert len(_eval_losses(stale)) == 3
+    assert _eval_losses(stale) != _eval_losses(off)
+
+
+def test_expert_run_ownership_equals_whole_through_bridge(tiny_run):
     """tiny DeepSeek-V3 (8 experts as single grouped weights, MXFP8 primary, compact, overlap):
     the grouped weights' experts owned by both ranks train exactly as whole ownership."""
-    whole = _train(tmp_path, "whole", "tiny_deepseek_v3", 4, eval_interval=2)
-    expert = _train(
-        tmp_path,
-        "expert",
-        "tiny_deepseek_v3",
-        4,
-        "optimizer.grouped_weight_ownership=expert",
-        eval_interval=2,
-    )
+    whole = tiny_run("whole")
+    expert = tiny_run("expert", EXPERT)
     assert expert["grouped_weight_ownership"] == "expert"
     assert expert["expert_slices"] > 0 and whole["expert_slices"] == 0
     assert _losses(expert) == _losses(whole)
     assert len(_eval_losses(expert)) == 3 and _eval_losses(expert) == _eval_losses(whole)
+
+
+def test_control_expert_runs_without_the_owners_own_bytes_differ(tiny_run):
+    """Control of the expert-run test: owners that skip their own segment of the compact gather
+    (mutation ``skip_own_segment``: their MXFP8 expert runs are not re-quantized from what they
+    stepped) complete, and the losses after the first step differ from whole ownership's."""
+    whole = tiny_run("whole")
+    skipped = tiny_run("expert-own-skipped", EXPERT, mutation="skip_own_segment")
+    assert skipped["expert_slices"] > 0
+    assert _losses(skipped)[0] == _losses(whole)[0]  # the first forward precedes any gather
+    assert _losses(skipped) != _losses(whole)
 
 
 def test_pretrain_dry_run_resolves_and_checks():
