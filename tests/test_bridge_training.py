@@ -70,12 +70,17 @@ def test_tiny_deepseek_v3_padded_layout_evals_through_bridge(tiny_run):
     assert _eval_losses(on) == _eval_losses(off)
 
 
-def test_control_padded_layout_evals_without_staging_differ(tiny_run):
-    """Control of the padded-layout test: without staging before an eval's gathers (mutation
-    ``stage_before_hook_gather``, tests/bridge_run.py) the run completes, trains as FP8 param
-    gather off, and its evals differ."""
+def test_control_padded_layout_evals_with_stale_staging_differ(tiny_run):
+    """Control of the padded-layout test: the staging before an eval's gathers writes the values
+    this rank staged last, the masters before the step (mutation ``stale_eval_staging``,
+    tests/bridge_run.py), in place of the current ones. The run completes and trains as FP8
+    param gather off (every training forward's gather is staged after a zero, as usual), and its
+    evals differ: the evals' equality says an eval's gathers ship the masters of the step just
+    taken. (Without any staging the eval gathers the fp32 gradients' bytes as bf16, which are
+    not finite, so the run stops on a NaN loss rather than diverging.)"""
     off = tiny_run("padded-off", PADDED, *OFF)
-    stale = tiny_run("padded-unstaged", PADDED, mutation="stage_before_hook_gather")
+    stale = tiny_run("padded-stale-staging", PADDED, mutation="stale_eval_staging")
+    assert _losses(stale) == _losses(off)
     assert len(_eval_losses(stale)) == 3
     assert _eval_losses(stale) != _eval_losses(off)
 
@@ -91,15 +96,19 @@ def test_expert_run_ownership_equals_whole_through_bridge(tiny_run):
     assert len(_eval_losses(expert)) == 3 and _eval_losses(expert) == _eval_losses(whole)
 
 
-def test_control_expert_runs_without_the_owners_own_bytes_differ(tiny_run):
-    """Control of the expert-run test: owners that skip their own segment of the compact gather
-    (mutation ``skip_own_segment``: their MXFP8 expert runs are not re-quantized from what they
-    stepped) complete, and the losses after the first step differ from whole ownership's."""
+def test_control_expert_runs_owner_keeping_its_old_runs_differ(tiny_run):
+    """Control of the expert-run test: each owner assembles its grouped MXFP8 expert weights
+    from the other ranks' gathered runs but its own runs' pre-step values, not the bytes it
+    stepped and sent (mutation ``stale_own_expert_runs``, tests/bridge_run.py). The run
+    completes and its losses after the first step differ from whole ownership's: the equality
+    says every rank, owners included, quantizes each grouped weight from every run's stepped
+    bytes. (Skipping the owner's own segment outright leaves that run uninitialized memory in
+    the assembled weight, so the run stops on a NaN loss rather than diverging.)"""
     whole = tiny_run("whole")
-    skipped = tiny_run("expert-own-skipped", EXPERT, mutation="skip_own_segment")
-    assert skipped["expert_slices"] > 0
-    assert _losses(skipped)[0] == _losses(whole)[0]  # the first forward precedes any gather
-    assert _losses(skipped) != _losses(whole)
+    stale = tiny_run("expert-own-stale", EXPERT, mutation="stale_own_expert_runs")
+    assert stale["expert_slices"] > 0
+    assert _losses(stale)[0] == _losses(whole)[0]  # the first forward precedes any gather
+    assert _losses(stale) != _losses(whole)
 
 
 def test_pretrain_dry_run_resolves_and_checks():
