@@ -96,6 +96,76 @@ def install_mutation(mutation: str) -> None:
                            **kwargs)  # fmt: skip
 
         dist.reduce = _shifted
+    elif mutation == "stale_eval_staging":
+        # The staging before an eval's gathers (an optimizer stepped, nothing zeroed since)
+        # writes the bf16 values this rank staged last (the masters before the step), not the
+        # current masters: the eval reads the previous step's weights. Everything staged after a
+        # zero_grad_buffer (the training forwards' gathers) is staged as usual.
+        import torch
+
+        import nemo_lw_fp8.mechanics.staging as staging
+        from nemo_lw_fp8.mechanics import expert_slices, masters
+        from nemo_lw_fp8.state import peek
+
+        _stage_owned = staging.stage_owned_masters
+        _stage_if_unstaged = staging.stage_if_unstaged
+        last_staged: dict[int, list] = {}  # id(optimizer) -> [(bucket, start, end, values)]
+
+        def _recording_stage(optimizer) -> None:
+            _stage_owned(optimizer)
+            slots, staged = staging._param_slots(optimizer), []
+            for child in masters.float16_children(optimizer):
+                for model_param, _ in masters.model_main_pairs(child):
+                    if not expert_slices.uses_quantized_storage(model_param):
+                        continue
+                    if expert_slices.is_part_of_weight(model_param):
+                        continue
+                    bucket, start, end = slots[model_param]
+                    if bucket.param_data is not None:
+                        values = bucket.param_data.view(-1)[start:end].clone()
+                        staged.append((bucket, start, end, values))
+            last_staged[id(optimizer)] = staged
+
+        @torch.no_grad()
+        def _stale_stage_if_unstaged(chunk) -> None:
+            record = peek(chunk)
+            for optimizer in record.optimizers() if record is not None else ():
+                stale = last_staged.get(id(optimizer))
+                if not staging.is_unstaged(optimizer) or stale is None:
+                    continue
+                for bucket, start, end, values in stale:
+                    bucket.param_data.view(-1)[start:end].copy_(values)
+                for model_chunk in optimizer.model_chunks:
+                    model_chunk.reset_param_sync_dispatch_state()
+                staging.clear_unstaged(optimizer)
+            _stage_if_unstaged(chunk)  # the optimizers left unstaged (none staged yet, DistOpt)
+
+        staging.stage_owned_masters = _recording_stage
+        staging.stage_if_unstaged = _stale_stage_if_unstaged
+    elif mutation == "stale_own_expert_runs":
+        # Each owner assembles its grouped MXFP8 expert weights with the gathered runs of the
+        # other ranks but its own runs' current (pre-step, dequantized) values in place of the
+        # bytes it stepped and sent: the other ranks take the stepped runs, the owner keeps its
+        # old ones (finite values; the weights of the ranks then differ).
+        import torch
+
+        import nemo_lw_fp8.mechanics.compact as compact
+        from nemo_lw_fp8.mechanics import expert_slices
+
+        _unpack = compact.unpack
+
+        @torch.no_grad()
+        def _unpack_keeping_own_runs(group, plan, gathered) -> None:
+            rank = group.data_parallel_group.rank()
+            offset = plan.segment_start(rank)
+            for piece in plan.segments[rank]:
+                if expert_slices.is_slice(piece) and piece.quantized_parent:
+                    old = expert_slices.model_values(piece).reshape(-1)
+                    gathered[offset : offset + piece.numel()].copy_(old)
+                offset += piece.numel()
+            _unpack(group, plan, gathered)
+
+        compact.unpack = _unpack_keeping_own_runs
     elif mutation:
         raise SystemExit(f"unknown mutation {mutation!r}")
 

@@ -39,33 +39,76 @@ def _train(
 _losses, _eval_losses = br.losses, br.eval_losses
 
 
-def test_tiny_deepseek_v3_padded_layout_evals_through_bridge(tmp_path):
+PADDED = "optimizer.layer_wise_layout=padded"
+EXPERT = "optimizer.grouped_weight_ownership=expert"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """``tiny_run(tag, *extra, mutation="")``: tiny DeepSeek-V3, 4 iterations, evaluations at 2,
+    4 and the final one; kept for the module (a control reuses its parity test's reference)."""
+    done: dict[tuple, dict] = {}
+
+    def run(tag: str, *extra: str, mutation: str = "") -> dict:
+        key = (tag, extra, mutation)
+        if key not in done:
+            tmp = tmp_path_factory.mktemp(tag)
+            done[key] = _train(tmp, tag, "tiny_deepseek_v3", 4, *extra, mutation=mutation,
+                               eval_interval=2)  # fmt: skip
+        return done[key]
+
+    return run
+
+
+def test_tiny_deepseek_v3_padded_layout_evals_through_bridge(tiny_run):
     """Padded layer-wise buckets share the grad buffer: an unstaged eval gather ships gradients
     into the MXFP8 weights (NaN); staged, the evals equal FP8 param gather off."""
-    padded = "optimizer.layer_wise_layout=padded"
-    on = _train(tmp_path, "padded-on", "tiny_deepseek_v3", 4, padded, eval_interval=2)
-    off = _train(tmp_path, "padded-off", "tiny_deepseek_v3", 4, padded, *OFF, eval_interval=2)
+    on = tiny_run("padded-on", PADDED)
+    off = tiny_run("padded-off", PADDED, *OFF)
     assert _losses(on) == _losses(off)
     assert len(_eval_losses(on)) == 3
     assert _eval_losses(on) == _eval_losses(off)
 
 
-def test_expert_run_ownership_equals_whole_through_bridge(tmp_path):
+def test_control_padded_layout_evals_with_stale_staging_differ(tiny_run):
+    """Control of the padded-layout test: the staging before an eval's gathers writes the values
+    this rank staged last, the masters before the step (mutation ``stale_eval_staging``,
+    tests/bridge_run.py), in place of the current ones. The run completes and trains as FP8
+    param gather off (every training forward's gather is staged after a zero, as usual), and its
+    evals differ: the evals' equality says an eval's gathers ship the masters of the step just
+    taken. (Without any staging the eval gathers the fp32 gradients' bytes as bf16, which are
+    not finite, so the run stops on a NaN loss rather than diverging.)"""
+    off = tiny_run("padded-off", PADDED, *OFF)
+    stale = tiny_run("padded-stale-staging", PADDED, mutation="stale_eval_staging")
+    assert _losses(stale) == _losses(off)
+    assert len(_eval_losses(stale)) == 3
+    assert _eval_losses(stale) != _eval_losses(off)
+
+
+def test_expert_run_ownership_equals_whole_through_bridge(tiny_run):
     """tiny DeepSeek-V3 (8 experts as single grouped weights, MXFP8 primary, compact, overlap):
     the grouped weights' experts owned by both ranks train exactly as whole ownership."""
-    whole = _train(tmp_path, "whole", "tiny_deepseek_v3", 4, eval_interval=2)
-    expert = _train(
-        tmp_path,
-        "expert",
-        "tiny_deepseek_v3",
-        4,
-        "optimizer.grouped_weight_ownership=expert",
-        eval_interval=2,
-    )
+    whole = tiny_run("whole")
+    expert = tiny_run("expert", EXPERT)
     assert expert["grouped_weight_ownership"] == "expert"
     assert expert["expert_slices"] > 0 and whole["expert_slices"] == 0
     assert _losses(expert) == _losses(whole)
     assert len(_eval_losses(expert)) == 3 and _eval_losses(expert) == _eval_losses(whole)
+
+
+def test_control_expert_runs_owner_keeping_its_old_runs_differ(tiny_run):
+    """Control of the expert-run test: each owner assembles its grouped MXFP8 expert weights
+    from the other ranks' gathered runs but its own runs' pre-step values, not the bytes it
+    stepped and sent (mutation ``stale_own_expert_runs``, tests/bridge_run.py). The run
+    completes and its losses after the first step differ from whole ownership's: the equality
+    says every rank, owners included, quantizes each grouped weight from every run's stepped
+    bytes. (Skipping the owner's own segment outright leaves that run uninitialized memory in
+    the assembled weight, so the run stops on a NaN loss rather than diverging.)"""
+    whole = tiny_run("whole")
+    stale = tiny_run("expert-own-stale", EXPERT, mutation="stale_own_expert_runs")
+    assert stale["expert_slices"] > 0
+    assert _losses(stale)[0] == _losses(whole)[0]  # the first forward precedes any gather
+    assert _losses(stale) != _losses(whole)
 
 
 def test_pretrain_dry_run_resolves_and_checks():

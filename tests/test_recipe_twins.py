@@ -273,26 +273,54 @@ def test_hopper_twin_control_stale_columnwise_copy(twin_run, recipe):
     assert stale["ranks"] != off["ranks"]
 
 
+FLAGSHIP = "twin_deepseek_v3_mxfp8"
+FLAGSHIP_COMMON = ("train.train_iters=4", "validation.eval_interval=3", "validation.eval_iters=1")
+
+
+@pytest.fixture(scope="module")
+def flagship_full(tmp_path_factory):
+    """The DeepSeek-V3 MXFP8 twin's uninterrupted 4-iteration run, saving at iteration 2,
+    launched by torchrun as users launch it; kept for the module (the resume test and its
+    control resume from its checkpoint). Its record's ``checkpoint``: the directory."""
+    tmp = tmp_path_factory.mktemp("flagship-full")
+    ckpt = tmp / "ckpt"
+    full = br.pretrain(tmp, "full", FLAGSHIP, *FLAGSHIP_COMMON, f"checkpoint.save={ckpt}",
+                       "checkpoint.save_interval=2", nproc=twins.twin_world_size(FLAGSHIP),
+                       launcher="torchrun", cpu_modules="te")  # fmt: skip
+    full["checkpoint"] = str(ckpt)
+    return full
+
+
+def _flagship_resume(tmp_path, full: dict, mutation: str = "") -> dict:
+    return br.pretrain(tmp_path, "resumed", FLAGSHIP, *FLAGSHIP_COMMON,
+                       f"checkpoint.load={full['checkpoint']}", "checkpoint.ckpt_step=2",
+                       nproc=twins.twin_world_size(FLAGSHIP), mutation=mutation,
+                       cpu_modules="te")  # fmt: skip
+
+
 @pytest.mark.extended
-def test_flagship_twin_resumes_bitwise(tmp_path):
+def test_flagship_twin_resumes_bitwise(flagship_full, tmp_path):
     """The DeepSeek-V3 MXFP8 twin as shipped (PP 2 x VPP 2 x EP 2, MTP, single grouped MXFP8
     experts, clipping, dropout) saves a torch_dist checkpoint at iteration 2 and goes on to 4;
     fresh processes load it and train 3-4: losses, grad norms, evals and every rank's masters
     and optimizer state equal the run that went on, bit for bit."""
-    recipe = "twin_deepseek_v3_mxfp8"
-    nproc = twins.twin_world_size(recipe)
-    ckpt = tmp_path / "ckpt"
-    common = ("train.train_iters=4", "validation.eval_interval=3", "validation.eval_iters=1")
     # The run that goes on is launched by torchrun, as users launch it; the resumed one by the
     # forking launcher of the matrix (tests/fork_run.py): equal bits also say the launcher
     # changes nothing.
-    full = br.pretrain(tmp_path, "full", recipe, *common, f"checkpoint.save={ckpt}",
-                       "checkpoint.save_interval=2", nproc=nproc, launcher="torchrun",
-                       cpu_modules="te")  # fmt: skip
-    resumed = br.pretrain(tmp_path, "resumed", recipe, *common, f"checkpoint.load={ckpt}",
-                          "checkpoint.ckpt_step=2", nproc=nproc, cpu_modules="te")  # fmt: skip
+    full = flagship_full
+    resumed = _flagship_resume(tmp_path, full)
     assert len(br.losses(full)) == 4 and len(br.losses(resumed)) == 2
     assert br.losses(resumed) == br.losses(full)[2:]
     assert br.grad_norms(resumed) == br.grad_norms(full)[2:]
     assert len(br.eval_losses(full)) == 2 and br.eval_losses(resumed) == br.eval_losses(full)
     assert resumed["ranks"] == full["ranks"]
+
+
+@pytest.mark.extended
+def test_control_flagship_twin_resume_with_a_master_one_ulp_off(flagship_full, tmp_path):
+    """Control of ``test_flagship_twin_resumes_bitwise``: the same resume with each rank's first
+    layer-wise fp32 master one ulp up right after the load (mutation ``nudge_loaded_master``)
+    completes, and every rank's state at the end differs from the run that went on."""
+    nudged = _flagship_resume(tmp_path, flagship_full, mutation="nudge_loaded_master")
+    assert len(br.losses(nudged)) == 2
+    assert nudged["ranks"] != flagship_full["ranks"]
