@@ -65,9 +65,10 @@ demo: env
 # The gate (CI runs it, 90 minutes at most on 2 cores): everything but the tests marked
 # `extended` (repeats of a claim the gate checks; docs/testing.md, "Two tiers"), then the
 # megatron-core 0.19.0 subset (test-mcore-0.19.0, below). It runs even when the main suite
-# failed, and the gate fails if either did.
+# failed, and the gate fails if either did. The 40 slowest tests are listed at the end (the
+# suite's time budget, docs/testing.md).
 test: env
-	@NEMO_LW_FP8_REQUIRE_TE=1 $(PY) -m pytest -m "not extended"; rc=$$?; \
+	@NEMO_LW_FP8_REQUIRE_TE=1 $(PY) -m pytest -m "not extended" --durations=40; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; rc=1; fi; \
 	$(MAKE) --no-print-directory test-mcore-0.19.0; rc_0190=$$?; \
 	if [ $$rc -ne 0 ]; then exit $$rc; fi; \
