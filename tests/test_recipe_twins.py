@@ -121,7 +121,9 @@ PROJECT_TWINS = ("deepseek_v3_mxfp8", "deepseek_v3_hopper")
 @pytest.mark.parametrize("recipe", PROJECT_TWINS)
 def test_twin_on_project_layers_fp8_gather_on_equals_off(twin_run, recipe):
     """The twin on the project's CPU layers (megatron's local spec, the emulated FP8 linears,
-    the project's grouped experts): ON = OFF bitwise, as on TE's modules."""
+    the project's grouped experts): ON = OFF bitwise, as on TE's modules. Control on the same
+    layers: masters built from the dequantized FP8 weights (MXFP8 twin), or receivers keeping
+    stale blockwise columnwise copies (Hopper twin), end in other state."""
     on = twin_run(recipe, "project-on", cpu_modules="project")
     off = twin_run(recipe, "project-off", *br.GATHER_OFF, cpu_modules="project")
     for rank in on["probe"] + off["probe"]:
@@ -135,6 +137,9 @@ def test_twin_on_project_layers_fp8_gather_on_equals_off(twin_run, recipe):
     assert br.grad_norms(on) == br.grad_norms(off)
     assert br.eval_losses(on) == br.eval_losses(off)
     assert on["ranks"] == off["ranks"]
+    mutation = "blockwise_columnwise" if _blockwise(recipe) else "masters_from_fp8"
+    broken = twin_run(recipe, "project-broken", mutation=mutation, cpu_modules="project")
+    assert broken["ranks"] != off["ranks"]
 
 
 @pytest.mark.extended

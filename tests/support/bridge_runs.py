@@ -43,7 +43,7 @@ def _launch(
     timeout: int,
     launcher: str = "torchrun",
     probe: str = "",
-    cpu_modules: str = "project",
+    cpu_modules: str = "te",
 ) -> subprocess.CompletedProcess:
     env = dict(os.environ, NEMO_LW_FP8_TEST_MUTATION=mutation, NEMO_LW_FP8_TEST_PROBE=probe)
     port = str(29500 + (os.getpid() * 7 + sum(map(ord, tag))) % 400)
@@ -69,13 +69,13 @@ def pretrain(
     timeout: int = 900,
     launcher: str = "fork",
     probe: bool = False,
-    cpu_modules: str = "project",
+    cpu_modules: str = "te",
 ) -> dict:
     """Train ``recipe`` on ``nproc`` CPU ranks; a failing run fails the test with its log tail
     (a control that crashes is a failure, not a divergence). ``probe``: also record, per rank,
     what the layer-wise optimizer of a blockwise run was built over (``run["probe"]``, see
-    tests/bridge_run.py). ``cpu_modules``: ``pretrain --cpu-modules`` (the twins have not moved
-    to TE's modules yet: ``project`` unless a test says ``te``)."""
+    tests/bridge_run.py). ``cpu_modules``: ``pretrain --cpu-modules``: TE's own modules as the
+    GPU builds them (``te``) unless a test asks for the project's CPU layers."""
     prefix = str(tmp / f"{tag}-probe") if probe else ""
     done = _launch(
         tmp, tag, recipe, overrides, nproc, mutation, timeout, launcher, prefix, cpu_modules
