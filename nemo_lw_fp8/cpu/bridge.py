@@ -25,6 +25,11 @@ everything can be undone with :func:`uninstall`.
     Bridge turns ``gradient_accumulation_fusion`` on where TE imports; megatron's own
     ``ColumnParallelLinear`` (the output layer) then needs APEX's ``fused_weight_gradient_mlp_cuda``
     kernel, stood in by :mod:`nemo_lw_fp8.cpu.apex_wgrad`.
+``gated_delta_rule`` (``--cpu-modules te``; the project path installs it when its own layers
+build a Gated DeltaNet)
+    megatron's Gated DeltaNet (Qwen3-Next, Qwen3.5) calls fla's Triton kernels, which take no
+    CPU tensors, whichever spec builds it; the PyTorch references of
+    :mod:`nemo_lw_fp8.cpu.gated_delta_rule` stand in (:mod:`nemo_lw_fp8.cpu.standins`).
 ``router_torch_gemm`` (``--cpu-modules project`` only)
     With TE importable, megatron's ``RouterGatingLinearFunction`` (``moe_utils.py``) runs the
     router GEMM through TE's cuBLAS ``general_gemm``; megatron's own fallback (``torch.mm``, taken
@@ -41,7 +46,7 @@ recipe's model exactly as on the GPU -- Bridge's provider, megatron's TE spec, T
 modules, the recipe's fusions -- with only ``transformer_engine_torch`` and TE's Triton
 permutation launchers emulated and TE's device questions answered as the recipe's target GPU
 (:func:`device_answers`); ``project`` swaps in the project's CPU layers (the earlier path, kept
-as a cross-check while the twins move over).
+as a named cross-check: docs/te-modules.md).
 
 RNG states in checkpoints: ``checkpointing.py::get_rng_state`` / the loader's
 ``torch.cuda.get/set_rng_state`` act on the
