@@ -180,7 +180,7 @@ def test_flagship_twin_resumes_from_the_parity_run(twin_run, tmp_path, recipe):
     on = twin_run(recipe, "on", save=True)
     resumed = br.pretrain(tmp_path, "resumed", f"twin_{recipe}", *SHORT,
                           f"checkpoint.load={on['checkpoint']}", "checkpoint.ckpt_step=1",
-                          nproc=twins.twin_world_size(recipe), cpu_modules="te")  # fmt: skip
+                          nproc=twins.twin_world_size(recipe))  # fmt: skip
     assert len(br.losses(resumed)) == 1 and br.losses(resumed) == br.losses(on)[1:]
     assert br.grad_norms(resumed) == br.grad_norms(on)[1:]
     assert len(br.eval_losses(resumed)) == 2 and br.eval_losses(resumed) == br.eval_losses(on)[1:]
@@ -198,7 +198,7 @@ def test_control_resume_from_the_parity_run_with_a_master_one_ulp_off(twin_run, 
     nudged = br.pretrain(tmp_path, "nudged", f"twin_{recipe}", *SHORT,
                          f"checkpoint.load={on['checkpoint']}", "checkpoint.ckpt_step=1",
                          nproc=twins.twin_world_size(recipe),
-                         mutation="nudge_loaded_master", cpu_modules="te")  # fmt: skip
+                         mutation="nudge_loaded_master")  # fmt: skip
     assert len(br.losses(nudged)) == 1 and len(br.eval_losses(nudged)) == 2
     assert nudged["ranks"] != on["ranks"]
     assert nudged["state"]["end"] != on["state"]["end"]
@@ -228,8 +228,7 @@ def test_flagship_twin_resumes_at_dp4(twin_run, tmp_path, recipe):
                         "validation.eval_interval=100", "validation.eval_iters=0",
                         f"checkpoint.load={on['checkpoint']}", "checkpoint.ckpt_step=2",
                         f"optimizer.grouped_weight_ownership={ownership}",
-                        nproc=2 * twins.twin_world_size(recipe), timeout=1500,
-                        cpu_modules="te")  # fmt: skip
+                        nproc=2 * twins.twin_world_size(recipe), timeout=1500)  # fmt: skip
     saved = on["state"]["end"]
     kinds = {kind for entry in saved.values() for kind in entry}
     assert {"master", "momentum_buffer", "exp_avg", "exp_avg_sq"} <= kinds, kinds
@@ -291,7 +290,7 @@ def flagship_full(tmp_path_factory):
     ckpt = tmp / "ckpt"
     full = br.pretrain(tmp, "full", FLAGSHIP, *FLAGSHIP_COMMON, f"checkpoint.save={ckpt}",
                        "checkpoint.save_interval=2", nproc=twins.twin_world_size(FLAGSHIP),
-                       launcher="torchrun", cpu_modules="te")  # fmt: skip
+                       launcher="torchrun")  # fmt: skip
     full["checkpoint"] = str(ckpt)
     return full
 
@@ -299,8 +298,7 @@ def flagship_full(tmp_path_factory):
 def _flagship_resume(tmp_path, full: dict, mutation: str = "") -> dict:
     return br.pretrain(tmp_path, "resumed", FLAGSHIP, *FLAGSHIP_COMMON,
                        f"checkpoint.load={full['checkpoint']}", "checkpoint.ckpt_step=2",
-                       nproc=twins.twin_world_size(FLAGSHIP), mutation=mutation,
-                       cpu_modules="te")  # fmt: skip
+                       nproc=twins.twin_world_size(FLAGSHIP), mutation=mutation)  # fmt: skip
 
 
 @pytest.mark.extended
