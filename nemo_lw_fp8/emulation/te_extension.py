@@ -7,13 +7,19 @@ with :mod:`nemo_lw_fp8.emulation.mxfp8` (bit-exact with TE's kernels) and a few 
 helpers megatron-core uses (grad-norm and clipping), and nothing else:
 
 * ``create_empty_quantized_tensor`` (``Quantizer.make_empty``: megatron's checkpoint loader
-  and ``torch.empty_like`` / ``new_empty`` of a quantized tensor) for MXFP8 and blockwise FP8,
+  and ``torch.empty_like`` / ``new_empty`` of a quantized tensor) for MXFP8, blockwise FP8 and
+  NVFP4,
   with the buffers TE's C++ ``create_tensor`` allocates (zeroed, where TE leaves them
   uninitialised);
 * ``quantize`` (MXFP8: compact or GEMM-swizzled scales as the quantizer asks; blockwise FP8
   ``Float8BlockQuantizer``: 1x128 / 128x128 blocks via :mod:`nemo_lw_fp8.emulation.blockwise`),
   ``dequantize`` (MXFP8 only: TE dequantises blockwise tensors in its own Python code, and its
   compiled ``dequantize`` has no blockwise kernel either);
+* NVFP4 (``NVFP4Quantizer``, issue 30) in :mod:`.te_extension_nvfp4` over
+  :mod:`nemo_lw_fp8.emulation.nvfp4`: ``quantize`` (1x16 or 16x16 blocks, rowwise and
+  transposed columnwise), ``dequantize`` (rowwise), ``nvfp4_data_transpose`` and
+  ``nvfp4_2d_scale_transpose``; the random Hadamard transform, stochastic rounding, row-scaled
+  and 4over6 NVFP4, amax reduction and GEMM-swizzled scales are refused by name;
 * blockwise FP8 helpers TE's Python calls: ``fp8_transpose`` (``_create_columnwise``),
   ``fp8_block_scaling_compute_partial_amax``, ``multi_tensor_compute_scale_and_scale_inv`` and
   ``fp8_block_scaling_partial_cast`` (the distributed-optimizer cast of blockwise weights);
@@ -51,6 +57,7 @@ import torch
 
 from . import te_extension_blockwise as _blockwise
 from . import te_extension_mxfp8 as _mxfp8
+from . import te_extension_nvfp4 as _nvfp4
 from .te_extension_blockwise import (
     fp8_block_scaling_compute_partial_amax,
     fp8_block_scaling_partial_cast,
@@ -74,11 +81,11 @@ from .te_extension_common import (
     NVTEScalingMode,
 )
 from .te_extension_mxfp8 import (
-    dequantize,
     multi_tensor_compute_scale_inv_e8m0,
     mxfp8_scaling_compute_partial_amax,
     mxfp8_scaling_partial_cast,
 )
+from .te_extension_nvfp4 import nvfp4_2d_scale_transpose, nvfp4_data_transpose
 
 # --------------------------------------------------------------------------------------------
 # Strict dummies
@@ -149,10 +156,20 @@ def quantize(
         return _blockwise.quantize_blockwise(tensor, quantizer, output, noop)
     if isinstance(quantizer, _mxfp8.mxfp8_classes()[0]):
         return _mxfp8.quantize_mxfp8(tensor, quantizer, output, noop)
+    if isinstance(quantizer, _nvfp4.nvfp4_classes()[0]):
+        return _nvfp4.quantize_nvfp4(tensor, quantizer, output, noop)
     raise NotImplementedError(
         f"tex.quantize with {type(quantizer).__name__} is not implemented by {_BACKEND}; "
-        "only MXFP8Quantizer and Float8BlockQuantizer are"
+        "only MXFP8Quantizer, Float8BlockQuantizer and NVFP4Quantizer are"
     )
+
+
+def dequantize(input: Any, otype: Any) -> torch.Tensor:  # noqa: A002 - TE's argument name
+    """``tex.dequantize``: NVFP4 tensors (rowwise) here, everything else to the MXFP8 kernel,
+    which refuses what it does not know."""
+    if isinstance(input, _nvfp4.nvfp4_classes()[2]):
+        return _nvfp4.dequantize_nvfp4(input, otype)
+    return _mxfp8.dequantize(input, otype)
 
 
 def create_empty_quantized_tensor(
@@ -170,9 +187,11 @@ def create_empty_quantized_tensor(
         return _blockwise.empty_blockwise(quantizer, size, dtype, where)
     if isinstance(quantizer, _mxfp8.mxfp8_classes()[0]):
         return _mxfp8.empty_mxfp8(quantizer, size, dtype, where)
+    if isinstance(quantizer, _nvfp4.nvfp4_classes()[0]):
+        return _nvfp4.empty_nvfp4(quantizer, size, dtype, where)
     raise NotImplementedError(
         f"tex.create_empty_quantized_tensor with {type(quantizer).__name__} is not implemented "
-        f"by {_BACKEND}; only MXFP8Quantizer and Float8BlockQuantizer are"
+        f"by {_BACKEND}; only MXFP8Quantizer, Float8BlockQuantizer and NVFP4Quantizer are"
     )
 
 
@@ -293,6 +312,8 @@ __all__ = [
     "multi_tensor_scale_tensor",
     "mxfp8_scaling_compute_partial_amax",
     "mxfp8_scaling_partial_cast",
+    "nvfp4_2d_scale_transpose",
+    "nvfp4_data_transpose",
     "quantize",
     *_KERNELS,
     *_DUMMY_FUNCTIONS,

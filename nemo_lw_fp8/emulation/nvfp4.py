@@ -1,0 +1,303 @@
+"""NVFP4 (E2M1 data, E4M3 block scales, FP32 tensor amax) in plain torch, bit-exact with TE 2.20.
+
+Why this exists: TE's NVFP4 cast runs only as CUDA kernels; on CPU the ``transformer_engine_torch``
+stand-in (:mod:`.te_extension_nvfp4`) needs the same bytes from plain torch. Each rule below names
+the TE 2.20.2 source it reproduces (paths under ``transformer_engine/common/``):
+
+* tensor amax (``recipe/current_scaling.cu``, ``amax_kernel``): max of ``|x|`` with ``fmaxf`` /
+  ``__hmax``, which skip NaN; ``NVFP4Quantizer::quantize_impl`` (``pytorch/csrc/quantizer.cpp``)
+  writes the same value to the rowwise and the columnwise amax;
+* global encode scale (``cast/nvfp4/core_nvfp4.cuh``,
+  ``compute_global_encode_scaling_factor_FP4``): ``S_enc = fp32(448 * 6 / amax)``, capped at
+  FLT_MAX, and 1 when the amax is 0 or the quotient is 0 (an infinite amax);
+  ``S_dec = fp32(1.0 / S_enc)`` (a double division in ``quantize_transpose_nvfp4.cuh``, fp32 in
+  the tuned 1D kernel: the same value, as double rounding of a quotient is innocuous);
+* block decode scale (``compute_decoding_scaling_factor``): the E4M3 (round to nearest even,
+  saturating at 448) of ``fp32(block_amax * fp32(S_enc * fp32(1/6)))``, capped at FLT_MAX first;
+  a block is 16 consecutive elements of a row (1D) or a 16x16 tile (2D, ``with_2d_quantization``);
+* block encode scale: ``fminf(fp32(1 / fp32(e4m3 * S_dec)), FLT_MAX)`` (so an all-zero block
+  gets FLT_MAX, and its zeros stay zeros);
+* element (``util/ptx_arch_spec.cuh``, ``mul_cvt_*_to_fp4_*x_with_rn`` and the tuned kernel's
+  ``mul_cvt_bf16_to_fp4_8x_round_to_nearest``): ``fp32(x) * encode_scale`` in fp32, then
+  ``cvt.rn.satfinite.e2m1x2.f32``: round to nearest even on the E2M1 grid
+  {0, 0.5, 1, 1.5, 2, 3, 4, 6}, magnitudes above 6 (and infinities) saturate to 6 with their
+  sign, NaN becomes +6 (``cuda_fp4.hpp``: "NaN converts to positive FP4_MAXNORM"), the sign of
+  zero is kept;
+* packing: two codes per byte, the element with the even index in the low nibble (the ``{v1, v0}``
+  reordering before ``cvt ... e2m1x2``, whose first operand lands in the high nibble);
+* columnwise data: the same cast of the transposed 2-D view ``(K, M)``, its own 16-element blocks
+  along ``M`` (1D) or the same 16x16 tiles (2D); scales are ``(round_up(rows, 128),
+  round_up(cols / 16, 4))`` uint8, zero in the padding (TE leaves it uninitialised);
+* dequantize (``cast/nvfp4/dequantize_nvfp4.cuh``): ``e2m1 * fp32(fp32(e4m3 * amax) *
+  fp32(1 / (6 * 448)))``, then a round-to-nearest cast to the output dtype.
+
+Not emulated, refused by name where TE's quantizer asks for them: the random Hadamard transform
+(``with_rht``), stochastic rounding, row-scaled NVFP4, the 4over6 block selection and
+GEMM-swizzled scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 16
+"""Elements per NVFP4 scaling block (``NVFP4_BLOCK_SCALING_SIZE``)."""
+FP4_MAX = 6.0
+E4M3_MAX = 448.0
+FLT_MAX = torch.finfo(torch.float32).max
+
+#: Magnitudes of the eight E2M1 codes 0..7 (code | 8 is the negative value).
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+#: Round-to-nearest-even decision points between consecutive E2M1 magnitudes. At a point marked
+#: True the tie goes up (the upper code is even), at False it stays down (the lower is even).
+_THRESHOLDS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
+
+__all__ = [
+    "BLOCK",
+    "NVFP4Data",
+    "decode_e2m1",
+    "dequantize",
+    "encode_e2m1",
+    "global_encode_scale",
+    "pack_fp4",
+    "quantize",
+    "scale_shape",
+    "tensor_amax",
+    "transpose_packed",
+    "unpack_fp4",
+]
+
+
+def _f32(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8, 0..15) of fp32 values: ``cvt.rn.satfinite.e2m1x2.f32`` per element."""
+    x = x.float()
+    mag = x.abs()
+    code = torch.zeros(x.shape, dtype=torch.uint8)
+    for point, tie_up in _THRESHOLDS:
+        step = (mag >= point) if tie_up else (mag > point)
+        code += step.to(torch.uint8)
+    negative = torch.signbit(x)
+    nan = torch.isnan(x)
+    code = torch.where(nan, torch.full_like(code, 7), code)
+    sign = (negative & ~nan).to(torch.uint8) << 3
+    return code | sign
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E2M1 codes (exact: every E2M1 value is an fp32)."""
+    table = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), dtype=torch.float32)
+    return table[codes.long() & 0xF]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Two codes per byte along the last dimension, the even index in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"cannot pack an odd last dimension {codes.shape[-1]} into FP4 bytes")
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """The codes of :func:`pack_fp4`'s bytes, last dimension doubled."""
+    packed = packed.view(torch.uint8)
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def transpose_packed(packed: torch.Tensor) -> torch.Tensor:
+    """``(M, K/2)`` FP4 bytes to the ``(K, M/2)`` bytes of the transpose (``tex.nvfp4_data_
+    transpose``: nibbles regrouped, not bytes moved)."""
+    codes = unpack_fp4(packed.reshape(-1, packed.shape[-1]))
+    return pack_fp4(codes.t().contiguous())
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``max |x|`` skipping NaN (``amax_kernel``'s ``fmaxf`` / ``__hmax``), shape (1,)."""
+    mag = x.detach().float().abs().reshape(-1)
+    mag = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag)
+    if mag.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32)
+    return mag.max().reshape(1)
+
+
+def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``compute_global_encode_scaling_factor_FP4``: fp32 ``2688 / amax``, capped, 1 when the
+    amax is 0 or infinite."""
+    amax = amax.float().reshape(())
+    scale = torch.minimum(_f32(E4M3_MAX * FP4_MAX) / amax, _f32(FLT_MAX))
+    if bool(amax == 0) or bool(scale == 0):
+        return _f32(1.0)
+    return scale
+
+
+def _e4m3_bits(value: torch.Tensor) -> torch.Tensor:
+    """Saturating round-to-nearest-even E4M3 (torch's cast would give NaN above 464)."""
+    clamped = torch.clamp(value, max=E4M3_MAX)
+    return clamped.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _e4m3_values(bits: torch.Tensor) -> torch.Tensor:
+    return bits.view(torch.float8_e4m3fn).float()
+
+
+def _cast_rows(rows: torch.Tensor, block_amax: torch.Tensor, s_enc: torch.Tensor):
+    """Codes and E4M3 scale bits of ``rows`` (R, C) with one amax per (row, 16-block)."""
+    fp4_max_inv = _f32(1.0 / FP4_MAX)
+    s_dec = torch.tensor(1.0 / float(s_enc), dtype=torch.float64).float()
+    multiplier = s_enc * fp4_max_inv
+    decode = torch.minimum(block_amax * multiplier, _f32(FLT_MAX))
+    bits = _e4m3_bits(decode)
+    encode = torch.minimum(_f32(1.0) / (_e4m3_values(bits) * s_dec), _f32(FLT_MAX))
+    expanded = encode.repeat_interleave(BLOCK, dim=1)
+    codes = encode_e2m1(rows * expanded)
+    return codes, bits
+
+
+def _block_amax_1d(x2: torch.Tensor) -> torch.Tensor:
+    rows, cols = x2.shape
+    mag = x2.abs().reshape(rows, cols // BLOCK, BLOCK)
+    mag = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag)
+    return mag.amax(dim=-1)
+
+
+def _tile_amax_2d(x2: torch.Tensor) -> torch.Tensor:
+    rows, cols = x2.shape
+    mag = x2.abs().reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+    mag = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag)
+    return mag.amax(dim=(1, 3))
+
+
+def scale_shape(rows: int, cols: int) -> tuple[int, int]:
+    """``NVFP4Quantizer.get_scale_shape``: ``(round_up(rows, 128), round_up(cols / 16, 4))``."""
+    blocks = -(-cols // BLOCK)
+    return (-(-rows // 128) * 128, -(-blocks // 4) * 4)
+
+
+def _padded(bits: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(scale_shape(bits.shape[0], bits.shape[1] * BLOCK), dtype=torch.uint8)
+    out[: bits.shape[0], : bits.shape[1]] = bits
+    return out
+
+
+@dataclass
+class NVFP4Data:
+    """The buffers of an NVFP4 tensor, as TE's ``NVFP4TensorStorage`` holds them."""
+
+    shape: tuple[int, ...]
+    rowwise_data: torch.Tensor | None
+    rowwise_scale_inv: torch.Tensor | None
+    columnwise_data: torch.Tensor | None
+    columnwise_scale_inv: torch.Tensor | None
+    amax_rowwise: torch.Tensor | None
+    amax_columnwise: torch.Tensor | None
+
+
+def flat_2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``get_2d_dims`` with ``NVFP4Quantizer::create_tensor``'s checks: both multiples of 16."""
+    if len(shape) == 0:
+        raise ValueError("NVFP4 needs a tensor of at least one dimension")
+    cols = int(shape[-1])
+    rows = 1
+    for dim in shape[:-1]:
+        rows *= int(dim)
+    if rows % BLOCK:
+        raise ValueError(f"First dim for NVFP4 must be divisible by {BLOCK} (got shape={shape})")
+    if cols % BLOCK:
+        raise ValueError(
+            f"NVFP4 requires tensor dims that are divisible by {BLOCK} (got shape={shape})"
+        )
+    return rows, cols
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    two_d: bool = False,
+    amax: torch.Tensor | None = None,
+) -> NVFP4Data:
+    """TE's NVFP4 cast of ``x`` (any float dtype, flattened to 2-D): data, scales and amaxes.
+
+    ``amax`` overrides the tensor amax (what an amax reduction across ranks would produce)."""
+    shape = tuple(int(d) for d in x.shape)
+    rows, cols = flat_2d(shape)
+    x2 = x.detach().reshape(rows, cols).float()
+    global_amax = tensor_amax(x2) if amax is None else amax.detach().float().reshape(1).clone()
+    s_enc = global_encode_scale(global_amax)
+    row_data = row_scale = col_data = col_scale = None
+    if two_d:
+        tiles = _tile_amax_2d(x2)
+        row_amax = tiles.repeat_interleave(BLOCK, dim=0)
+        col_amax = tiles.t().repeat_interleave(BLOCK, dim=0)
+    else:
+        row_amax = _block_amax_1d(x2) if rowwise else None
+        col_amax = _block_amax_1d(x2.t().contiguous()) if columnwise else None
+    if rowwise:
+        codes, bits = _cast_rows(x2, row_amax, s_enc)
+        row_data = pack_fp4(codes).reshape(*shape[:-1], cols // 2)
+        row_scale = _padded(bits)
+    if columnwise:
+        codes, bits = _cast_rows(x2.t().contiguous(), col_amax, s_enc)
+        col_data = pack_fp4(codes)
+        col_scale = _padded(bits)
+    return NVFP4Data(
+        shape,
+        row_data,
+        row_scale,
+        col_data,
+        col_scale,
+        global_amax.clone() if rowwise else None,
+        global_amax.clone() if columnwise else None,
+    )
+
+
+def dequantize_codes(
+    packed: torch.Tensor,
+    scale_inv: torch.Tensor,
+    amax: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``dequantize_fp4_kernel`` on one usage's (R, C/2) bytes, compact scales: (R, C) values."""
+    packed2 = packed.view(torch.uint8).reshape(-1, packed.shape[-1])
+    rows, cols = packed2.shape[0], packed2.shape[1] * 2
+    values = decode_e2m1(unpack_fp4(packed2))
+    scales = _e4m3_values(scale_inv.view(torch.uint8)[:rows, : cols // BLOCK].contiguous())
+    factor_inv = _f32(1.0 / (FP4_MAX * E4M3_MAX))
+    final = (scales * amax.float().reshape(())) * factor_inv
+    out = values * final.repeat_interleave(BLOCK, dim=1)
+    return out.to(dtype)
+
+
+def dequantize(
+    data: NVFP4Data, dtype: torch.dtype = torch.float32, use: str = "rowwise"
+) -> torch.Tensor:
+    """High-precision values of ``data`` in its logical shape, from one usage's bytes."""
+    if use == "rowwise":
+        if data.rowwise_data is None:
+            raise ValueError("NVFP4 data holds no rowwise usage")
+        out = dequantize_codes(data.rowwise_data, data.rowwise_scale_inv, data.amax_rowwise, dtype)
+        return out.reshape(data.shape)
+    if use == "columnwise":
+        if data.columnwise_data is None:
+            raise ValueError("NVFP4 data holds no columnwise usage")
+        out = dequantize_codes(
+            data.columnwise_data, data.columnwise_scale_inv, data.amax_columnwise, dtype
+        )
+        return out.t().contiguous().reshape(data.shape)
+    raise ValueError(f"use must be 'rowwise' or 'columnwise', got {use!r}")
