@@ -474,6 +474,12 @@ try:
     NVFP4Quantizer()(torch.ones(20, 32)); refused["odd_shape"] = "accepted"
 except ValueError as exc:
     refused["odd_shape"] = "divisible by 16" in str(exc)
+import transformer_engine_torch as tex
+try:
+    tex.split_quantize(x, [16, 16], [NVFP4Quantizer(), NVFP4Quantizer()])
+    refused["split_quantize"] = "accepted"
+except NotImplementedError as exc:
+    refused["split_quantize"] = "not emulated yet" in str(exc)
 t = NVFP4Quantizer(rowwise=False)(x)
 try:
     t.dequantize(); refused["columnwise_dequant"] = "accepted"
@@ -525,6 +531,9 @@ def test_te_quantizer_inplace_empty_noop_and_2d_columnwise(te_results):
 
 @needs_te
 def test_te_quantizer_refuses_what_is_not_emulated(te_results):
+    """By name, never with other bytes: RHT, stochastic rounding, row-scaled and 4over6 NVFP4,
+    amax reduction, swizzled scales, NVFP4 in the TE-module kernels (``split_quantize``), odd
+    shapes (TE's own check) and columnwise-only dequantize (TE's own refusal)."""
     assert te_results["refused"] == {
         "rht": True,
         "stochastic_rounding": True,
@@ -533,5 +542,6 @@ def test_te_quantizer_refuses_what_is_not_emulated(te_results):
         "amax_reduction": True,
         "swizzled": True,
         "odd_shape": True,
+        "split_quantize": True,
         "columnwise_dequant": True,
     }

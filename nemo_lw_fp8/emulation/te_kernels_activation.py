@@ -52,7 +52,7 @@ def _out(y32: torch.Tensor, dtype: torch.dtype, quantizer: Any) -> Any:
         return y
     from . import te_extension
 
-    return te_extension.quantize(y, quantizer)
+    return te_extension.kernel_quantize("swiglu / dswiglu", y, quantizer)
 
 
 def _dsilu(a: torch.Tensor) -> torch.Tensor:

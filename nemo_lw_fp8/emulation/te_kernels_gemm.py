@@ -143,7 +143,7 @@ def _quantize_output(value: torch.Tensor, quantizer: Any, out: Any) -> Any:
     from . import te_extension
 
     try:
-        return te_extension.quantize(value, quantizer, out)
+        return te_extension.kernel_quantize("generic_gemm", value, quantizer, out)
     except NotImplementedError as exc:
         raise _refuse(f"output quantizer {type(quantizer).__name__}") from exc
 
@@ -254,4 +254,4 @@ def bgrad_quantize(grad_output: torch.Tensor, quantizer: Any) -> list[Any]:
         return [dbias, dy]
     from . import te_extension
 
-    return [dbias, te_extension.quantize(dy, quantizer)]
+    return [dbias, te_extension.kernel_quantize("bgrad_quantize", dy, quantizer)]

@@ -58,7 +58,7 @@ def split_quantize(
         raise ValueError(f"split sizes {sizes} do not add up to {tensor.shape[0]} rows")
     parts = torch.split(tensor.detach().contiguous(), sizes)
     pairs = zip(parts, quantizer_list, strict=True)
-    return [te_extension.quantize(part.contiguous(), q) for part, q in pairs]
+    return [te_extension.kernel_quantize("split_quantize", p.contiguous(), q) for p, q in pairs]
 
 
 def _check_rows(rows: Sequence[int], other: Sequence[int], what: str) -> list[tuple[int, int]]:

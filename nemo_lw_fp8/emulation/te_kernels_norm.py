@@ -55,7 +55,7 @@ def _finish(y32: torch.Tensor, x: torch.Tensor, out: Any, quantizer: Any, otype:
         from . import te_extension
 
         try:
-            return te_extension.quantize(y, quantizer, out)
+            return te_extension.kernel_quantize("norm forward", y, quantizer, out)
         except NotImplementedError as exc:
             raise NotImplementedError(
                 f"norm output quantizer {type(quantizer).__name__} is not implemented by {BACKEND}"
