@@ -377,6 +377,11 @@ import json
 from nemo_lw_fp8.emulation import activate
 R = {"backend": activate()}
 import torch
+from nemo_lw_fp8.cpu import te_device
+# NVFP4 is a Blackwell recipe: TE's device questions (NVFP4Quantizer.__init__ asks
+# torch.cuda.current_device for its Hadamard tensors) get the B200's answers, as in a run.
+SCOPE = te_device.target_gpu(te_device.BLACKWELL)  # kept: a dropped one exits
+SCOPE.__enter__()
 from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer, NVFP4Tensor
 from transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage import NVFP4TensorStorage
 from nemo_lw_fp8.emulation import nvfp4 as fp4

@@ -129,6 +129,7 @@ _REAL_IS_CUDA = torch.Tensor.is_cuda
 _REAL_IS_AVAILABLE = torch.cuda.is_available
 _REAL_IS_CAPTURING = torch.cuda.is_current_stream_capturing
 _REAL_CAPABILITY = torch.cuda.get_device_capability
+_NVFP4_TENSOR = "transformer_engine.pytorch.tensor.nvfp4_tensor"
 
 
 def _is_cuda(self: torch.Tensor) -> bool:
@@ -161,6 +162,25 @@ def _is_current_stream_capturing() -> bool:
     if name.startswith("transformer_engine."):
         return False
     return _REAL_IS_CAPTURING()
+
+
+def _current_device_answer(previous: Callable[[], Any]) -> Callable[[], Any]:
+    """``torch.cuda.current_device`` for ``NVFP4Quantizer.__init__`` (``tensor/nvfp4_tensor.py``),
+    which asks it for the device of the random-Hadamard sign mask and matrix it builds
+    (``get_random_sign_mask_for_rht``, ``get_rht_matrix``). On the GPU the answer is its index
+    and those tensors live beside the data; here the data live on the CPU, so the answer is the
+    CPU. Every other caller gets ``previous`` (torch's, or the CPU stand-ins' in rank workers)."""
+
+    def current_device() -> Any:
+        try:
+            name = sys._getframe(1).f_globals.get("__name__", "")
+        except ValueError:
+            name = ""
+        if name == _NVFP4_TENSOR and not _REAL_IS_AVAILABLE():
+            return torch.device("cpu")
+        return previous()
+
+    return current_device
 
 
 def _device_capability_answer(target: TargetGPU) -> Callable[..., tuple[int, int]]:
@@ -273,6 +293,9 @@ def _install(target: TargetGPU) -> list[Callable[[], None]]:
     undo.append(lambda: setattr(torch.cuda, "is_current_stream_capturing", _REAL_IS_CAPTURING))
     torch.cuda.get_device_capability = _device_capability_answer(target)
     undo.append(lambda: setattr(torch.cuda, "get_device_capability", _REAL_CAPABILITY))
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = _current_device_answer(current_device)
+    undo.append(lambda: setattr(torch.cuda, "current_device", current_device))
     _reset_support_caches()
     undo.append(_reset_support_caches)
     undo.append(gemm.get_cublas_workspace.cache_clear)

@@ -331,30 +331,7 @@ def _cpu_from_nvfp4_forward(_ctx: Any, tensor: Any, dtype: Any) -> Any:
     return te_extension.dequantize(tensor, TE_DType[dtype])
 
 
-_REAL_CURRENT_DEVICE: Any = None
-
-
-def _current_device_for_nvfp4() -> Any:
-    """``torch.cuda.current_device`` answering ``"cpu"`` to ``tensor/nvfp4_tensor.py`` alone
-    when torch has no CUDA: ``NVFP4Quantizer.__init__`` asks it for the device of its RHT sign
-    mask and matrix (``get_random_sign_mask_for_rht``, ``get_rht_matrix``), which then live on
-    the CPU. Every other caller, and every caller on a machine with CUDA, gets torch's answer."""
-    import sys
-
-    import torch
-
-    try:
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-    except ValueError:
-        caller = ""
-    if caller == "transformer_engine.pytorch.tensor.nvfp4_tensor" and not torch.cuda.is_available():
-        return "cpu"
-    return _REAL_CURRENT_DEVICE()
-
-
 def _patch_nvfp4() -> None:
-    global _REAL_CURRENT_DEVICE
-    import torch
     from transformer_engine.pytorch.tensor.storage import nvfp4_tensor_storage
 
     func = nvfp4_tensor_storage._FromNVFP4Func
@@ -362,11 +339,6 @@ def _patch_nvfp4() -> None:
         forward = functools.wraps(_cpu_from_nvfp4_forward)(_cpu_from_nvfp4_forward)
         forward.__wrapped_by_nemo_lw_fp8__ = True  # type: ignore[attr-defined]
         func.forward = staticmethod(forward)
-    if not getattr(torch.cuda.current_device, "__wrapped_by_nemo_lw_fp8__", False):
-        _REAL_CURRENT_DEVICE = torch.cuda.current_device
-        answer = functools.wraps(_REAL_CURRENT_DEVICE)(_current_device_for_nvfp4)
-        answer.__wrapped_by_nemo_lw_fp8__ = True  # type: ignore[attr-defined]
-        torch.cuda.current_device = answer
 
 
 def _patch_te_python() -> None:
