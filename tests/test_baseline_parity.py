@@ -42,7 +42,7 @@ def test_adam_ddp_equals_distributed_optimizer(world_size):
         assert_same_training(reference, candidate, f"distopt overlap={overlap}")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_plugin_leaves_bf16_training_unchanged(world_size):
     """With every patch applied and FP8 off, layer-wise Muon trains to the stock bits."""
     for overlap in (False, True):

@@ -52,9 +52,18 @@ def _assert_blockwise_groups(groups: list[list[str]]) -> None:
         assert len({kind.split(":")[0] for kind in group}) == 1, groups
 
 
-@pytest.mark.parametrize("distribution", LAYOUTS, ids=["padded", "compact"])
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+# Four ranks once in the gate (compact layout, overlap on); the other three four-rank cases
+# repeat that claim in the extended tier (docs/testing.md, "Two tiers").
+@pytest.mark.parametrize(
+    "distribution, world_size, overlap",
+    [(layout, size, overlap) for layout in LAYOUTS for size in (2, 4) for overlap in (False, True)
+     if size == 2 or (layout, overlap) == ("layerwise_compact", True)]
+    + [pytest.param(layout, 4, overlap, marks=pytest.mark.extended)
+       for layout in LAYOUTS for overlap in (False, True)
+       if (layout, overlap) != ("layerwise_compact", True)],
+    ids=lambda value: {False: "no-overlap", True: "overlap", "layerwise_padded": "padded",
+                       "layerwise_compact": "compact"}.get(value, str(value)),
+)  # fmt: skip
 def test_blockwise_param_gather_on_equals_off(distribution, world_size, overlap):
     scenario = BASE.with_(distribution=distribution, overlap=overlap)
     off = run(scenario, world_size)

@@ -3,6 +3,7 @@ every plugin feature on; FP8 param gather ON = OFF bitwise; the launchers' entry
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -111,17 +112,6 @@ def test_control_expert_runs_owner_keeping_its_old_runs_differ(tiny_run):
     assert _losses(stale) != _losses(whole)
 
 
-def test_pretrain_dry_run_resolves_and_checks():
-    done = subprocess.run(
-        [sys.executable, "-m", "nemo_lw_fp8.cli", "pretrain", "--recipe", "tiny_deepseek_v3",
-         "--dry-run", "optimizer.layer_wise_layout=padded"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "layer_wise_layout: padded" in done.stdout
-    assert "fp8_recipe: mxfp8" in done.stdout
-
-
 def _nemo() -> str:
     exe = shutil.which("nemo", path=str(Path(sys.executable).parent))
     if exe is None:
@@ -129,21 +119,60 @@ def _nemo() -> str:
     return exe
 
 
-def test_nemo_llm_pretrain_help_lists_the_recipes():
+#: The launchers' commands the tests below check: each only resolves (no training), and each
+#: spends its time importing NeMo / Bridge on one core, so they run side by side.
+_LAUNCHES = {
+    "pretrain dry run": [sys.executable, "-m", "nemo_lw_fp8.cli", "pretrain", "--recipe",
+                         "tiny_deepseek_v3", "--dry-run", "optimizer.layer_wise_layout=padded"],
+    "nemo help": ["{nemo}", "llm", "pretrain", "--help"],
+    "nemo dry run": ["{nemo}", "llm", "pretrain", "--factory", "tiny_qwen3_30b_a3b", "cpu=True",
+                     "--dryrun"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Each command of ``_LAUNCHES`` run to completion, concurrently: name -> its result.
+    Output goes to files, so no command waits on a full pipe while another is read."""
+    nemo, out = _nemo(), tmp_path_factory.mktemp("launches")
+    env = dict(os.environ, COLUMNS="200")
+    done = {}
+    with contextlib.ExitStack() as files:
+        running = {}
+        for index, (name, command) in enumerate(_LAUNCHES.items()):
+            argv = [nemo if part == "{nemo}" else part for part in command]
+            streams = [files.enter_context(open(out / f"{index}.{kind}", "w+"))
+                       for kind in ("out", "err")]  # fmt: skip
+            proc = subprocess.Popen(argv, stdout=streams[0], stderr=streams[1], env=env)
+            running[name] = (proc, streams)
+        for name, (proc, streams) in running.items():
+            proc.wait(timeout=600)
+            text = []
+            for stream in streams:
+                stream.seek(0)
+                text.append(stream.read())
+            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, *text)
+    return done
+
+
+def test_pretrain_dry_run_resolves_and_checks(launches):
+    done = launches["pretrain dry run"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "layer_wise_layout: padded" in done.stdout
+    assert "fp8_recipe: mxfp8" in done.stdout
+
+
+def test_nemo_llm_pretrain_help_lists_the_recipes(launches):
     from nemo_lw_fp8 import recipes
 
-    done = subprocess.run([_nemo(), "llm", "pretrain", "--help"], capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, COLUMNS="200"))
+    done = launches["nemo help"]
     assert done.returncode == 0, done.stderr[-3000:]
     for name in recipes.RECIPES:
         assert name in done.stdout, name
 
 
-def test_nemo_llm_pretrain_dry_run_resolves_a_recipe():
-    done = subprocess.run(
-        [_nemo(), "llm", "pretrain", "--factory", "tiny_qwen3_30b_a3b", "cpu=True", "--dryrun"],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, COLUMNS="200"),
-    )
+def test_nemo_llm_pretrain_dry_run_resolves_a_recipe(launches):
+    done = launches["nemo dry run"]
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-3000:]
     assert "tiny_qwen3_30b_a3b" in text
