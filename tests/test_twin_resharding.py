@@ -1,6 +1,9 @@
 """The flagship MXFP8 twin (DeepSeek-V3: PP 2 x VPP 2 x EP 2, MTP, single grouped MXFP8 experts,
 clipping, dropout) resumes through Megatron-Bridge at another data-parallel size and another
-grouped-weight ownership, as a user launches it (``nemo-lw-fp8 pretrain --cpu`` under torchrun).
+grouped-weight ownership, as a user launches it (``nemo-lw-fp8 pretrain --cpu``), on TE's own
+modules (``--cpu-modules te``, the default of tests/support/bridge_runs.py: megatron's TE spec,
+as on the GPU; the probe of tests/bridge_run.py counts TE modules and no project layer on every
+rank of A, B and C).
 
 Three runs: A (DP 2, 4 ranks, whole ownership) trains 2 iterations and saves; B (DP 4, 8 ranks,
 expert-run ownership: each grouped weight's experts split over the 2 ranks of its
@@ -23,9 +26,6 @@ from tests.support import bridge_runs as br
 from tests.support.harness import run_on_ranks
 
 RECIPE = "twin_deepseek_v3_mxfp8"
-#: The project's CPU layers: this eight-rank resharding has not run on TE's modules yet
-#: (docs/te-modules.md, "Not yet on TE's modules").
-MODULES = "project"
 #: Model-space Adam state (``fully_reshardable``; Bridge's default ``dp_reshardable`` reshards too,
 #: tested on the Hopper and Qwen3-235B twins in test_recipe_twins.py).
 COMMON = ("checkpoint.dist_ckpt_optim_fully_reshardable=true", "validation.eval_interval=100",
@@ -114,17 +114,20 @@ def test_flagship_twin_resumes_at_another_dp_size_and_ownership(tmp_path):
     at2, at4 = tmp_path / "dp2", tmp_path / "dp4"
     a = br.pretrain(tmp_path, "a", RECIPE, *COMMON, "train.train_iters=2",
                     f"checkpoint.save={at2}", "checkpoint.save_interval=2",
-                    "optimizer.grouped_weight_ownership=whole", nproc=4,
-                    cpu_modules=MODULES)  # fmt: skip
+                    "optimizer.grouped_weight_ownership=whole", nproc=4, probe=True)  # fmt: skip
     b = br.pretrain(tmp_path, "b", RECIPE, *COMMON, "train.train_iters=3",
                     f"checkpoint.load={at2}", "checkpoint.ckpt_step=2",
                     f"checkpoint.save={at4}", "checkpoint.save_interval=1",
                     "optimizer.grouped_weight_ownership=expert", nproc=8, timeout=1500,
-                    cpu_modules=MODULES)  # fmt: skip
+                    probe=True)  # fmt: skip
     load_b = (*COMMON, "train.train_iters=3", f"checkpoint.load={at4}", "checkpoint.ckpt_step=3",
               "optimizer.grouped_weight_ownership=whole")  # fmt: skip
-    c = br.pretrain(tmp_path, "c", RECIPE, *load_b, nproc=4, cpu_modules=MODULES)
+    c = br.pretrain(tmp_path, "c", RECIPE, *load_b, nproc=4, probe=True)
 
+    # What the ranks ran, not what was configured: TE's modules (megatron's TE spec, as on the
+    # GPU), no project CPU layer, at both sizes.
+    for rank in a["probe"] + b["probe"] + c["probe"]:
+        assert rank["te_modules"] > 0 and rank["project_layers"] == 0, rank
     saved = a["state"]["end"]
     kinds = {kind for entry in saved.values() for kind in entry}
     assert {"master", "momentum_buffer", "exp_avg", "exp_avg_sq"} <= kinds, kinds
@@ -138,7 +141,7 @@ def test_flagship_twin_resumes_at_another_dp_size_and_ownership(tmp_path):
     assert _differences(b["state"]["end"], c["state"]["start"]) == []  # DP 4 -> DP 2
 
     # Control: one ulp on the first master of each rank that owns one shows, and only there.
-    nudged = br.pretrain(tmp_path, "nudged", RECIPE, *load_b, nproc=4, cpu_modules=MODULES,
+    nudged = br.pretrain(tmp_path, "nudged", RECIPE, *load_b, nproc=4,
                          mutation="nudge_loaded_master")  # fmt: skip
     moved = _differences(b["state"]["end"], nudged["state"]["start"])
     assert len(moved) == 4, moved  # each of the 4 ranks owns Muon matrices: one entry each
