@@ -3,7 +3,6 @@ every plugin feature on; FP8 param gather ON = OFF bitwise; the launchers' entry
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import bridge_runs as br
+from tests.support.side_by_side import run_side_by_side
 
 HERE = Path(__file__).parent
 OFF = br.GATHER_OFF
@@ -132,27 +132,12 @@ _LAUNCHES = {
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    """Each command of ``_LAUNCHES`` run to completion, concurrently: name -> its result.
-    Output goes to files, so no command waits on a full pipe while another is read."""
-    nemo, out = _nemo(), tmp_path_factory.mktemp("launches")
-    env = dict(os.environ, COLUMNS="200")
-    done = {}
-    with contextlib.ExitStack() as files:
-        running = {}
-        for index, (name, command) in enumerate(_LAUNCHES.items()):
-            argv = [nemo if part == "{nemo}" else part for part in command]
-            streams = [files.enter_context(open(out / f"{index}.{kind}", "w+"))
-                       for kind in ("out", "err")]  # fmt: skip
-            proc = subprocess.Popen(argv, stdout=streams[0], stderr=streams[1], env=env)
-            running[name] = (proc, streams)
-        for name, (proc, streams) in running.items():
-            proc.wait(timeout=600)
-            text = []
-            for stream in streams:
-                stream.seek(0)
-                text.append(stream.read())
-            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, *text)
-    return done
+    """Each command of ``_LAUNCHES`` run to completion, side by side: name -> its result."""
+    nemo = _nemo()
+    commands = {name: [nemo if part == "{nemo}" else part for part in command]
+                for name, command in _LAUNCHES.items()}  # fmt: skip
+    return run_side_by_side(commands, tmp_path_factory.mktemp("launches"),
+                            env=dict(os.environ, COLUMNS="200"))  # fmt: skip
 
 
 def test_pretrain_dry_run_resolves_and_checks(launches):

@@ -2,7 +2,8 @@
 tested over (:mod:`nemo_lw_fp8.patches.fingerprints`), a megatron with a compact layout of its
 own keeps the plugin's, and Bridge patches asked for before Bridge is imported apply when it is.
 
-Each scenario runs in a fresh interpreter: it changes megatron's classes before ``apply()``.
+Each scenario runs in a fresh interpreter (it changes megatron's classes before ``apply()``);
+the module's interpreters run side by side (:mod:`tests.support.side_by_side`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from nemo_lw_fp8.patches import PATCH_MODULES
 from nemo_lw_fp8.patches.upstream_fingerprints import FINGERPRINTS
+from tests.support.side_by_side import run_side_by_side
 
 ROOT = Path(__file__).parent.parent
 
@@ -25,26 +29,16 @@ def _pythonpath() -> str:
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
-def _python(code: str) -> list[str]:
-    env = dict(os.environ, PYTHONPATH=_pythonpath())
-    env.pop("NEMO_LW_FP8_ALLOW_UNTESTED_MEGATRON", None)
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
-    )  # fmt: skip
+def _lines(done: subprocess.CompletedProcess) -> list[str]:
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()
 
 
-def test_record_is_current_for_the_installed_stack():
+def test_record_is_current_for_the_installed_stack(interpreters):
     """The record's entries for the installed megatron-core and Bridge are what those installs
     hold now, for every shipped patch (``python -m nemo_lw_fp8.patches.fingerprints --write``
     rewrites it)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "nemo_lw_fp8.patches.fingerprints"],
-        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=_pythonpath()), cwd=ROOT,
-        timeout=600,
-    )  # fmt: skip
+    done = interpreters["record"]
     assert done.returncode == 0, done.stderr[-3000:]
     path = ROOT / "nemo_lw_fp8" / "patches" / "upstream_fingerprints.py"
     assert done.stdout == path.read_text(), "stale record: run the command above"
@@ -72,13 +66,13 @@ UPGRADE = """
 """
 
 
-def test_a_changed_upstream_method_is_refused():
+def test_a_changed_upstream_method_is_refused(interpreters):
     """megatron's ``_ParamAndGradBucketGroup.start_grad_sync`` replaced by another function
     before ``apply()`` (what a patched container or a source install can hold at the same
     version): the compact layout, which wraps it for the owner reduce, refuses with one line
     naming the method and the way out, and leaves it alone. Control: the released method is
     patched."""
-    control, line, untouched = _python(UPGRADE)[-3:]
+    control, line, untouched = _lines(interpreters["upgrade"])[-3:]
     assert control == "patched"
     assert line.startswith("refused: nemo_lw_fp8 patch 'compact_layout' wraps "), line
     assert "_ParamAndGradBucketGroup.start_grad_sync" in line
@@ -107,11 +101,12 @@ COMPACT_UPSTREAM = """
 """
 
 
-def test_upstream_compact_setting_keeps_the_plugin_layout():
+def test_upstream_compact_setting_keeps_the_plugin_layout(interpreters):
     """A megatron whose DDP config gains ``use_layer_wise_param_layout`` (upstream's compact
     layout) is detected as having it, and the plugin's compact layout (the owner reduce wraps
     ``start_grad_sync``) still applies instead of stepping aside."""
-    assert _python(COMPACT_UPSTREAM)[-1] == "True patched nemo_lw_fp8.patches.compact_layout"
+    line = _lines(interpreters["compact upstream"])[-1]
+    assert line == "True patched nemo_lw_fp8.patches.compact_layout", line
 
 
 BRIDGE_LATER = """
@@ -134,10 +129,27 @@ BRIDGE_LATER = """
 """
 
 
-def test_bridge_patches_asked_for_before_bridge_is_imported_apply_on_import():
+def test_bridge_patches_asked_for_before_bridge_is_imported_apply_on_import(interpreters):
     """``apply()`` before Megatron-Bridge is imported reports its patches ``pending`` (not
     "native") and they are in place once Bridge is imported."""
-    line = _python(BRIDGE_LATER)[-1]
+    line = _lines(interpreters["bridge later"])[-1]
     assert line == (
         "6 {'pending'} {True} nemo_lw_fp8.patches.bridge_config_guards bridge_checkpoint_sharding"
     ), line
+
+
+@pytest.fixture(scope="module")
+def interpreters(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every scenario of this module, each in its own fresh interpreter, run side by side:
+    the record's command, then each script above with ``NEMO_LW_FP8_ALLOW_UNTESTED_MEGATRON``
+    removed (the refusal must not be waived)."""
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
+    strict = {key: value for key, value in env.items()
+              if key != "NEMO_LW_FP8_ALLOW_UNTESTED_MEGATRON"}  # fmt: skip
+    scripts = {"upgrade": UPGRADE, "compact upstream": COMPACT_UPSTREAM,
+               "bridge later": BRIDGE_LATER}  # fmt: skip
+    commands = {"record": [sys.executable, "-m", "nemo_lw_fp8.patches.fingerprints"]}
+    commands |= {name: [sys.executable, "-c", textwrap.dedent(code)]
+                 for name, code in scripts.items()}  # fmt: skip
+    return run_side_by_side(commands, tmp_path_factory.mktemp("fingerprints"), env=strict,
+                            cwd=ROOT, envs={"record": env})  # fmt: skip
