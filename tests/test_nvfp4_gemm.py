@@ -241,7 +241,7 @@ lin_r["control_wgrad_rowwise_x"] = eq(lin.weight.grad, dw_c)
 y_c, dx_c, dw_c2 = lin_refs(global_scale=False)
 lin_r["control_no_global_scale"] = [eq(y.detach().reshape(64, 128), y_c),
                                    eq(x.grad.reshape(64, 256), dx_c), eq(lin.weight.grad, dw_c2)]
-# a second step updates the cached weight in place (swizzled) and still matches
+# a second step re-casts the changed weight and still matches
 x.grad = None; lin.weight.grad = None; lin.bias.grad = None
 with torch.no_grad():
     lin.weight.add_(0.01)
@@ -327,8 +327,8 @@ def test_generic_gemm_nvfp4_equals_matmul_of_decoded_operands(te_results, gemm):
 def test_te_linear_nvfp4_trains_bitwise_like_reference(te_results):
     """TE's ``Linear`` (bias, 3-D input) under ``NVFP4BlockScaling`` with RHT and SR off:
     forward, dgrad, wgrad equal the reference (the plain cast + fp32 matmul in the usages TE's
-    GEMMs read, alpha epilogue), bias gradient the fp32 column sum, over two steps (the cached
-    swizzled weight updated in place). Controls: wgrad from x's rowwise copy, no global scale."""
+    GEMMs read, alpha epilogue), bias gradient the fp32 column sum, over two steps (the weight
+    re-cast). Controls: wgrad from x's rowwise copy, no global scale."""
     lin = te_results["linear"]
     assert lin["recipe_off"] == [True, True]
     # fprop (weight rowwise, swizzled), dgrad (weight columnwise, swizzled), wgrad (x, dy)

@@ -18,8 +18,21 @@ can be matched exactly:
   ``transb`` else rowwise. Quantized operands (MXFP8, blockwise FP8 1D / 2D) are dequantized
   exactly to fp32 from *that* copy (a stale columnwise copy therefore changes dgrad / wgrad, as
   on a GPU); plain operands are upcast to fp32.
+* NVFP4 operands (both must be NVFP4, as ``CanonicalizeGemmInput`` in
+  ``common/gemm/cublaslt_gemm.cu`` pairs them): each usage is read as the tensor cores read it,
+  ``e2m1 * e4m3`` block scale (exact in fp32), from compact or GEMM-swizzled scales (the latter
+  un-swizzled first, as cuBLAS reads them), *without* the tensor's global scale. TE does not
+  fold the global scales into the operands: ``cublas_gemm`` replaces alpha with
+  ``nvte_nvfp4_compute_per_tensor_scale``'s ``fp32(fp32(fp32(alpha * amax_A) * amax_B) *
+  fp32(1 / (6 * 6 * 448 * 448)))``, A's rowwise amax if ``transa`` else its columnwise one, B's
+  columnwise if ``transb`` else its rowwise one. The emulation does the same: that alpha
+  multiplies the fp32 product in the epilogue below (which rounds differently from a matmul of
+  ``dequantize()``'d operands). Row-scaled / 4over6 operands, an NVFP4 operand beside another
+  kind, and fp16 output (TE's "FP4 GEMM does not support FP16 output") are refused.
 * ``torch.matmul`` in fp32 on those operands (written ``matmul(op(B), op(A))`` with
-  transposes as views), then the fp32 epilogue: ``* alpha``; ``+ bias`` (fp32); with
+  transposes as views, a columnwise usage decoded as its stored ``(K, M)`` matrix and viewed
+  transposed), then the fp32 epilogue: ``* alpha`` (the NVFP4 alpha above for NVFP4
+  operands, always applied); ``+ bias`` (fp32); with
   ``accumulate``, ``+ beta * out`` in fp32 (``main_grad`` accumulation of
   ``gradient_accumulation_fusion``); a single cast to the output dtype, then the output quantizer
   (TE quantizes GEMM outputs unfused, after the cast) with the project's exact quantizers.
@@ -29,8 +42,8 @@ can be matched exactly:
 Refused by name: blockwise operands when the target GPU is SM >= 10.0 (TE's C++ converts them
 to MXFP8 scaling there, ``convert_block_scaling_to_mxfp8_tensor``: another computation), comm
 overlap (userbuffers), bulk overlap, the GELU epilogues, operands of
-recipes other than MXFP8 and blockwise FP8 (delayed / current per-tensor scaling, NVFP4),
-output quantizers other than MXFP8 and blockwise.
+recipes other than MXFP8, blockwise FP8 and NVFP4 (delayed / current per-tensor scaling),
+output quantizers other than MXFP8 and blockwise (an NVFP4 output quantizer included).
 """
 
 from __future__ import annotations
