@@ -470,11 +470,6 @@ for label, kw in {
         refused[label] = "accepted"
     except NotImplementedError as exc:
         refused[label] = "not emulated yet" in str(exc)
-q = NVFP4Quantizer(with_2d_quantization=True); q.optimize_for_gemm = True
-try:
-    q(x); refused["swizzled"] = "accepted"
-except NotImplementedError as exc:
-    refused["swizzled"] = "not emulated yet" in str(exc)
 try:
     NVFP4Quantizer()(torch.ones(20, 32)); refused["odd_shape"] = "accepted"
 except ValueError as exc:
@@ -537,7 +532,7 @@ def test_te_quantizer_inplace_empty_noop_and_2d_columnwise(te_results):
 @needs_te
 def test_te_quantizer_refuses_what_is_not_emulated(te_results):
     """By name, never with other bytes: RHT, stochastic rounding, row-scaled and 4over6 NVFP4,
-    amax reduction, swizzled scales, NVFP4 in the TE-module kernels (``split_quantize``), odd
+    amax reduction, NVFP4 in the TE-module kernels (``split_quantize``), odd
     shapes (TE's own check) and columnwise-only dequantize (TE's own refusal)."""
     assert te_results["refused"] == {
         "rht": True,
@@ -545,7 +540,6 @@ def test_te_quantizer_refuses_what_is_not_emulated(te_results):
         "row_scaled": True,
         "4over6": True,
         "amax_reduction": True,
-        "swizzled": True,
         "odd_shape": True,
         "split_quantize": True,
         "columnwise_dequant": True,

@@ -29,11 +29,18 @@ the TE 2.20.2 source it reproduces (paths under ``transformer_engine/common/``):
   along ``M`` (1D) or the same 16x16 tiles (2D); scales are ``(round_up(rows, 128),
   round_up(cols / 16, 4))`` uint8, zero in the padding (TE leaves it uninitialised);
 * dequantize (``cast/nvfp4/dequantize_nvfp4.cuh``): ``e2m1 * fp32(fp32(e4m3 * amax) *
-  fp32(1 / (6 * 448)))``, then a round-to-nearest cast to the output dtype.
+  fp32(1 / (6 * 448)))``, then a round-to-nearest cast to the output dtype;
+* GEMM-swizzled scales (``cast/nvfp4/swizzle.cuh``, ``gemm_swizzled_scale_idx``, written by the
+  2D kernel when ``optimize_for_gemm`` asks for them): each usage's compact ``(R, C/16)`` matrix
+  cut into 128x4 tiles stored row-major, rows interleaved in four groups of 32 inside a tile
+  (cuBLAS's layout, the same as MXFP8's rowwise one);
+* the NVFP4 GEMM (``common/gemm/cublaslt_gemm.cu``): the tensor cores multiply ``e2m1 * e4m3``
+  products; the two tensors' global scales enter through cuBLAS's alpha,
+  ``compute_nvfp4_per_tensor_scale_kernel`` (``recipe/nvfp4.cu``):
+  ``fp32(fp32(fp32(alpha * amax_A) * amax_B) * fp32(1 / (36 * 448 * 448)))``.
 
 Not emulated, refused by name where TE's quantizer asks for them: the random Hadamard transform
-(``with_rht``), stochastic rounding, row-scaled NVFP4, the 4over6 block selection and
-GEMM-swizzled scales.
+(``with_rht``), stochastic rounding, row-scaled NVFP4 and the 4over6 block selection.
 """
 
 from __future__ import annotations
@@ -66,16 +73,22 @@ _THRESHOLDS = (
 __all__ = [
     "BLOCK",
     "NVFP4Data",
+    "block_scales",
+    "decode_block_scaled",
     "decode_e2m1",
     "dequantize",
+    "dequantize_codes",
     "encode_e2m1",
+    "gemm_alpha",
     "global_encode_scale",
     "pack_fp4",
     "quantize",
     "scale_shape",
+    "swizzle_scales",
     "tensor_amax",
     "transpose_packed",
     "unpack_fp4",
+    "unswizzle_scales",
 ]
 
 
@@ -267,17 +280,67 @@ def quantize(
     )
 
 
+def swizzle_scales(compact: torch.Tensor) -> torch.Tensor:
+    """A usage's padded compact scales ``(R, C/16)`` in the GEMM-swizzled byte order (same shape).
+
+    ``gemm_swizzled_scale_idx`` (``cast/nvfp4/swizzle.cuh``) indexes both usages by (row of the
+    usage's data, block column), i.e. the compact matrix as stored, so this is the MXFP8 helper's
+    rowwise case (128x4 tiles, rows interleaved in four groups of 32)."""
+    from .mxfp8_format import swizzle_scales as _swizzle
+
+    return _swizzle(compact.view(torch.uint8), False)
+
+
+def unswizzle_scales(swizzled: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`swizzle_scales`."""
+    from .mxfp8_format import unswizzle_scales as _unswizzle
+
+    return _unswizzle(swizzled.view(torch.uint8), False)
+
+
+def block_scales(
+    scale_inv: torch.Tensor, rows: int, cols: int, swizzled: bool = False
+) -> torch.Tensor:
+    """fp32 values of the E4M3 block scales of a ``(rows, cols)`` usage, ``(rows, cols / 16)``."""
+    scale_inv = scale_inv.view(torch.uint8)
+    if swizzled:
+        scale_inv = unswizzle_scales(scale_inv)
+    return _e4m3_values(scale_inv[:rows, : cols // BLOCK].contiguous())
+
+
+def decode_block_scaled(
+    packed: torch.Tensor, scale_inv: torch.Tensor, swizzled: bool = False
+) -> torch.Tensor:
+    """``e2m1 * e4m3`` (exact in fp32) of one usage's (R, C/2) bytes: what the tensor cores
+    multiply, the tensor's global scale left out (the GEMM applies it through alpha)."""
+    packed2 = packed.view(torch.uint8).reshape(-1, packed.shape[-1])
+    rows, cols = packed2.shape[0], packed2.shape[1] * 2
+    values = decode_e2m1(unpack_fp4(packed2))
+    scales = block_scales(scale_inv, rows, cols, swizzled)
+    return values * scales.repeat_interleave(BLOCK, dim=1)
+
+
+def gemm_alpha(alpha: float, amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tensor:
+    """``compute_nvfp4_per_tensor_scale_kernel`` (``recipe/nvfp4.cu``): the fp32 alpha cuBLAS
+    gets for an NVFP4 GEMM, ``((alpha * amax_A) * amax_B) * fp32(1 / (6 * 6 * 448 * 448))``."""
+    factor_inv = _f32(1.0 / (FP4_MAX * FP4_MAX * E4M3_MAX * E4M3_MAX))
+    value = _f32(alpha) * amax_a.float().reshape(()) * amax_b.float().reshape(())
+    return value * factor_inv
+
+
 def dequantize_codes(
     packed: torch.Tensor,
     scale_inv: torch.Tensor,
     amax: torch.Tensor,
     dtype: torch.dtype = torch.float32,
+    swizzled: bool = False,
 ) -> torch.Tensor:
-    """``dequantize_fp4_kernel`` on one usage's (R, C/2) bytes, compact scales: (R, C) values."""
+    """``dequantize_fp4_kernel`` on one usage's (R, C/2) bytes: (R, C) values. ``swizzled``
+    reads GEMM-swizzled scales (un-swizzled first; TE's kernel only reads compact ones)."""
     packed2 = packed.view(torch.uint8).reshape(-1, packed.shape[-1])
     rows, cols = packed2.shape[0], packed2.shape[1] * 2
     values = decode_e2m1(unpack_fp4(packed2))
-    scales = _e4m3_values(scale_inv.view(torch.uint8)[:rows, : cols // BLOCK].contiguous())
+    scales = block_scales(scale_inv, rows, cols, swizzled)
     factor_inv = _f32(1.0 / (FP4_MAX * E4M3_MAX))
     final = (scales * amax.float().reshape(())) * factor_inv
     out = values * final.repeat_interleave(BLOCK, dim=1)

@@ -168,7 +168,9 @@ def kernel_quantize(kernel: str, tensor: torch.Tensor, quantizer: Any, output: A
     """``quantize`` as the emulated TE-module kernels (``te_kernels_*.py``) call it for their
     quantized outputs: NVFP4 is refused there by name, since only the plain ``tex.quantize``
     cast has been compared with TE's NVFP4 kernels (TE's fused and multi-tensor NVFP4 paths --
-    split quantize, norm / activation / GEMM outputs, bgrad -- have not been read yet)."""
+    split quantize, norm / activation / GEMM outputs -- have not been read yet). ``bgrad_quantize``
+    does not come here for NVFP4: ``bias.cpp`` has no fused NVFP4 kernel and calls the plain
+    cast (``te_kernels_gemm.bgrad_quantize``)."""
     if isinstance(quantizer, _nvfp4.nvfp4_classes()[0]):
         raise NotImplementedError(
             f"tex.{kernel} with an NVFP4Quantizer is not emulated yet by {_BACKEND}; only "

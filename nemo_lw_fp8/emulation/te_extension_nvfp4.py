@@ -28,6 +28,7 @@ from .te_extension_common import BACKEND, noop_set, plain_source, torch_dtype
 __all__ = [
     "check_supported",
     "dequantize_nvfp4",
+    "emits_swizzled_scales",
     "empty_nvfp4",
     "nvfp4_2d_scale_transpose",
     "nvfp4_classes",
@@ -69,12 +70,36 @@ def check_supported(quantizer: Any) -> None:
         raise _not_emulated("4over6 block selection (nvfp4_use_4over6)")
     if quantizer.with_amax_reduction:
         raise _not_emulated("amax reduction across ranks (with_amax_reduction)")
-    if quantizer.optimize_for_gemm and quantizer.with_2d_quantization:
-        # nvfp4_emits_gemm_swizzled_scales: the plain 2D kernel may write swizzled scales
-        raise _not_emulated("GEMM-swizzled scales (optimize_for_gemm with 2D quantization)")
     if os.environ.get("NVTE_USE_FAST_MATH", "0") not in ("", "0"):
         # the tuned 1D kernel then scales by a bf16 coefficient instead of an fp32 one
         raise _not_emulated("fast-math cast (NVTE_USE_FAST_MATH)")
+
+
+def emits_swizzled_scales(quantizer: Any, shape: tuple[int, ...]) -> bool:
+    """``nvfp4_emits_gemm_swizzled_scales`` (``pytorch/csrc/quantizer.cpp``) without RHT: the
+    plain 2D kernel writes GEMM-swizzled scales when ``optimize_for_gemm`` asks for them, both
+    flattened dims are multiples of 128 and the GPU is SM 10.0 to 11.0
+    (``is_eligible_for_2d_swizzle_fusion``); every other cast writes compact scales (the GEMM
+    swizzles those itself)."""
+    if not (quantizer.optimize_for_gemm and quantizer.with_2d_quantization):
+        return False
+    rows, cols = _fp4.flat_2d(shape)
+    if rows % 128 or cols % 128:
+        return False
+    from nemo_lw_fp8.cpu.te_device import require_target
+
+    major, minor = require_target("NVFP4Quantizer::create_tensor (sm_arch)").compute_capability
+    return 100 <= major * 10 + minor <= 110
+
+
+def _swizzle(data: _fp4.NVFP4Data) -> _fp4.NVFP4Data:
+    """The scales of ``data`` rewritten in the GEMM-swizzled order (the 2D kernel's
+    ``WITH_GEMM_SWIZZLED_SCALES`` stores)."""
+    if data.rowwise_scale_inv is not None:
+        data.rowwise_scale_inv = _fp4.swizzle_scales(data.rowwise_scale_inv)
+    if data.columnwise_scale_inv is not None:
+        data.columnwise_scale_inv = _fp4.swizzle_scales(data.columnwise_scale_inv)
+    return data
 
 
 def _wrap(quantizer: Any, data: _fp4.NVFP4Data, fake_dtype: torch.dtype, device: Any) -> Any:
@@ -89,7 +114,7 @@ def _wrap(quantizer: Any, data: _fp4.NVFP4Data, fake_dtype: torch.dtype, device:
         "amax_columnwise": data.amax_columnwise,
         "fp4_dtype": quantizer.dtype,
         "quantizer": quantizer,
-        "with_gemm_swizzled_scales": False,
+        "with_gemm_swizzled_scales": emits_swizzled_scales(quantizer, data.shape),
         "row_scaled_nvfp4": False,
         "nvfp4_use_4over6": False,
         "nvfp4_e4m3_max": 448,
@@ -156,8 +181,18 @@ def _fill(output: Any, quantizer: Any, fresh: _fp4.NVFP4Data) -> Any:
                 setattr(output, attr, value)
             else:
                 current.view(value.dtype).copy_(value.view(current.shape))
-    output._with_gemm_swizzled_scales = False
+    output._with_gemm_swizzled_scales = emits_swizzled_scales(quantizer, fresh.shape)
     return output
+
+
+def _cast(src: torch.Tensor, quantizer: Any, shape: tuple[int, ...]) -> _fp4.NVFP4Data:
+    data = _fp4.quantize(
+        src,
+        rowwise=quantizer.rowwise_usage,
+        columnwise=quantizer.columnwise_usage,
+        two_d=bool(quantizer.with_2d_quantization),
+    )
+    return _swizzle(data) if emits_swizzled_scales(quantizer, shape) else data
 
 
 def quantize_nvfp4(
@@ -173,30 +208,18 @@ def quantize_nvfp4(
     _fp4.flat_2d(shape)
     skip = noop_set(noop) or src.numel() == 0
     if output is None:
-        if skip:
-            data = _empty_data(quantizer, shape, src.device)
-        else:
-            data = _fp4.quantize(
-                src,
-                rowwise=quantizer.rowwise_usage,
-                columnwise=quantizer.columnwise_usage,
-                two_d=bool(quantizer.with_2d_quantization),
-            )
+        data = _empty_data(quantizer, shape, src.device) if skip else _cast(src, quantizer, shape)
         return _wrap(quantizer, data, src.dtype, src.device)
     if skip:
         return output
-    fresh = _fp4.quantize(
-        src,
-        rowwise=quantizer.rowwise_usage,
-        columnwise=quantizer.columnwise_usage,
-        two_d=bool(quantizer.with_2d_quantization),
-    )
+    fresh = _cast(src, quantizer, shape)
     return _fill(output, quantizer, fresh)
 
 
 def dequantize_nvfp4(input: Any, otype: Any) -> torch.Tensor:  # noqa: A002 - TE's argument name
     """``tex.dequantize`` of an NVFP4 tensor: from its rowwise data, as TE's kernel (TE's Python
-    refuses columnwise-only tensors before calling it)."""
+    refuses columnwise-only tensors before calling it). TE's ``dequantize_fp4_kernel`` reads the
+    scales as compact; swizzled ones are refused by name rather than misread."""
     if input._with_gemm_swizzled_scales:
         raise _not_emulated("dequantize of GEMM-swizzled scales")
     if input._row_scaled_nvfp4 or input._nvfp4_use_4over6:

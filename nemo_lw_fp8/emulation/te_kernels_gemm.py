@@ -18,8 +18,21 @@ can be matched exactly:
   ``transb`` else rowwise. Quantized operands (MXFP8, blockwise FP8 1D / 2D) are dequantized
   exactly to fp32 from *that* copy (a stale columnwise copy therefore changes dgrad / wgrad, as
   on a GPU); plain operands are upcast to fp32.
+* NVFP4 operands (both must be NVFP4, as ``CanonicalizeGemmInput`` in
+  ``common/gemm/cublaslt_gemm.cu`` pairs them): each usage is read as the tensor cores read it,
+  ``e2m1 * e4m3`` block scale (exact in fp32), from compact or GEMM-swizzled scales (the latter
+  un-swizzled first, as cuBLAS reads them), *without* the tensor's global scale. TE does not
+  fold the global scales into the operands: ``cublas_gemm`` replaces alpha with
+  ``nvte_nvfp4_compute_per_tensor_scale``'s ``fp32(fp32(fp32(alpha * amax_A) * amax_B) *
+  fp32(1 / (6 * 6 * 448 * 448)))``, A's rowwise amax if ``transa`` else its columnwise one, B's
+  columnwise if ``transb`` else its rowwise one. The emulation does the same: that alpha
+  multiplies the fp32 product in the epilogue below (which rounds differently from a matmul of
+  ``dequantize()``'d operands). Row-scaled / 4over6 operands, an NVFP4 operand beside another
+  kind, and fp16 output (TE's "FP4 GEMM does not support FP16 output") are refused.
 * ``torch.matmul`` in fp32 on those operands (written ``matmul(op(B), op(A))`` with
-  transposes as views), then the fp32 epilogue: ``* alpha``; ``+ bias`` (fp32); with
+  transposes as views, a columnwise usage decoded as its stored ``(K, M)`` matrix and viewed
+  transposed), then the fp32 epilogue: ``* alpha`` (the NVFP4 alpha above for NVFP4
+  operands, always applied); ``+ bias`` (fp32); with
   ``accumulate``, ``+ beta * out`` in fp32 (``main_grad`` accumulation of
   ``gradient_accumulation_fusion``); a single cast to the output dtype, then the output quantizer
   (TE quantizes GEMM outputs unfused, after the cast) with the project's exact quantizers.
@@ -29,8 +42,8 @@ can be matched exactly:
 Refused by name: blockwise operands when the target GPU is SM >= 10.0 (TE's C++ converts them
 to MXFP8 scaling there, ``convert_block_scaling_to_mxfp8_tensor``: another computation), comm
 overlap (userbuffers), bulk overlap, the GELU epilogues, operands of
-recipes other than MXFP8 and blockwise FP8 (delayed / current per-tensor scaling, NVFP4),
-output quantizers other than MXFP8 and blockwise.
+recipes other than MXFP8, blockwise FP8 and NVFP4 (delayed / current per-tensor scaling),
+output quantizers other than MXFP8 and blockwise (an NVFP4 output quantizer included).
 """
 
 from __future__ import annotations
@@ -43,7 +56,13 @@ from . import blockwise as bw
 from . import mxfp8 as mx
 from .te_extension_common import BACKEND, torch_dtype
 
-__all__ = ["bgrad_quantize", "dequantize_operand", "generic_gemm", "operand_shape"]
+__all__ = [
+    "bgrad_quantize",
+    "dequantize_operand",
+    "generic_gemm",
+    "nvfp4_alpha",
+    "operand_shape",
+]
 
 TEX_KERNELS = ("bgrad_quantize", "generic_gemm")
 """The ``transformer_engine_torch`` names this module provides."""
@@ -61,18 +80,28 @@ def _storage_kind(tensor: Any) -> str:
         Float8BlockwiseQTensorStorage,
     )
     from transformer_engine.pytorch.tensor.storage.mxfp8_tensor_storage import MXFP8TensorStorage
+    from transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage import NVFP4TensorStorage
 
     if isinstance(tensor, MXFP8TensorStorage):
         return "mxfp8"
     if isinstance(tensor, Float8BlockwiseQTensorStorage):
         return "blockwise"
-    raise _refuse(f"a {type(tensor).__name__} operand (only bf16/fp16/fp32, MXFP8 and blockwise)")
+    if isinstance(tensor, NVFP4TensorStorage):
+        return "nvfp4"
+    raise _refuse(
+        f"a {type(tensor).__name__} operand (only bf16/fp16/fp32, MXFP8, blockwise and NVFP4)"
+    )
 
 
 def operand_shape(tensor: Any) -> tuple[int, ...]:
     """The logical shape of a GEMM operand (a quantized one's high-precision shape)."""
-    if _storage_kind(tensor) == "plain":
+    kind = _storage_kind(tensor)
+    if kind == "plain":
         return tuple(tensor.shape)
+    if kind == "nvfp4" and tensor._rowwise_data is None and tensor._columnwise_data is not None:
+        # the C++ GEMM reads the (K, M/2) bytes as (M, K); TE's Python size() would warn
+        cols, half_rows = tensor._columnwise_data.shape
+        return (int(half_rows) * 2, int(cols))
     return tuple(tensor.size())
 
 
@@ -100,9 +129,11 @@ def dequantize_operand(tensor: Any, usage: str) -> torch.Tensor:
             f"GEMM requested the {usage} representation of a {type(tensor).__name__}, but it "
             "is unavailable (as TE's general_gemm refuses)"
         )
-    fp8 = torch_dtype(tensor._fp8_dtype)
     if rows * cols == 0:
         return torch.zeros(rows, cols, dtype=torch.float32, device=codes.device)
+    if kind == "nvfp4":
+        return _nvfp4_operand(tensor, codes, scales, columnwise, rows, cols)
+    fp8 = torch_dtype(tensor._fp8_dtype)
     if kind == "mxfp8":
         values = mx.dequantize_codes(
             codes.reshape(rows, cols),
@@ -122,6 +153,36 @@ def dequantize_operand(tensor: Any, usage: str) -> torch.Tensor:
             shaped, scales, fp8, block_dim=block_dim, columnwise=columnwise, dtype=torch.float32
         )
     return values.reshape(rows, cols)
+
+
+def _nvfp4_operand(
+    tensor: Any, codes: torch.Tensor, scales: torch.Tensor, columnwise: bool, rows: int, cols: int
+) -> torch.Tensor:
+    """An NVFP4 usage as the tensor cores read it: ``e2m1 * e4m3`` (exact in fp32), the global
+    scale left to the GEMM's alpha (:func:`nvfp4_alpha`); compact or GEMM-swizzled scales."""
+    from . import nvfp4 as fp4
+
+    if tensor._row_scaled_nvfp4 or tensor._nvfp4_use_4over6:
+        raise _refuse("a row-scaled or 4over6 NVFP4 operand")
+    if int(tensor._nvfp4_e4m3_max) != 448:
+        raise _refuse(f"an NVFP4 operand with nvfp4_e4m3_max={tensor._nvfp4_e4m3_max}")
+    swizzled = bool(tensor._with_gemm_swizzled_scales)
+    values = fp4.decode_block_scaled(codes, scales, swizzled)
+    return values.t() if columnwise else values.reshape(rows, cols)
+
+
+def nvfp4_alpha(alpha: float, A: Any, transa: bool, B: Any, transb: bool) -> torch.Tensor:  # noqa: N803
+    """The alpha cuBLAS gets for an NVFP4 x NVFP4 GEMM (``cublaslt_gemm.cu`` via
+    ``nvte_nvfp4_compute_per_tensor_scale``): ``alpha`` times the amaxes of the usages read
+    (A's rowwise amax if ``transa`` else its columnwise one; B's columnwise if ``transb`` else
+    its rowwise one) times ``1 / (6 * 6 * 448 * 448)``, in fp32 left to right."""
+    from . import nvfp4 as fp4
+
+    amax_a = A._amax_rowwise if transa else A._amax_columnwise
+    amax_b = B._amax_columnwise if transb else B._amax_rowwise
+    if amax_a is None or amax_b is None:
+        raise RuntimeError("NVFP4 GEMM operand has no amax for the usage the GEMM reads")
+    return fp4.gemm_alpha(alpha, amax_a, amax_b)
 
 
 def _output_shape(
@@ -207,12 +268,19 @@ def generic_gemm(
         if target is not None and target.compute_capability >= (10, 0):
             # TE's C++ GEMM converts blockwise operands to MXFP8 on SM >= 10.0 (not emulated).
             raise _refuse(f"blockwise FP8 operands on SM {target.compute_capability} (Blackwell)")
+    nvfp4 = "nvfp4" in (a_kind, b_kind)
+    if nvfp4 and a_kind != b_kind:
+        raise _refuse(f"an NVFP4 operand beside a {b_kind if a_kind == 'nvfp4' else a_kind} one")
+    if nvfp4 and dtype == torch.float16:
+        raise ValueError("FP4 GEMM does not support FP16 output!")
     a = dequantize_operand(A, "rowwise" if transa else "columnwise")
     b = dequantize_operand(B, "columnwise" if transb else "rowwise")
     op_a = a.t() if transa else a
     op_b = b.t() if transb else b
     acc = torch.matmul(op_b, op_a)
-    if alpha != 1.0:
+    if nvfp4:
+        acc = acc * nvfp4_alpha(alpha, A, transa, B, transb)
+    elif alpha != 1.0:
         acc = acc * alpha
     bias_grad = None
     if bias is not None:
@@ -241,9 +309,11 @@ def generic_gemm(
 
 
 def bgrad_quantize(grad_output: torch.Tensor, quantizer: Any) -> list[Any]:
-    """``tex.bgrad_quantize`` (``grad_output_preprocess`` in ``module/base.py``, MXFP8 backward):
-    ``[dbias, quantized dy]``; dbias is the fp32 column sum of ``dy`` cast to ``dy``'s dtype (the
-    fused kernel's fp32 reduction), the quantization the project's exact one."""
+    """``tex.bgrad_quantize`` (``grad_output_preprocess`` in ``module/base.py``, MXFP8 and NVFP4
+    backward): ``[dbias, quantized dy]``; dbias is the fp32 column sum of ``dy`` cast to ``dy``'s
+    dtype (the fused MXFP8 kernel's fp32 reduction; for NVFP4 ``bias.cpp`` takes its unfused path,
+    ``at::sum_out`` in ``dy``'s dtype, which reduces in fp32 too), the quantization the project's
+    exact one (for NVFP4 the plain ``tex.quantize`` cast, as ``bias.cpp`` calls it)."""
     dy = grad_output.detach().contiguous()
     size = int(dy.shape[-1])
     if dy.numel() == 0:
@@ -253,5 +323,9 @@ def bgrad_quantize(grad_output: torch.Tensor, quantizer: Any) -> list[Any]:
     if quantizer is None:
         return [dbias, dy]
     from . import te_extension
+    from .te_extension_nvfp4 import nvfp4_classes
 
+    if isinstance(quantizer, nvfp4_classes()[0]):
+        # bias.cpp has no fused NVFP4 kernel: ``at::sum_out`` then the quantizer's plain cast
+        return [dbias, te_extension.quantize(dy, quantizer)]
     return [dbias, te_extension.kernel_quantize("bgrad_quantize", dy, quantizer)]
