@@ -136,6 +136,22 @@ def expert_paths() -> dict[str, object]:
     }
 
 
+def nvfp4_support(accelerator_report: dict[str, object]) -> dict[str, object]:
+    """What NVFP4 can do here: TE's kernels on a Blackwell GPU, else the CPU emulation's share
+    of TE's NVFP4 (docs/nvfp4.md), and where layer-wise Muon stands with it."""
+    from .emulation import te_extension_nvfp4
+
+    capability = accelerator_report.get("compute_capability")
+    return {
+        # TE's NVFP4 kernels need SM 10.0 or newer (Blackwell).
+        "gpu_kernels": capability is not None and int(str(capability).split(".")[0]) >= 10,
+        "cpu_emulation": list(te_extension_nvfp4.EMULATED),
+        "refused_on_cpu": list(te_extension_nvfp4.REFUSED),
+        "layer_wise_muon": "single grouped NVFP4 expert weights refused (rule "
+        "grouped-weight-nvfp4-layer-wise); no FP4 param gather yet; no NVFP4 recipe",
+    }
+
+
 def collect() -> dict[str, object]:
     from . import tested_env
 
@@ -143,10 +159,12 @@ def collect() -> dict[str, object]:
     versions = {"python": platform.python_version()}
     # Looked up by normalized name, so TE's package in <venv>/te-emulation counts as installed.
     versions.update({label: installed.get(tested_env.normalize(dist)) for label, dist in PACKAGES})
+    device = accelerator()
     return {
         "versions": versions,
         "drift": [asdict(row) for row in tested_env.drift(installed=installed)],
-        "accelerator": accelerator(),
+        "accelerator": device,
+        "nvfp4": nvfp4_support(device),
         "fp8_backend": fp8_backend(),
         "upstream": [asdict(row) for row in upstream_status()],
         "expert_path": expert_paths(),
@@ -179,6 +197,15 @@ def render(report: dict[str, object]) -> str:
     lines.append(f"accelerator:           {acc['kind']} ({detail})")
     backend = report["fp8_backend"]
     lines.append(f"fp8 backend:           {backend['backend']} - {backend['reason']}")
+    fp4 = report.get("nvfp4")
+    if fp4:
+        lines.append("")
+        lines.append("nvfp4 (docs/nvfp4.md):")
+        here = "yes" if fp4["gpu_kernels"] else "no (needs SM 10.0+)"
+        lines.append(f"  TE's GPU kernels here: {here}")
+        lines += [f"  emulated on CPU:       {item}" for item in fp4["cpu_emulation"]]
+        lines += [f"  refused on CPU:        {item}" for item in fp4["refused_on_cpu"]]
+        lines.append(f"  layer-wise Muon:       {fp4['layer_wise_muon']}")
     lines.append("")
     lines.append(f"{'change':<7} {'status':<20} {'what':<52} reason")
     for row in report["upstream"]:

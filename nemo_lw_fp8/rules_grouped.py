@@ -106,10 +106,12 @@ def _grouped_nvfp4_layer_wise(s: Settings) -> str | None:
         return (
             f"--moe-single-grouped-weight with layer-wise Muon and --fp4-recipe {s.fp4_recipe} is "
             "not verified: the plugin's per-expert Muon is tested bitwise on CPU for bf16 and "
-            "MXFP8 only, and the CPU emulation of Transformer Engine has no NVFP4 GEMM, so "
-            "the NVFP4 grouped path (packed rowwise bytes in DDP's param buffer) has never run "
-            "under layer-wise Muon. Fix: use --fp8-recipe mxfp8 or bf16 for the experts, or "
-            "--moe-single-grouped-weight off (discrete expert weights)."
+            "MXFP8 only, and the CPU emulation of Transformer Engine runs NVFP4 only through "
+            "TE's Linear (no grouped NVFP4 GEMM, no random Hadamard transform or stochastic "
+            "rounding; docs/nvfp4.md), so the NVFP4 grouped path (packed rowwise bytes in "
+            "DDP's param buffer) has never run under layer-wise Muon. Fix: use --fp8-recipe "
+            "mxfp8 or bf16 for the experts, or --moe-single-grouped-weight off (discrete expert "
+            "weights)."
         )
     return None
 

@@ -115,6 +115,22 @@ def test_doctor_names_the_drift(tmp_path, monkeypatch, capsys):
     assert re.search(rf"torch\s+tested 2\.0\.0\s+installed {installed}", table)
 
 
+def test_doctor_names_nvfp4_support():
+    """``doctor`` says what NVFP4 can do here: TE's kernels only on SM 10.0+, otherwise the CPU
+    emulation's share, with the refusals and layer-wise Muon's standing."""
+    from nemo_lw_fp8.emulation import te_extension_nvfp4
+
+    assert doctor.nvfp4_support({"kind": "cuda", "compute_capability": "10.0"})["gpu_kernels"]
+    assert not doctor.nvfp4_support({"kind": "cuda", "compute_capability": "9.0"})["gpu_kernels"]
+    report = doctor.collect()
+    assert report["nvfp4"]["gpu_kernels"] is False  # no GPU on the test machines
+    table = doctor.render(report)
+    assert "TE's GPU kernels here: no (needs SM 10.0+)" in table
+    for item in te_extension_nvfp4.EMULATED + te_extension_nvfp4.REFUSED:
+        assert item in table
+    assert "grouped-weight-nvfp4-layer-wise" in table
+
+
 # --- pip install into an environment that already satisfies the requirements -----------------
 
 # An environment as a container has it: the packages' metadata (what pip's resolver reads), each

@@ -38,6 +38,22 @@ __all__ = [
 
 _FP4_DTYPE = 10  # DType.kFloat4E2M1
 
+#: What of TE's NVFP4 runs on CPU (``doctor`` prints it; docs/nvfp4.md has the detail).
+EMULATED = (
+    "NVFP4Quantizer casts (1x16 and 16x16 blocks, rowwise / columnwise, compact and "
+    "GEMM-swizzled scales), TE-exact",
+    "generic_gemm on NVFP4 x NVFP4 operands (TE Linear's fprop, dgrad, wgrad): exact operands, "
+    "fp32 product",
+    "bgrad_quantize with an NVFP4 quantizer",
+)
+#: What is refused by name (:func:`check_supported`, the GEMM and the output-quantizing kernels).
+REFUSED = (
+    "random Hadamard transform (set NVTE_NVFP4_DISABLE_RHT=1 on CPU)",
+    "stochastic rounding (set NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1 on CPU)",
+    "row-scaled NVFP4, 4over6, amax reduction across ranks, fast-math casts",
+    "grouped NVFP4 GEMMs and NVFP4 outputs of split_quantize, the norms and SwiGLU",
+)
+
 
 def nvfp4_classes() -> tuple[type, type, type]:
     """TE's (quantizer, tensor, storage) NVFP4 classes, imported when first needed."""
