@@ -13,7 +13,9 @@ from tests.support import bridge_runs as br
 RECIPE = "tiny_deepseek_v3_hopper"
 STEPS = 3
 
-pytestmark = pytest.mark.usefixtures("bridge_installed")
+#: Extended: the gate checks the same claim with the same control on the flagship Hopper twin
+#: (``test_recipe_twins.py``: ``deepseek_v3_hopper`` ON = OFF and its stale-columnwise control).
+pytestmark = [pytest.mark.usefixtures("bridge_installed"), pytest.mark.extended]
 
 
 def _train(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
