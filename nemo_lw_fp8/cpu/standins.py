@@ -26,6 +26,15 @@ Stand-ins (each can be installed and removed on its own):
     broadcast per source rank. Call sites: ``LayerWiseDistributedOptimizer.allgather_params``
     (legacy layer-wise path) and ``_ParamAndGradBucketGroup.start_param_sync`` (its layer-wise
     branch, #3524).
+``gloo_coalescing``
+    TE's quantized all-gathers over the tensor-parallel group (sequence parallelism: MXFP8 /
+    blockwise / NVFP4 data and scales gathered together) open
+    ``torch.distributed._coalescing_manager(group, device=..., async_ops=...)``; with a device,
+    torch starts the backend's own coalescing (``_start_coalescing``), which gloo does not
+    implement. On a gloo group the stand-in drops the device, so torch records the gathers and
+    issues them as one coalesced all-gather (its other path, which gloo implements): the same
+    collectives, the same bytes. Call sites: ``_all_gather_mxfp8``,
+    ``_start_all_gather_fp8_blockwise``, ``_all_gather_nvfp4`` (TE ``pytorch/distributed.py``).
 ``cpu_rng``
     ``CudaRNGStatesTracker.add`` / ``fork`` keep named CUDA generator states; on CPU they keep and
     swap states of the CPU generator instead. The CUDA default generator is a stream of its own
@@ -279,6 +288,21 @@ def _install_uneven_all_gather() -> Callable[[], None]:
     return _swap_attrs(dist, {"all_gather": all_gather})
 
 
+# --------------------------------------------------------------------------- gloo_coalescing
+
+
+def _install_gloo_coalescing() -> Callable[[], None]:
+    original = dist._coalescing_manager
+
+    @functools.wraps(original)
+    def coalescing_manager(group=None, device=None, async_ops=False):  # noqa: ANN001
+        if device is not None and dist.get_backend(group) == "gloo":
+            device = None  # gloo has no _start_coalescing; torch then coalesces the ops itself
+        return original(group=group, device=device, async_ops=async_ops)
+
+    return _swap_attrs(dist, {"_coalescing_manager": coalescing_manager})
+
+
 # --------------------------------------------------------------------------- cpu_rng
 
 
@@ -504,6 +528,7 @@ STANDINS: dict[str, StandIn] = {
         StandIn("cuda_runtime", "DDP buffers and streams", _install_cuda_runtime),
         StandIn("cuda_device", "device='cuda' and param.type() checks", _install_cuda_device),
         StandIn("uneven_all_gather", "layer-wise uneven gathers", _install_uneven_all_gather),
+        StandIn("gloo_coalescing", "TE's coalesced TP gathers on gloo", _install_gloo_coalescing),
         StandIn("cpu_rng", "CUDA RNG streams and tracker forks", _install_cpu_rng),
         StandIn(
             "checkpoint_dequantize", "torch_dist writer on CPU", _install_checkpoint_dequantize

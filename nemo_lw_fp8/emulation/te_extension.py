@@ -271,6 +271,7 @@ def multi_tensor_scale_tensor(
 
 from . import (  # noqa: E402
     te_kernels_activation,
+    te_kernels_comm,
     te_kernels_gemm,
     te_kernels_grouped,
     te_kernels_grouped_tensor,
@@ -289,6 +290,7 @@ _KERNEL_MODULES = (
     te_kernels_activation,
     te_kernels_softmax,
     te_kernels_queries,
+    te_kernels_comm,
 )
 _KERNELS = tuple(name for module in _KERNEL_MODULES for name in module.TEX_KERNELS)
 for _module in _KERNEL_MODULES:
