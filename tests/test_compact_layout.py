@@ -12,7 +12,7 @@ import torch
 from nemo_lw_fp8.emulation import te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges, assert_fp8_gather_parity
-from tests.support.scenarios import Scenario
+from tests.support.scenarios import Scenario, boot_for
 from tests.support.training import train
 
 FP8 = BootOptions(fp8_emulation=True)
@@ -38,7 +38,9 @@ def _reference(scenario: Scenario, world_size: int = 2) -> list[dict]:
     """``train(scenario)`` on ``world_size`` ranks, run once per session."""
     key = repr((scenario, world_size))
     if key not in _REFERENCES:
-        _REFERENCES[key] = run_on_ranks(train, scenario, world_size=world_size)
+        _REFERENCES[key] = run_on_ranks(
+            train, scenario, world_size=world_size, boot=boot_for(scenario)
+        )
     return _REFERENCES[key]
 
 
@@ -75,7 +77,8 @@ def test_compact_equals_plain_muon(world_size):
 def test_compact_tiny_gpt_equals_plain_muon():
     gpt = Scenario(optimizer="muon", model="gpt", steps=3)
     reference = _reference(gpt)
-    compact = run_on_ranks(train, COMPACT.with_(model="gpt", steps=3, overlap=True))
+    compact_gpt = COMPACT.with_(model="gpt", steps=3, overlap=True)
+    compact = run_on_ranks(train, compact_gpt, boot=boot_for(compact_gpt))
     _same(reference, compact, "compact gpt")
 
 
@@ -99,7 +102,9 @@ def test_control_compact_with_a_skipped_segment_differs_from_plain_muon(case: st
     when its test ran first in this session)."""
     plain, compact = _CONTROLLED[case]
     reference = _reference(plain)
-    mutated = run_on_ranks(train_with_receivers_skipping_the_last_owner, compact, world_size=2)
+    mutated = run_on_ranks(
+        train_with_receivers_skipping_the_last_owner, compact, world_size=2, boot=boot_for(compact)
+    )
     assert_diverges(reference, mutated, compare=lambda a, b: _same(a, b, case))
 
 
@@ -496,7 +501,7 @@ def test_expert_parallel_moe_layouts_equal_plain_muon():
 
     moe = Scenario(optimizer="muon", model="moe_gpt", ep=2, steps=3)
     ep2 = ParallelSpec(ep=2)
-    reference = run_on_ranks(train, moe, world_size=4, parallel=ep2)
+    reference = run_on_ranks(train, moe, world_size=4, parallel=ep2, boot=boot_for(moe))
     # Ranks holding the same experts (same EP rank) agree; the two EP ranks differ.
     digests = [r["digest"] for r in reference]
     assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1]
@@ -505,7 +510,7 @@ def test_expert_parallel_moe_layouts_equal_plain_muon():
         moe.with_(distribution="layerwise_compact", plugin=True),
         moe.with_(distribution="layerwise_compact", plugin=True, overlap=True),
     ):
-        result = run_on_ranks(train, scenario, world_size=4, parallel=ep2)
+        result = run_on_ranks(train, scenario, world_size=4, parallel=ep2, boot=boot_for(scenario))
         for a, b in zip(reference, result, strict=True):
             assert a["losses"] == b["losses"], scenario
             assert a["digest"] == b["digest"], scenario

@@ -1,6 +1,7 @@
 """The planner's per-rank numbers against what megatron really allocates, on 4 CPU gloo ranks.
 
-For tiny MoE GPTs at PP 2 x DP 2 and EP 2 x DP 2 (and single grouped expert weights owned in
+For tiny MoE GPTs (megatron's Transformer Engine spec, TE's own modules over the emulated
+extension) at PP 2 x DP 2 and EP 2 x DP 2 (and single grouped expert weights owned in
 runs of experts), each rank builds its part of the model, wraps it in megatron DDP and builds
 the layer-wise optimizer (padded and compact layouts); the planner, given the whole model's
 parameter list (read from the same model built at PP = EP = 1), cuts the rank's share
@@ -17,7 +18,7 @@ import pytest
 
 from nemo_lw_fp8.emulation import te_backend
 from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
-from tests.support.scenarios import Scenario
+from tests.support.scenarios import TE_BOOT, Scenario
 
 LAYOUTS = {"layerwise_padded": "stock_padded", "layerwise_compact": "compact"}
 MOE = Scenario(optimizer="muon", model="moe_gpt", plugin=True)
@@ -189,7 +190,7 @@ def _plans(
 
 
 def _compare(
-    scenario: Scenario, whole: Scenario, parallel: ParallelSpec, boot=BootOptions()
+    scenario: Scenario, whole: Scenario, parallel: ParallelSpec, boot: BootOptions = TE_BOOT
 ) -> list[dict]:
     """Plan every stage from the whole model and compare it with every rank, both layouts;
     returns the compact layout's allocations."""
@@ -234,7 +235,7 @@ def test_control_planner_told_a_wrong_setting_differs(wrong: str) -> None:
     and the other way round; ``bucket_size``, buckets of 1000 elements where megatron made one
     bucket per buffer (no overlapped grad reduce)."""
     parallel = ParallelSpec(pp=2)
-    specs, runs = _runs(MOE, MOE, parallel, BootOptions())
+    specs, runs = _runs(MOE, MOE, parallel, TE_BOOT)
     other = {"stock_padded": "compact", "compact": "stock_padded"}
     for distribution, key in LAYOUTS.items():
         if wrong == "padding":

@@ -4,7 +4,9 @@
 megatron's Muon (``muon_split_qkv=True``) orthogonalizes the parts apart, so owning them apart
 must train bitwise like plain Muon; where Muon does not split, the weight must stay whole (the
 control). The parts' fp32 masters and Muon momentum checkpoint into the fused weight's tensor and
-load back under the other ownership. Tiny GPT (4 heads, 4 query groups) on megatron's local spec.
+load back under the other ownership. Tiny GPT (4 heads, 4 query groups) on megatron's Transformer
+Engine spec (TE's own modules over the emulated extension; ``linear_qkv`` is TE's
+``TELayerNormColumnParallelLinear``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from tests.support.harness import run_on_ranks
 from tests.support.parity import assert_diverges
-from tests.support.scenarios import Scenario
+from tests.support.scenarios import TE_BOOT, Scenario
 from tests.support.training import state_by_part, train
 
 GPT = Scenario(optimizer="muon", model="gpt", steps=3, snapshots=True)
@@ -51,7 +53,9 @@ def test_split_qkv_ownership_equals_plain_muon(world_size):
     from tests.test_compact_grad_sync import train_recorded
 
     def run(scenario):
-        return run_on_ranks(train_recorded, scenario, world_size > 2, world_size=world_size)
+        return run_on_ranks(
+            train_recorded, scenario, world_size > 2, world_size=world_size, boot=TE_BOOT
+        )
 
     reference = run(GPT)
     split = run(SPLIT)
@@ -141,13 +145,13 @@ def test_grad_norm_counts_every_part_once():
     sum) in both runs: each part counted once gives the same norm, the same clip coefficient by
     construction, and bitwise training. Control: a part counted twice diverges."""
     clipped = SPLIT.with_(clip_grad=0.05)
-    split = run_on_ranks(train_exact_norm, clipped)
-    whole = run_on_ranks(train_exact_norm, clipped.with_(qkv_ownership="whole"))
+    split = run_on_ranks(train_exact_norm, clipped, boot=TE_BOOT)
+    whole = run_on_ranks(train_exact_norm, clipped.with_(qkv_ownership="whole"), boot=TE_BOOT)
     assert any(r["qkv_parts"] for r in split) and not any(r["qkv_parts"] for r in whole)
     assert all(min(r["grad_norms"]) > clipped.clip_grad for r in split)
     _same_clipped_training(whole, split)
 
-    twice = run_on_ranks(train_exact_norm, clipped, True)
+    twice = run_on_ranks(train_exact_norm, clipped, True, boot=TE_BOOT)
     assert_diverges(whole, twice, _same_clipped_training, match="grad norms differ")
 
 
@@ -160,11 +164,12 @@ def test_planner_counts_the_parts_reduces():
     from tests.test_compact_grad_sync import count_grad_sync
     from tests.test_planner_megatron import model_params
 
-    specs = [ParamSpec(**row) for row in run_on_ranks(model_params, SPLIT, world_size=4)[0]]
+    rows = run_on_ranks(model_params, SPLIT, world_size=4, boot=TE_BOOT)[0]
+    specs = [ParamSpec(**row) for row in rows]
     issued = {}
     for ownership in ("split", "whole"):
         scenario = SPLIT.with_(qkv_ownership=ownership, snapshots=False)
-        counts = run_on_ranks(count_grad_sync, scenario, world_size=4)
+        counts = run_on_ranks(count_grad_sync, scenario, world_size=4, boot=TE_BOOT)
         for c in counts:
             assert c["reduces"] == c["planned_reduces"] * c["steps"], c
         planned = rank_traffic([specs], 4, fp8_param_gather=False, qkv_ownership=ownership)
@@ -193,12 +198,14 @@ def train_splitting_regardless(scenario: Scenario) -> dict:
 
 
 def test_weight_stays_whole_where_muon_does_not_split():
-    reference = run_on_ranks(train, GPT.with_(muon_split_qkv=False))
-    kept = run_on_ranks(train, SPLIT.with_(muon_split_qkv=False))
+    reference = run_on_ranks(train, GPT.with_(muon_split_qkv=False), boot=TE_BOOT)
+    kept = run_on_ranks(train, SPLIT.with_(muon_split_qkv=False), boot=TE_BOOT)
     assert not any(r["qkv_parts"] for r in kept)
     _same(reference, kept, "muon_split_qkv=False")
     # Control: owning the parts apart there changes the update.
-    forced = run_on_ranks(train_splitting_regardless, SPLIT.with_(muon_split_qkv=False))
+    forced = run_on_ranks(
+        train_splitting_regardless, SPLIT.with_(muon_split_qkv=False), boot=TE_BOOT
+    )
     assert any(r["qkv_parts"] for r in forced)
     assert_diverges(reference, forced, _same_params, match="muon_split_qkv=False")
 
@@ -271,7 +278,7 @@ def _merged(results: list[dict], case: str, what: str) -> dict[str, torch.Tensor
 
 @pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
 def test_qkv_part_state_round_trips_across_ownerships(tmp_path, sharding):
-    results = run_on_ranks(round_trips, str(tmp_path), sharding, timeout=600)
+    results = run_on_ranks(round_trips, str(tmp_path), sharding, timeout=600, boot=TE_BOOT)
     for case in ("split->whole", "whole->split"):
         assert any(r[case]["parts"] for r in results), case
         saved, loaded = _merged(results, case, "saved"), _merged(results, case, "loaded")
@@ -325,11 +332,11 @@ def reload_after_weights_change(scenario: Scenario) -> dict:
 
 
 def test_reload_reads_parts_from_their_fused_weight():
-    results = run_on_ranks(reload_after_weights_change, SPLIT.with_(overlap=False))
+    results = run_on_ranks(reload_after_weights_change, SPLIT.with_(overlap=False), boot=TE_BOOT)
     assert sum(r["checked"] for r in results) > 0
     assert all(r["stale"] == 0 for r in results), results
     # Control: megatron's own reload copies the part's own (now stale) bf16 copy.
-    stale = run_on_ranks(reload_without_the_step, SPLIT.with_(overlap=False))
+    stale = run_on_ranks(reload_without_the_step, SPLIT.with_(overlap=False), boot=TE_BOOT)
     assert any(r["stale"] for r in stale), stale
 
 

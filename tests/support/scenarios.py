@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from tests.support.harness import BootOptions
+
 DISTRIBUTIONS = ("ddp", "distopt", "layerwise_legacy", "layerwise_padded", "layerwise_compact")
 
 
@@ -37,7 +39,7 @@ class Scenario:
     optimizer: str = "adam"  # "adam" or "muon"
     distribution: str = "ddp"
     overlap: bool = False  # overlap_grad_reduce + overlap_param_gather
-    model: str = "mlp"  # "mlp" or "gpt"
+    model: str = "mlp"  # "mlp", "fp8mlp", "gpt", "moe_gpt" or "moe_grouped"
     steps: int = 5
     seed: int = 1234
     lr: float = 1e-2
@@ -300,13 +302,23 @@ GPT_SEQ = 16
 
 
 def build_gpt(config) -> torch.nn.Module:
-    """A tiny GPTModel on megatron-core's local (non-TE) layer spec (MoE when the config has
-    experts); with pipeline parallelism, this rank's stage."""
+    """A tiny GPTModel (MoE when the config has experts) on megatron's Transformer Engine spec
+    (``get_gpt_layer_with_transformer_engine_spec``), the model a GPU builds: TE 2.20.2's own
+    ``TELayerNormColumnParallelLinear`` (input / pre-MLP norm fused into ``linear_qkv`` /
+    ``linear_fc1``), ``TERowParallelLinear``, ``TEDotProductAttention``, TE's norms, and MoE
+    experts as megatron's ``SequentialMLP`` of TE linears (``moe_grouped_gemm=False``; TE's
+    grouped path is ``tests/test_te_model_training.py``'s). Build and run it inside
+    :func:`te_scope` on a pool booted with :data:`TE_BOOT`. With pipeline parallelism, this
+    rank's stage."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    spec = get_gpt_layer_with_transformer_engine_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False
+    )
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -317,6 +329,40 @@ def build_gpt(config) -> torch.nn.Module:
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
     )
+
+
+#: Models built from megatron's TE spec (TE's own modules over the emulated extension).
+TE_MODELS = ("gpt", "moe_gpt")
+
+#: The rank pools that run :data:`TE_MODELS`: TE's Python package over the emulated
+#: ``transformer_engine_torch``, activated before megatron is imported (megatron then picks its
+#: TE spec's modules as on a GPU).
+TE_BOOT = BootOptions(fp8_emulation=True)
+
+
+def boot_for(scenario: Scenario) -> BootOptions:
+    """The pool a scenario needs: :data:`TE_BOOT` for :data:`TE_MODELS`."""
+    if scenario.model in TE_MODELS:
+        return TE_BOOT
+    return BootOptions()
+
+
+def te_scope(scenario: Scenario) -> contextlib.AbstractContextManager:
+    """Where a TE-spec model is built and run: TE's device questions answered as a B200
+    (:func:`nemo_lw_fp8.cpu.te_device.target_gpu`, ``BLACKWELL``); nothing for other models.
+    Refuses a rank whose pool was not booted with :data:`TE_BOOT` (megatron would otherwise
+    fall back to its local modules without a word)."""
+    if scenario.model not in TE_MODELS:
+        return contextlib.nullcontext()
+    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.emulation import te_backend
+
+    if not te_backend.is_emulated():
+        raise RuntimeError(
+            f"model {scenario.model!r} is built from megatron's TE spec: run it on a pool booted "
+            "with TE_BOOT (run_on_ranks(..., boot=boot_for(scenario)))"
+        )
+    return te_device.target_gpu(te_device.BLACKWELL)
 
 
 def seed_all(seed: int) -> None:
@@ -338,7 +384,8 @@ def build_model(scenario: Scenario):
     seed_all(scenario.seed)
     if scenario.model == "gpt":
         config = transformer_config()
-        module = build_gpt(config)
+        with te_scope(scenario):
+            module = build_gpt(config)
     elif scenario.model == "moe_gpt":
         # Experts without biases: megatron 0.19.2's layer-wise + DistOpt path cannot hold
         # expert-parallel parameters that Muon does not manage.
@@ -350,7 +397,8 @@ def build_model(scenario: Scenario):
             moe_token_dispatcher_type="allgather",
             expert_model_parallel_size=scenario.ep,
         )
-        module = build_gpt(config)
+        with te_scope(scenario):
+            module = build_gpt(config)
     elif scenario.model == "moe_grouped":
         return _build_moe_grouped(scenario)
     elif scenario.model == "mlp":

@@ -20,7 +20,15 @@ from tests.support.checkpoints import (
     save_checkpoint,
     save_named_checkpoint,
 )
-from tests.support.scenarios import DISTRIBUTIONS, GPT_SEQ, GPT_VOCAB, Scenario, build_model
+from tests.support.scenarios import (
+    DISTRIBUTIONS,
+    GPT_SEQ,
+    GPT_VOCAB,
+    TE_MODELS,
+    Scenario,
+    build_model,
+    te_scope,
+)
 
 # --------------------------------------------------------------------------- wrapping
 
@@ -146,8 +154,9 @@ def train_step(
     # their bf16 weights instead of reusing the FP8 copy cached at the last step
     if hasattr(model[0], "set_is_first_microbatch"):
         model[0].set_is_first_microbatch()
-    loss = forward_loss(scenario, model[0], batch)
-    loss.backward()
+    with te_scope(scenario):  # TE's modules ask the device in their forward and backward
+        loss = forward_loss(scenario, model[0], batch)
+        loss.backward()
     for chunk in model:
         chunk.finish_grad_sync()
     if record is not None:
@@ -184,7 +193,8 @@ def evaluate(scenario: Scenario, model: list, optimizer) -> float:
         batch = _rank_batch(scenario, model[0].module, step=10_000, dp_rank=0)
         if hasattr(model[0], "set_is_first_microbatch"):  # megatron's first eval step does too
             model[0].set_is_first_microbatch()
-        loss = float(forward_loss(scenario, model[0], batch))
+        with te_scope(scenario):
+            loss = float(forward_loss(scenario, model[0], batch))
     if overlapped:
         enable_forward_pre_hook(model)
     return loss
@@ -465,6 +475,8 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
         "eval_losses": eval_losses,
         "bucket_groups": bucket_group_layout(model),
     }
+    if scenario.model in TE_MODELS:
+        extra["te_modules"] = te_module_names(model[0].module)
     if scenario.fp8:
         extra["effective_weights"] = effective_weights(model[0].module)
         extra["probe_output"] = probe_output(scenario, model)
@@ -484,9 +496,20 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
     }
 
 
+def te_module_names(module: torch.nn.Module) -> list[str]:
+    """The class names of the model's Transformer Engine modules (TE's ``Linear``,
+    ``LayerNormLinear``, ``DotProductAttention``, norms, and megatron's wrappers of them)."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    from transformer_engine.pytorch.module.layernorm import LayerNorm
+    from transformer_engine.pytorch.module.rmsnorm import RMSNorm
+
+    kinds = (TransformerEngineBaseModule, LayerNorm, RMSNorm)
+    return sorted({type(sub).__name__ for sub in module.modules() if isinstance(sub, kinds)})
+
+
 def probe_output(scenario: Scenario, model: list) -> torch.Tensor:
     """The model's output on a fixed input (call after :func:`final_sync`: pre-hooks are off)."""
-    with torch.no_grad():
+    with torch.no_grad(), te_scope(scenario):
         inputs, _ = _rank_batch(scenario, model[0].module, step=20_000, dp_rank=0)
         if scenario.model in ("gpt", "moe_gpt", "moe_grouped"):
             positions = torch.arange(GPT_SEQ).unsqueeze(0).expand_as(inputs)
