@@ -496,7 +496,8 @@ def test_control_planner_bytes_of_the_other_layout_differ(world_size: int) -> No
 
 
 def test_expert_parallel_moe_layouts_equal_plain_muon():
-    """A tiny MoE GPT with EP 2 on 4 ranks: expert matrices are owned over the expert-DP group."""
+    """A tiny MoE GPT with EP 2 on 4 ranks: expert matrices are owned over the expert-DP group.
+    Layer-wise padded and compact (overlap on and off) train to plain Muon's bits; control below."""
     from tests.support.harness import ParallelSpec
 
     moe = Scenario(optimizer="muon", model="moe_gpt", ep=2, steps=3)
@@ -511,6 +512,16 @@ def test_expert_parallel_moe_layouts_equal_plain_muon():
         moe.with_(distribution="layerwise_compact", plugin=True, overlap=True),
     ):
         result = run_on_ranks(train, scenario, world_size=4, parallel=ep2, boot=boot_for(scenario))
-        for a, b in zip(reference, result, strict=True):
-            assert a["losses"] == b["losses"], scenario
-            assert a["digest"] == b["digest"], scenario
+        _same_losses_and_weights(reference, result)
+    # Control: receivers that skip rank 3's gathered segment (the matrices it owns in the dense
+    # data-parallel group of 4) complete and fail the same comparison.
+    compact = moe.with_(distribution="layerwise_compact", plugin=True)
+    mutated = run_on_ranks(train_with_receivers_skipping_the_last_owner, compact, world_size=4,
+                           parallel=ep2, boot=boot_for(compact))  # fmt: skip
+    assert_diverges(reference, mutated, compare=_same_losses_and_weights)
+
+
+def _same_losses_and_weights(reference: list[dict], result: list[dict]) -> None:
+    for rank, (a, b) in enumerate(zip(reference, result, strict=True)):
+        assert a["losses"] == b["losses"], f"rank {rank}: losses"
+        assert a["digest"] == b["digest"], f"rank {rank}: weights"
