@@ -46,12 +46,13 @@ def _reference(scenario: Scenario, world_size: int = 2) -> list[dict]:
 
 def train_with_receivers_skipping_the_last_owner(scenario: Scenario) -> dict:
     """Mutation: no rank writes the last data-parallel rank's gathered segment into its
-    weights, so the matrices that rank owns stay at their old values everywhere else."""
-    import torch.distributed as dist
+    weights, so the matrices that rank owns stay at their old values everywhere else (the rank
+    of the dense data-parallel group; with TP > 1 that group is smaller than the world)."""
+    from megatron.core import parallel_state
 
     from nemo_lw_fp8.mechanics import owner_gather
 
-    last = dist.get_world_size() - 1
+    last = parallel_state.get_data_parallel_world_size() - 1
     original = owner_gather.ranks_to_unpack
 
     def skipping(plan: object, my_rank: int) -> list[int]:
@@ -513,11 +514,37 @@ def test_expert_parallel_moe_layouts_equal_plain_muon():
     ):
         result = run_on_ranks(train, scenario, world_size=4, parallel=ep2, boot=boot_for(scenario))
         _same_losses_and_weights(reference, result)
-    # Control: receivers that skip rank 3's gathered segment (the matrices it owns in the dense
-    # data-parallel group of 4) complete and fail the same comparison.
+    # Control: receivers that skip DP rank 3's gathered segment (the matrices it owns in the
+    # dense data-parallel group of 4) complete and fail the same comparison.
     compact = moe.with_(distribution="layerwise_compact", plugin=True)
     mutated = run_on_ranks(train_with_receivers_skipping_the_last_owner, compact, world_size=4,
                            parallel=ep2, boot=boot_for(compact))  # fmt: skip
+    assert_diverges(reference, mutated, compare=_same_losses_and_weights)
+
+
+def test_tensor_parallel_gpt_layouts_equal_plain_muon():
+    """A tiny GPT at TP 2 x DP 2 on 4 ranks (TE's linears, each rank a TP shard of every matrix;
+    bf16, FP8 param gather stays refused at TP > 1): layer-wise padded and the plugin's compact
+    layout with the owner reduce train to plain Muon's bits (megatron's default
+    ``muon_tp_mode``). Control: receivers skipping DP rank 1's gathered segment diverge."""
+    from tests.support.harness import ParallelSpec
+
+    gpt = Scenario(optimizer="muon", model="gpt", steps=3)
+    tp2 = ParallelSpec(tp=2)
+    reference = run_on_ranks(train, gpt, world_size=4, parallel=tp2, boot=boot_for(gpt))
+    # Ranks holding the same shards (same TP rank) agree; the two TP ranks hold other halves.
+    digests = [r["digest"] for r in reference]
+    assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1]
+    for scenario in (
+        gpt.with_(distribution="layerwise_padded"),
+        gpt.with_(distribution="layerwise_compact", plugin=True, overlap=True),
+    ):
+        result = run_on_ranks(train, scenario, world_size=4, parallel=tp2, boot=boot_for(scenario))
+        assert result[0]["layer_wise"], scenario
+        _same_losses_and_weights(reference, result)
+    compact = gpt.with_(distribution="layerwise_compact", plugin=True)
+    mutated = run_on_ranks(train_with_receivers_skipping_the_last_owner, compact, world_size=4,
+                           parallel=tp2, boot=boot_for(compact))  # fmt: skip
     assert_diverges(reference, mutated, compare=_same_losses_and_weights)
 
 
