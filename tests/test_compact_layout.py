@@ -498,53 +498,43 @@ def test_control_planner_bytes_of_the_other_layout_differ(world_size: int) -> No
 
 def test_expert_parallel_moe_layouts_equal_plain_muon():
     """A tiny MoE GPT with EP 2 on 4 ranks: expert matrices are owned over the expert-DP group.
-    Layer-wise padded and compact (overlap on and off) train to plain Muon's bits; control below."""
+    Layer-wise padded and compact (overlap on and off) train to plain Muon's bits. Control:
+    receivers skipping DP rank 3's gathered segment (the dense data-parallel group is all 4
+    ranks) diverge."""
     from tests.support.harness import ParallelSpec
 
     moe = Scenario(optimizer="muon", model="moe_gpt", ep=2, steps=3)
-    ep2 = ParallelSpec(ep=2)
-    reference = run_on_ranks(train, moe, world_size=4, parallel=ep2, boot=boot_for(moe))
-    # Ranks holding the same experts (same EP rank) agree; the two EP ranks differ.
-    digests = [r["digest"] for r in reference]
-    assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1]
-    for scenario in (
-        moe.with_(distribution="layerwise_padded"),
-        moe.with_(distribution="layerwise_compact", plugin=True),
-        moe.with_(distribution="layerwise_compact", plugin=True, overlap=True),
-    ):
-        result = run_on_ranks(train, scenario, world_size=4, parallel=ep2, boot=boot_for(scenario))
-        _same_losses_and_weights(reference, result)
-    # Control: receivers that skip DP rank 3's gathered segment (the matrices it owns in the
-    # dense data-parallel group of 4) complete and fail the same comparison.
-    compact = moe.with_(distribution="layerwise_compact", plugin=True)
-    mutated = run_on_ranks(train_with_receivers_skipping_the_last_owner, compact, world_size=4,
-                           parallel=ep2, boot=boot_for(compact))  # fmt: skip
-    assert_diverges(reference, mutated, compare=_same_losses_and_weights)
+    _four_rank_layouts_equal_plain_muon(moe, ParallelSpec(ep=2), overlaps=(False, True))
 
 
 def test_tensor_parallel_gpt_layouts_equal_plain_muon():
     """A tiny GPT at TP 2 x DP 2 on 4 ranks (TE's linears, each rank a TP shard of every matrix;
     bf16, FP8 param gather stays refused at TP > 1): layer-wise padded and the plugin's compact
-    layout with the owner reduce train to plain Muon's bits (megatron's default
+    layout with the owner reduce and overlap train to plain Muon's bits (megatron's default
     ``muon_tp_mode``). Control: receivers skipping DP rank 1's gathered segment diverge."""
     from tests.support.harness import ParallelSpec
 
     gpt = Scenario(optimizer="muon", model="gpt", steps=3)
-    tp2 = ParallelSpec(tp=2)
-    reference = run_on_ranks(train, gpt, world_size=4, parallel=tp2, boot=boot_for(gpt))
-    # Ranks holding the same shards (same TP rank) agree; the two TP ranks hold other halves.
+    _four_rank_layouts_equal_plain_muon(gpt, ParallelSpec(tp=2), overlaps=(True,))
+
+
+def _four_rank_layouts_equal_plain_muon(base: Scenario, parallel, overlaps) -> None:
+    """``base`` (plain Muon) on 4 ranks split by ``parallel`` into two shards (TP or EP) x DP 2:
+    the ranks of one shard agree and the shards differ; layer-wise padded and compact (each
+    ``overlaps`` setting) train to the same bits; the skipped-segment control diverges."""
+    run = lambda scenario, fn=train: run_on_ranks(  # noqa: E731
+        fn, scenario, world_size=4, parallel=parallel, boot=boot_for(scenario))  # fmt: skip
+    reference = run(base)
     digests = [r["digest"] for r in reference]
     assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1]
-    for scenario in (
-        gpt.with_(distribution="layerwise_padded"),
-        gpt.with_(distribution="layerwise_compact", plugin=True, overlap=True),
-    ):
-        result = run_on_ranks(train, scenario, world_size=4, parallel=tp2, boot=boot_for(scenario))
+    compact = base.with_(distribution="layerwise_compact", plugin=True)
+    layouts = [base.with_(distribution="layerwise_padded")]
+    layouts += [compact.with_(overlap=overlap) for overlap in overlaps]
+    for scenario in layouts:
+        result = run(scenario)
         assert result[0]["layer_wise"], scenario
         _same_losses_and_weights(reference, result)
-    compact = gpt.with_(distribution="layerwise_compact", plugin=True)
-    mutated = run_on_ranks(train_with_receivers_skipping_the_last_owner, compact, world_size=4,
-                           parallel=tp2, boot=boot_for(compact))  # fmt: skip
+    mutated = run(compact, train_with_receivers_skipping_the_last_owner)
     assert_diverges(reference, mutated, compare=_same_losses_and_weights)
 
 

@@ -15,23 +15,10 @@ import torch
 
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges
-from tests.support.te_helpers import spread
+from tests.support.te_helpers import spread, te_recipe
 
 BOOT = BootOptions(fp8_emulation=True)
 M, K, N = 64, 256, 128  # tokens, in_features, out_features (multiples of 32 and 128)
-
-
-def _recipe(name: str) -> tuple[Any, Any]:
-    """(TE recipe, target GPU) of a recipe name."""
-    from transformer_engine.common.recipe import Float8BlockScaling, MXFP8BlockScaling
-
-    from nemo_lw_fp8.cpu import te_device
-
-    return {
-        "bf16": (None, te_device.BLACKWELL),
-        "mxfp8": (MXFP8BlockScaling(), te_device.BLACKWELL),
-        "blockwise": (Float8BlockScaling(), te_device.HOPPER),
-    }[name]
 
 
 _spread = spread
@@ -122,7 +109,7 @@ def linear_run(recipe: str, bias: bool, fp8_params: bool, fuse: bool, mutation: 
     from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
     from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear
 
-    fp8_recipe, target = _recipe(recipe)
+    fp8_recipe, target = te_recipe(recipe)
     d = _data(bias)
     autocast = lambda: te.autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe)  # noqa: E731
     with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(target):
@@ -257,7 +244,7 @@ def norm_linear_run(recipe: str, normalization: str, zero_centered: bool, mutati
     from nemo_lw_fp8.cpu.norm_linear import CPULayerNormColumnParallelLinear, _NormBeforeLinear
     from nemo_lw_fp8.emulation import te_kernels_norm
 
-    fp8_recipe, target = _recipe(recipe)
+    fp8_recipe, target = te_recipe(recipe)
     bias = recipe != "bf16"  # megatron's bf16 linear adds its bias after the cast (see doc)
     d = _data(bias)
     gen = torch.Generator().manual_seed(5)
@@ -420,7 +407,7 @@ def grouped_linear_run(recipe: str, mutation: str | None) -> dict[str, Any]:
     from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
     from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear
 
-    fp8_recipe, target = _recipe(recipe)
+    fp8_recipe, target = te_recipe(recipe)
     cpu_linear = MXFP8Linear if recipe == "mxfp8" else BlockwiseFP8Linear
     splits, experts = [64, 0, 96], 3
     gen = torch.Generator().manual_seed(13)
@@ -494,7 +481,7 @@ def megatron_te_linear_run(recipe: str, kind: str, fuse: bool, bias: bool = True
     from nemo_lw_fp8.cpu.layers import FP8_LINEARS
     from nemo_lw_fp8.cpu.norm_linear import CPULayerNormColumnParallelLinear
 
-    fp8_recipe, target = _recipe(recipe)
+    fp8_recipe, target = te_recipe(recipe)
     d = _data(bias)
     config = TransformerConfig(
         num_layers=1, hidden_size=K, num_attention_heads=4, bf16=True,

@@ -19,12 +19,11 @@ sees the TP reduction; and the blockwise gather with ``swap_first_dims`` not swa
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
+from tests.support.te_helpers import te_recipe
 
 BOOT = BootOptions(fp8_emulation=True)
 TP2 = ParallelSpec(tp=2)
@@ -41,18 +40,6 @@ def _full_data() -> dict[str, torch.Tensor]:
     }
 
 
-def _recipe(name: str) -> tuple[Any, Any]:
-    from transformer_engine.common.recipe import Float8BlockScaling, MXFP8BlockScaling
-
-    from nemo_lw_fp8.cpu import te_device
-
-    return {
-        "bf16": (None, te_device.BLACKWELL),
-        "mxfp8": (MXFP8BlockScaling(), te_device.BLACKWELL),
-        "blockwise": (Float8BlockScaling(), te_device.HOPPER),
-    }[name]
-
-
 def tp_pair_run(recipe: str, sequence_parallel: bool, mutation: str | None = None) -> dict:
     """On each rank of a TP-2 group: the megatron TE pair on its shards, and the reference from
     TE's plain ``Linear`` on the same shards (every rank's, since the reductions add them)."""
@@ -67,7 +54,7 @@ def tp_pair_run(recipe: str, sequence_parallel: bool, mutation: str | None = Non
     from nemo_lw_fp8.emulation import te_extension
 
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    fp8_recipe, target = _recipe(recipe)
+    fp8_recipe, target = te_recipe(recipe)
     d = _full_data()
     cols = [slice(r * F // tp, (r + 1) * F // tp) for r in range(tp)]
     rows = slice(rank * S // tp, (rank + 1) * S // tp) if sequence_parallel else slice(None)

@@ -1,5 +1,5 @@
-"""Shared by the tests of TE's own modules: inputs that tell FP8 copies apart, and the
-stale-columnwise mutation their controls use."""
+"""Shared by the tests of TE's own modules: the recipes they run under, inputs that tell FP8
+copies apart, and the stale-columnwise mutation their controls use."""
 
 from __future__ import annotations
 
@@ -7,6 +7,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+def te_recipe(name: str) -> tuple[Any, Any]:
+    """(TE recipe, target GPU) of ``"bf16"``, ``"mxfp8"`` or ``"blockwise"``: the GPU whose
+    branch TE takes for it (SM 10.0; SM 9.0 for blockwise, which TE converts on SM 10.0).
+    Imports TE: call it inside a rank."""
+    from transformer_engine.common.recipe import Float8BlockScaling, MXFP8BlockScaling
+
+    from nemo_lw_fp8.cpu import te_device
+
+    return {
+        "bf16": (None, te_device.BLACKWELL),
+        "mxfp8": (MXFP8BlockScaling(), te_device.BLACKWELL),
+        "blockwise": (Float8BlockScaling(), te_device.HOPPER),
+    }[name]
 
 
 def spread(
