@@ -500,11 +500,16 @@ def test_expert_parallel_moe_layouts_equal_plain_muon():
     """A tiny MoE GPT with EP 2 on 4 ranks: expert matrices are owned over the expert-DP group.
     Layer-wise padded and compact (overlap on and off) train to plain Muon's bits. Control:
     receivers skipping DP rank 3's gathered segment (the dense data-parallel group is all 4
-    ranks) diverge."""
+    ranks) diverge. The dense gradients are summed over 4 ranks, so every run sums its grad
+    syncs in rank order (``ordered_grad_sync``, test_compact_grad_sync.py): gloo's ring sums an
+    element in an order set by its place in the buffer, which the layouts move (the verdict
+    then depended on the CPU's kernels: equal with native ones, 1 fp32 ulp apart in the second
+    loss with ``ATEN_CPU_CAPABILITY=default``)."""
     from tests.support.harness import ParallelSpec
 
     moe = Scenario(optimizer="muon", model="moe_gpt", ep=2, steps=3)
-    _four_rank_layouts_equal_plain_muon(moe, ParallelSpec(ep=2), overlaps=(False, True))
+    _four_rank_layouts_equal_plain_muon(moe, ParallelSpec(ep=2), overlaps=(False, True),
+                                        rank_order=True)  # fmt: skip
 
 
 def test_tensor_parallel_gpt_layouts_equal_plain_muon():
@@ -518,12 +523,34 @@ def test_tensor_parallel_gpt_layouts_equal_plain_muon():
     _four_rank_layouts_equal_plain_muon(gpt, ParallelSpec(tp=2), overlaps=(True,))
 
 
-def _four_rank_layouts_equal_plain_muon(base: Scenario, parallel, overlaps) -> None:
-    """``base`` (plain Muon) on 4 ranks split by ``parallel`` into two shards (TP or EP) x DP 2:
-    the ranks of one shard agree and the shards differ; layer-wise padded and compact (each
-    ``overlaps`` setting) train to the same bits; the skipped-segment control diverges."""
-    run = lambda scenario, fn=train: run_on_ranks(  # noqa: E731
-        fn, scenario, world_size=4, parallel=parallel, boot=boot_for(scenario))  # fmt: skip
+def train_summing_grad_syncs_in_rank_order(scenario: Scenario, skip_last_owner: bool) -> dict:
+    """:func:`train` (or, with ``skip_last_owner``, the skipped-segment mutation) with every
+    grad sync summed in rank order."""
+    from tests.test_compact_grad_sync import ordered_grad_sync
+
+    with ordered_grad_sync() as counts:
+        result = (train_with_receivers_skipping_the_last_owner if skip_last_owner else train)(
+            scenario)  # fmt: skip
+    assert counts["ordered"] > 0, "no grad sync was summed in rank order"
+    return result
+
+
+def _four_rank_layouts_equal_plain_muon(
+    base: Scenario, parallel, overlaps, rank_order: bool = False
+) -> None:
+    """``base`` (plain Muon) on 4 ranks split by ``parallel`` into two shards (TP or EP): the
+    ranks of one shard agree and the shards differ; layer-wise padded and compact (each
+    ``overlaps`` setting) train to the same bits; the skipped-segment control diverges. With
+    ``rank_order`` every run sums its grad syncs in rank order."""
+
+    def run(scenario: Scenario, skip_last_owner: bool = False) -> list[dict]:
+        if rank_order:
+            fn, args = train_summing_grad_syncs_in_rank_order, (scenario, skip_last_owner)
+        else:
+            fn = train_with_receivers_skipping_the_last_owner if skip_last_owner else train
+            args = (scenario,)
+        return run_on_ranks(fn, *args, world_size=4, parallel=parallel, boot=boot_for(scenario))
+
     reference = run(base)
     digests = [r["digest"] for r in reference]
     assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1]
@@ -534,7 +561,7 @@ def _four_rank_layouts_equal_plain_muon(base: Scenario, parallel, overlaps) -> N
         result = run(scenario)
         assert result[0]["layer_wise"], scenario
         _same_losses_and_weights(reference, result)
-    mutated = run(compact, train_with_receivers_skipping_the_last_owner)
+    mutated = run(compact, skip_last_owner=True)
     assert_diverges(reference, mutated, compare=_same_losses_and_weights)
 
 
