@@ -331,26 +331,26 @@ def _cpu_from_nvfp4_forward(_ctx: Any, tensor: Any, dtype: Any) -> Any:
     return te_extension.dequantize(tensor, TE_DType[dtype])
 
 
-def _patch_nvfp4() -> None:
-    from transformer_engine.pytorch.tensor.storage import nvfp4_tensor_storage
-
-    func = nvfp4_tensor_storage._FromNVFP4Func
-    if not getattr(func.forward, "__wrapped_by_nemo_lw_fp8__", False):
-        forward = functools.wraps(_cpu_from_nvfp4_forward)(_cpu_from_nvfp4_forward)
-        forward.__wrapped_by_nemo_lw_fp8__ = True  # type: ignore[attr-defined]
-        func.forward = staticmethod(forward)
+def _replace_forward(autograd_function: Any, replacement: Any) -> bool:
+    """Put ``replacement`` in place of a TE autograd function's ``forward``, once; False when it
+    already is."""
+    if getattr(autograd_function.forward, "__wrapped_by_nemo_lw_fp8__", False):
+        return False
+    forward = functools.wraps(replacement)(replacement)
+    forward.__wrapped_by_nemo_lw_fp8__ = True  # type: ignore[attr-defined]
+    autograd_function.forward = staticmethod(forward)
+    return True
 
 
 def _patch_te_python() -> None:
-    from transformer_engine.pytorch.tensor.storage import mxfp8_tensor_storage
+    from transformer_engine.pytorch.tensor.storage import (
+        mxfp8_tensor_storage,
+        nvfp4_tensor_storage,
+    )
 
-    _patch_nvfp4()
-    func = mxfp8_tensor_storage._FromMXFP8Func
-    if getattr(func.forward, "__wrapped_by_nemo_lw_fp8__", False):
+    _replace_forward(nvfp4_tensor_storage._FromNVFP4Func, _cpu_from_nvfp4_forward)
+    if not _replace_forward(mxfp8_tensor_storage._FromMXFP8Func, _cpu_from_mxfp8_forward):
         return
-    forward = functools.wraps(_cpu_from_mxfp8_forward)(_cpu_from_mxfp8_forward)
-    forward.__wrapped_by_nemo_lw_fp8__ = True  # type: ignore[attr-defined]
-    func.forward = staticmethod(forward)
     # TE's Triton MoE permutation launchers (moe_permute_fusion) cannot launch on CPU
     from . import te_triton_permutation
 
