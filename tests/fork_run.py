@@ -142,10 +142,13 @@ def serve() -> int:
     "stdout", "stderr"}``. For each, a launcher process is forked from this warmed-up one: it
     takes the request's environment and working directory, writes its output (and its ranks')
     to the two files, installs the request's mutation and probe (tests/bridge_run.py) and runs
-    :func:`run_ranks`. The server answers on stdout with ``{"pid": ...}`` (the launcher leads a
-    process group of its own: the client ends a run that passes its deadline by killing that
-    group), then ``{"code": ...}`` when the launcher has exited. Anything else the server or an
-    import prints goes to stderr. End of stdin ends the server.
+    :func:`run_ranks`. A request with ``"script"``, ``"argv"`` (and ``"file"``, if the source
+    is a file's) in place of ``"nproc"``, ``"port"`` and ``"words"`` runs that source as
+    ``python -c SOURCE ARGV...`` would (:func:`_run_script`), for the tests that inspect the
+    stack in a process of their own. The server answers on stdout with ``{"pid": ...}`` (the
+    launcher leads a process group of its own: the client ends a run that passes its deadline
+    by killing that group), then ``{"code": ...}`` when the launcher has exited. Anything else
+    the server or an import prints goes to stderr. End of stdin ends the server.
 
     Each run starts from the same freshly imported state (a fork, never a process that ran
     something), as with one ``fork_run.py`` per run: only the import time is saved, ~20 s of
@@ -186,6 +189,8 @@ def _launch(request: dict, bridge_run) -> int:  # noqa: ANN001 - the module
         os.dup2(target, fd)
         os.close(target)
     try:
+        if "script" in request:
+            return _run_script(request["script"], request["argv"], request.get("file"))
         bridge_run.install_mutation(os.environ.get("NEMO_LW_FP8_TEST_MUTATION", ""))
         bridge_run.install_probe(os.environ.get("NEMO_LW_FP8_TEST_PROBE", ""))
         return run_ranks(int(request["nproc"]), str(request["port"]), list(request["words"]))
@@ -197,6 +202,32 @@ def _launch(request: dict, bridge_run) -> int:  # noqa: ANN001 - the module
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+def _run_script(source: str, argv: list[str], file: str | None) -> int:
+    """Run ``source`` as the main module of this (forked, warmed-up) process, as
+    ``python -c source *argv`` (or ``python FILE *argv``) runs it: the same ``sys.argv``,
+    ``sys.path[0]`` and ``__file__``, and its exit status is the script's. Only the imports the
+    server made are shared; what the script imports and initialises (process groups,
+    stand-ins) happens here, in a process of its own."""
+    namespace = {"__name__": "__main__"}
+    if file is None:
+        sys.argv = ["-c", *argv]
+        sys.path.insert(0, "")
+    else:
+        sys.argv = [file, *argv]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(file)))
+        namespace["__file__"] = file
+    code = 0
+    try:
+        exec(compile(source, file or "<string>", "exec"), namespace)  # noqa: S102
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    finally:
+        import atexit
+
+        atexit._run_exitfuncs()
+    return code
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from nemo_lw_fp8 import cli
+from tests.support import fork_server
 
 
 def _error_lines(text: str) -> list[str]:
@@ -73,7 +74,8 @@ def test_console_script_exit_status_and_stderr():
     assert "unknown recipe" in _error_lines(done.stderr)[0]
 
 
-#: Cases that need the recipe built (Megatron-Bridge, TE booted): one fresh process runs all.
+#: Cases that need the recipe built (Megatron-Bridge, TE booted): one process of their own runs
+#: all, forked from the session's launch server.
 BRIDGE_CASES = {
     "bad key": (["optimizer.lrr=1e-4"], "unknown key 'optimizer.lrr'", "optimizer.lr"),
     "bad section": (["trian.train_iters=3"], "has no field 'trian'", "train"),
@@ -117,12 +119,7 @@ _BRIDGE_SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def bridge_cases(bridge_installed) -> dict:
     cases = {name: overrides for name, (overrides, _, _) in BRIDGE_CASES.items()}
-    done = subprocess.run(
-        [sys.executable, "-c", _BRIDGE_SCRIPT, json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    done = fork_server.run_script(_BRIDGE_SCRIPT, json.dumps(cases), timeout=900)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
     assert lines, done.stderr[-4000:]
     assert "Traceback" not in done.stderr, done.stderr[-4000:]

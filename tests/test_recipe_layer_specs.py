@@ -11,13 +11,12 @@ must do the same, or a DeepSeek recipe trains another model than DeepSeek.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from nemo_lw_fp8 import recipes
+from tests.support import fork_server
 
 #: One recipe per architecture (its tiny twin: the same provider code, PP 1 on 2 ranks).
 NAMES = tuple(sorted(name for name in recipes.RECIPES if name.startswith("tiny_")
@@ -80,11 +79,11 @@ print("RESULT" + json.dumps(result))
 @pytest.fixture(scope="module")
 def built_layers() -> dict[str, dict[str, list]]:
     """Per tiny recipe: ``[attention class, "moe" | "dense"]`` per decoder layer, from the
-    recipe's provider and from Bridge's default spec (the control's). A subprocess: TE over the
-    emulation and a process group, kept out of this one."""
+    recipe's provider and from Bridge's default spec (the control's). A process of its own (TE
+    over the emulation and a process group, kept out of this one), forked from the session's
+    launch server."""
     script = f"NAMES = {NAMES!r}\n" + textwrap.dedent(_SCRIPT)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = fork_server.run_script(script, timeout=600)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     assert lines, proc.stderr[-3000:]
     return json.loads(lines[0][6:])

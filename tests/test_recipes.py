@@ -7,13 +7,12 @@ Transformer Engine, booted here through the CPU emulation before megatron-core l
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from nemo_lw_fp8 import models, recipes
+from tests.support import fork_server
 
 HERE = Path(__file__).parent
 
@@ -21,12 +20,7 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, bridge_installed) -> dict:
     out = tmp_path_factory.mktemp("bridge") / "report.json"
-    done = subprocess.run(
-        [sys.executable, str(HERE / "bridge_report.py"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    done = fork_server.run_script(HERE / "bridge_report.py", str(out), timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -67,9 +67,30 @@ class LaunchServer:
     ) -> subprocess.CompletedProcess:
         """Launch one run and wait for it, as ``subprocess.run(..., timeout=timeout)`` would:
         its stdout / stderr in the result, ``TimeoutExpired`` after killing it at the deadline."""
+        fields = {"nproc": nproc, "port": port, "words": words}
+        return self._request(fields, env, timeout, output_dir, tag, [str(FORK_RUN), *words])
+
+    def run_script(
+        self, script: str | Path, argv: list[str], timeout: float, output_dir: Path, tag: str
+    ) -> subprocess.CompletedProcess:
+        """Run a script (Python source, or a file's path) in a process forked from the server,
+        as ``subprocess.run([sys.executable, "-c", source | path, *argv], capture_output=True,
+        timeout=timeout)`` would in a fresh interpreter whose first steps were the server's
+        imports (TE's emulation booted, then megatron-core and Bridge)."""
+        fields: dict = {"script": script, "argv": argv}
+        cmd = [sys.executable, "-c", script, *argv]
+        if isinstance(script, Path):
+            fields.update(script=script.read_text(), file=str(script))
+            cmd = [sys.executable, str(script), *argv]
+        return self._request(fields, dict(os.environ), timeout, output_dir, tag, cmd)
+
+    def _request(
+        self, fields: dict, env: dict[str, str], timeout: float, output_dir: Path, tag: str,
+        cmd: list[str],
+    ) -> subprocess.CompletedProcess:  # fmt: skip
         out, err = output_dir / f"{tag}.stdout", output_dir / f"{tag}.stderr"
-        request = {"nproc": nproc, "port": port, "words": words, "env": env,
-                   "cwd": os.getcwd(), "stdout": str(out), "stderr": str(err)}  # fmt: skip
+        request = {**fields, "env": env, "cwd": os.getcwd(), "stdout": str(out),
+                   "stderr": str(err)}  # fmt: skip
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         pid = self._read(60.0, tag)["pid"]
@@ -78,10 +99,9 @@ class LaunchServer:
         except TimeoutError:
             os.killpg(pid, signal.SIGKILL)
             self._read(60.0, f"{tag} (killed)")
-            raise subprocess.TimeoutExpired(
-                [str(FORK_RUN), *words], timeout, out.read_text(), err.read_text()
-            ) from None
-        return subprocess.CompletedProcess(words, code, out.read_text(), err.read_text())
+            stdout, stderr = out.read_text(), err.read_text()
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr) from None
+        return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
 
     def stop(self) -> None:
         if self.alive:
@@ -104,6 +124,18 @@ def server() -> LaunchServer:
     if _SERVER is None or not _SERVER.alive:
         _SERVER = LaunchServer()
     return _SERVER
+
+
+def run_script(
+    script: str | Path, *argv: str, timeout: float = 900.0
+) -> subprocess.CompletedProcess:
+    """:meth:`LaunchServer.run_script` on the session's server, its output kept in memory.
+
+    For the tests that inspect the installed stack in a process of their own (TE booted over the
+    emulation before megatron-core, a process group, CPU stand-ins) and assert on what it prints:
+    each saves the ~20-45 s of CPU a fresh interpreter spends importing Bridge."""
+    with tempfile.TemporaryDirectory(prefix="fork-script-") as tmp:
+        return server().run_script(script, list(argv), timeout, Path(tmp), "script")
 
 
 def stop_server() -> None:
