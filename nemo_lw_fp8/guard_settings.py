@@ -48,6 +48,10 @@ class Settings:
     use_torch_fsdp2: bool = False
     #: "fp4" recipe name (megatron's ``fp4_recipe`` when ``--fp4-format`` is set), else None.
     fp4_recipe: str | None = None
+    #: NVFP4 primary weights: megatron-training's ``--fp4-param-gather`` (DDP config), which it
+    #: also hands to ``TransformerConfig.fp4_param``.
+    fp4_param_gather: bool = False
+    fp4_param: bool = False
     #: Transformer Engine version; None: the installed one (read without importing TE).
     te_version: str | None = None
     #: TE's switch ``NVTE_GROUPED_LINEAR_SINGLE_PARAM``; None: read the environment.

@@ -116,6 +116,19 @@ def _grouped_nvfp4_layer_wise(s: Settings) -> str | None:
     return None
 
 
+def _fp4_primary_weights_layer_wise(s: Settings) -> str | None:
+    if s.layer_wise and (s.fp4_param or s.fp4_param_gather):
+        return (
+            "NVFP4 primary weights (--fp4-param-gather / fp4_param) with layer-wise Muon are "
+            "not built: megatron-core 0.19.2 quantizes NVFP4 parameters from fp32 masters and "
+            "gathers them only in the Adam distributed optimizer, and the plugin has no FP4 "
+            "path for layer-wise owners yet (docs/nvfp4.md), so the owners' updates would not "
+            "reach the NVFP4 weights as a run expects. Fix: drop --fp4-param-gather (NVFP4 "
+            "compute on bf16 parameters), or use --fp8-recipe mxfp8 with --fp8-param-gather."
+        )
+    return None
+
+
 GROUPED_WEIGHT_RULES: tuple[Rule, ...] = (
     Rule(
         "grouped-weight-fsdp", "single grouped expert weights do not work with FSDP", _grouped_fsdp
@@ -137,6 +150,11 @@ GROUPED_WEIGHT_RULES: tuple[Rule, ...] = (
         "grouped-weight-nvfp4-layer-wise",
         "NVFP4 grouped weights under layer-wise Muon are unverified",
         _grouped_nvfp4_layer_wise,
+    ),
+    Rule(
+        "fp4-primary-weights-layer-wise",
+        "NVFP4 primary weights under layer-wise Muon are not built",
+        _fp4_primary_weights_layer_wise,
     ),
 )
 

@@ -70,6 +70,12 @@ CASES: list[tuple[str, dict, str]] = [
     ("grouped NVFP4 under layer-wise Muon", dict(
         GOOD, fp8=None, fp8_recipe=None, fp8_param_gather=False, fp4_recipe="nvfp4"),
      "grouped-weight-nvfp4-layer-wise"),
+    ("NVFP4 primary weights under layer-wise Muon", dict(
+        GOOD, fp8=None, fp8_recipe=None, fp8_param_gather=False, moe_single_grouped_weight=False,
+        fp4_recipe="nvfp4", fp4_param_gather=True), "fp4-primary-weights-layer-wise"),
+    ("NVFP4 primary weights in the model config only", dict(
+        GOOD, fp8=None, fp8_recipe=None, fp8_param_gather=False, moe_single_grouped_weight=False,
+        fp4_recipe="nvfp4", fp4_param=True), "fp4-primary-weights-layer-wise"),
     ("grouped weights without grouped GEMM", GOOD | dict(moe_grouped_gemm=False),
      "grouped-weight-needs-grouped-gemm"),
     ("grouped weights without TE's op fuser", GOOD | dict(use_transformer_engine_op_fuser=False),

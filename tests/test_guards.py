@@ -71,6 +71,10 @@ BAD = {
         dict(**GROUPED_OK, fp4_recipe="nvfp4"),
         "--fp8-recipe mxfp8",
     ),
+    "fp4-primary-weights-layer-wise": (
+        dict(fp8_recipe=None, fp8_param_gather=False, fp4_recipe="nvfp4", fp4_param_gather=True),
+        "drop --fp4-param-gather",
+    ),
 }
 
 
