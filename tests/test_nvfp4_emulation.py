@@ -369,6 +369,185 @@ def test_transpose_packed_matches_columnwise_of_2d():
 
 
 # --------------------------------------------------------------------------------------------
+# The random Hadamard transform (columnwise copy) against a scalar reference
+# --------------------------------------------------------------------------------------------
+
+#: TE's hard-coded wgrad signs (``get_wgrad_sign_vector``), as written there.
+TE_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]
+
+
+def ref_sign_mask(signs: list[int]) -> int:
+    """Bit ``i`` set where ``signs[i]`` is -1 (``get_sign_from_vector``)."""
+    return sum(1 << i for i, v in enumerate(signs) if v == -1)
+
+
+def ref_sylvester(n: int) -> list[list[int]]:
+    """The +-1 Hadamard matrix of order ``n`` by Sylvester's doubling ``[[H, H], [H, -H]]``."""
+    h = [[1]]
+    while len(h) < n:
+        h = [row + row for row in h] + [row + [-e for e in row] for row in h]
+    return h
+
+
+def ref_bf16(x: float) -> float:
+    """Round an fp32 value to bf16, nearest even, from its bits (finite values)."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def ref_rht_t(x: torch.Tensor, signs: list[int], *, bf16: bool = True) -> torch.Tensor:
+    """The RHT of ``x^T`` (``(K, M)``): each 16 consecutive elements ``v`` of a row of ``x^T``
+    to ``sum_k v_k * signs[k] * H[k][n] / 4``, exact (Fraction), then fp32, then bf16."""
+    h = ref_sylvester(16)
+    xt = [[Fraction(float(e)) for e in row] for row in x.float().t().tolist()]
+    out = []
+    for row in xt:
+        res = []
+        for g in range(0, len(row), 16):
+            v = row[g : g + 16]
+            for n in range(16):
+                exact = sum(v[k] * signs[k] * h[k][n] for k in range(16)) / 4
+                y = f32(exact)
+                res.append(ref_bf16(y) if bf16 else y)
+        out.append(res)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def compare_rht(data: fp4.NVFP4Data, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """``data`` (a RHT cast of ``x``) against the scalar reference: the rowwise copy is the plain
+    cast of ``x`` with ``max |x|``, the columnwise copy the plain cast of ``y`` (``(K, M)``) with
+    ``max |y|``."""
+    rows = x.shape[0]
+    ref_row, ref_col = ref_quantize(x), ref_quantize(y)
+    res = {
+        "amax_rowwise": float(data.amax_rowwise) == ref_row["amax"],
+        "amax_columnwise": float(data.amax_columnwise) == ref_col["amax"],
+        "row_data": data.rowwise_data.reshape(rows, -1).tolist() == ref_pack(ref_row["row"][0]),
+        "col_data": data.columnwise_data.tolist() == ref_pack(ref_col["row"][0]),
+    }
+    for usage, scale, ref in (
+        ("row", data.rowwise_scale_inv, ref_row["row"][1]),
+        ("col", data.columnwise_scale_inv, ref_col["row"][1]),
+    ):
+        res[f"{usage}_scales"] = scale[: len(ref), : len(ref[0])].tolist() == ref
+        pad = scale.clone()
+        pad[: len(ref), : len(ref[0])] = 0
+        res[f"{usage}_padding_zero"] = not bool(pad.any())
+    return res
+
+
+def _rht_case(name: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(13)
+    if name == "random":
+        return (torch.randn(32, 48, generator=gen) * 3).bfloat16()
+    if name == "zeros":
+        return torch.zeros(16, 32, dtype=torch.bfloat16)
+    if name == "spread":  # magnitudes over 2^0 .. 2^-10 inside each group: fp32 sums, bf16 ties
+        exps = torch.randint(0, 11, (48, 32), generator=gen).float()
+        return (torch.randn(48, 32, generator=gen) * 2.0**-exps).bfloat16()
+    if name == "one_hot":  # one element per group: the output is that element's row of +-x/4
+        x = torch.zeros(32, 32)
+        x[3, 0], x[16 + 9, 17], x[7, 31] = 2.0, -5.0, 1e-3
+        return x.bfloat16()
+    raise KeyError(name)
+
+
+RHT_CASES = ["random", "zeros", "spread", "one_hot"]
+
+
+def test_rht_matrix_is_signed_sylvester_over_four():
+    """``rht_matrix``: Sylvester's +-1 matrix of order 16 over 4, row ``k`` negated where bit
+    ``k`` of the mask is set; orthogonal. TE's wgrad signs give mask 0xD7E8 (bit i per sign)."""
+    mask = ref_sign_mask(TE_SIGNS)
+    assert mask == 0xD7E8
+    h = ref_sylvester(16)
+    expect = [[TE_SIGNS[k] * h[k][n] / 4 for n in range(16)] for k in range(16)]
+    assert fp4.rht_matrix(mask).tolist() == expect
+    m = fp4.rht_matrix(mask)
+    assert torch.equal(m @ m.t(), torch.eye(16))
+    assert fp4.rht_matrix(0).tolist() == [[e / 4 for e in row] for row in h]
+    # control: the signs applied to the columns (H @ diag(s)) is another matrix
+    assert fp4.rht_matrix(mask).tolist() != [
+        [h[k][n] * TE_SIGNS[n] / 4 for n in range(16)] for k in range(16)
+    ]
+
+
+@pytest.mark.parametrize("signs", ["te", "none"])
+@pytest.mark.parametrize("case", RHT_CASES)
+def test_rht_quantize_matches_scalar_reference(case, signs):
+    """The RHT cast: rowwise the plain cast (pre-RHT amax), columnwise the plain cast of the
+    bf16 RHT of ``x^T`` (exact sum, fp32, bf16) with its own amax; all buffers bitwise."""
+    vec = TE_SIGNS if signs == "te" else [1] * 16
+    x = _rht_case(case)
+    data = fp4.quantize(x, rht_sign_mask=ref_sign_mask(vec))
+    y = ref_rht_t(x, vec)
+    res = compare_rht(data, x.float(), y)
+    assert all(res.values()), res
+    # the transform itself, bitwise
+    got = fp4.hadamard_transform(x.t().contiguous(), ref_sign_mask(vec))
+    assert torch.equal(got.float(), y)
+
+
+def test_rht_rowwise_only_and_columnwise_only():
+    x = _rht_case("random")
+    mask = ref_sign_mask(TE_SIGNS)
+    both = fp4.quantize(x, rht_sign_mask=mask)
+    row = fp4.quantize(x, columnwise=False, rht_sign_mask=mask)
+    col = fp4.quantize(x, rowwise=False, rht_sign_mask=mask)
+    assert row.columnwise_data is None and row.amax_columnwise is None
+    assert col.rowwise_data is None and col.amax_rowwise is None
+    assert torch.equal(row.rowwise_data, both.rowwise_data)
+    assert torch.equal(col.columnwise_data, both.columnwise_data)
+    assert torch.equal(col.amax_columnwise, both.amax_columnwise)
+    plain = fp4.quantize(x)
+    assert torch.equal(row.rowwise_data, plain.rowwise_data)  # RHT leaves the rowwise copy alone
+
+
+def test_rht_controls_diverge():
+    """Controls, each a plausible misreading that must give other bytes: the signs reversed
+    (bit 15 - i), the signs on the columns, the transform along the rows of ``x`` instead of
+    ``x^T``, the columnwise copy scaled by the pre-RHT amax, and the fp32 transform without
+    the bf16 rounding."""
+    x = _rht_case("random")
+    mask = ref_sign_mask(TE_SIGNS)
+    data = fp4.quantize(x, rht_sign_mask=mask)
+    y = ref_rht_t(x, TE_SIGNS)
+    assert all(compare_rht(data, x.float(), y).values())
+    reversed_signs = TE_SIGNS[::-1]
+    assert not compare_rht(data, x.float(), ref_rht_t(x, reversed_signs))["col_data"]
+    # signs on the output index: y = v @ H @ diag(s)
+    h = torch.tensor(ref_sylvester(16), dtype=torch.float64)
+    s = torch.tensor(TE_SIGNS, dtype=torch.float64)
+    cols_signed = (x.t().double().reshape(-1, 16) @ (h * s[None, :] / 4)).float().bfloat16()
+    assert not compare_rht(data, x.float(), cols_signed.float().reshape(y.shape))["col_data"]
+    # along the rows of x: the transform of x, then transposed
+    other_dim = fp4.hadamard_transform(x, mask).t().contiguous()
+    assert not torch.equal(fp4.quantize(other_dim.t()).rowwise_data, data.columnwise_data)
+    # pre-RHT amax for the columnwise copy
+    pre = fp4.quantize(y, amax=fp4.tensor_amax(x), columnwise=False)
+    assert not torch.equal(pre.rowwise_scale_inv, data.columnwise_scale_inv)
+    # no bf16 rounding of the transform
+    xs = _rht_case("spread")
+    ds = fp4.quantize(xs, rht_sign_mask=mask)
+    unrounded = ref_rht_t(xs, TE_SIGNS, bf16=False)
+    assert not torch.equal(fp4.quantize(unrounded, columnwise=False).rowwise_data,
+                           ds.columnwise_data)  # fmt: skip
+
+
+def test_rht_refuses_what_te_refuses():
+    """TE's checks: bf16 input only, both dims multiples of 16; the RHT cast takes 1x16 blocks."""
+    mask = ref_sign_mask(TE_SIGNS)
+    with pytest.raises(ValueError, match="bfloat16"):
+        fp4.quantize(torch.ones(16, 32), rht_sign_mask=mask)
+    for shape in [(20, 32), (32, 24)]:
+        with pytest.raises(ValueError, match="divisible by 16"):
+            fp4.quantize(torch.ones(shape, dtype=torch.bfloat16), rht_sign_mask=mask)
+    with pytest.raises(ValueError, match="1x16"):
+        fp4.quantize(torch.ones(16, 32, dtype=torch.bfloat16), two_d=True, rht_sign_mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
 # TE's NVFP4Quantizer over the emulation (in a subprocess: this process never imports TE)
 # --------------------------------------------------------------------------------------------
 
