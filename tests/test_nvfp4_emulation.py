@@ -635,10 +635,75 @@ R["create_columnwise_scales"] = torch.equal(
     t2._columnwise_scale_inv[:64, :2], r2.columnwise_scale_inv[:64, :2])
 R["create_columnwise_amax"] = torch.equal(t2._amax_columnwise, r2.amax_columnwise)
 
+# the random Hadamard transform (columnwise copy): TE's default signs, both paths' shapes
+rht = {}
+qr = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)
+mask = qr.rht_matrix_random_sign_mask_t
+rht["mask"] = mask
+rht["matrix"] = qr.rht_matrix.float().tolist()
+rht["matrix_dtype"] = str(qr.rht_matrix.dtype)
+xr = inputs["bf16"]  # 32 x 64: rows not a multiple of 64, TE's unfused path
+for usage in ((True, True), (True, False), (False, True)):
+    q = NVFP4Quantizer(rowwise=usage[0], columnwise=usage[1], with_rht=True,
+                       with_post_rht_amax=True)
+    q.optimize_for_gemm = True  # compact all the same: not eligible for the fused cast
+    t = q(xr)
+    rht[f"unfused/{usage}"] = same(
+        t, fp4.quantize(xr, rowwise=usage[0], columnwise=usage[1], rht_sign_mask=mask))
+    rht[f"unfused/{usage}/swizzled"] = bool(t._with_gemm_swizzled_scales)
+t = qr(xr)
+rht["te_bytes"] = {n: getattr(t, "_" + n).tolist() for n in NAMES}
+rht["x"] = xr.float().tolist()
+rht["3d"] = same(qr(inputs["3d"]), fp4.quantize(inputs["3d"], rht_sign_mask=mask))
+q0 = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, with_random_sign_mask=False)
+rht["mask_without_signs"] = q0.rht_matrix_random_sign_mask_t
+rht["no_signs"] = same(q0(xr), fp4.quantize(xr, rht_sign_mask=0))
+rht["control_no_signs"] = same(t, fp4.quantize(xr, rht_sign_mask=0))
+rht["control_plain_cast"] = same(t, fp4.quantize(xr))
+# 64 x 128 with optimize_for_gemm: the fused cast's shape, both usages' scales swizzled
+xf = (torch.randn(2, 32, 128, generator=gen) * 2).bfloat16()
+qf = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)
+qf.optimize_for_gemm = True
+tf = qf(xf)
+rf = fp4.quantize(xf, rht_sign_mask=mask)
+rht["fused_swizzled"] = bool(tf._with_gemm_swizzled_scales)
+rht["fused_data_amax"] = all(same(tf, rf)[n] for n in NAMES if "scale" not in n)
+rht["fused_scales"] = (torch.equal(tf._rowwise_scale_inv, fp4.swizzle_scales(rf.rowwise_scale_inv))
+                       and torch.equal(tf._columnwise_scale_inv,
+                                       fp4.swizzle_scales(rf.columnwise_scale_inv)))
+rht["fused_unswizzled_equal_compact"] = all(same(qr(xf), rf).values())
+# in place, and an empty tensor of the RHT quantizer
+e = qr.make_empty((32, 64), dtype=torch.bfloat16, device="cpu")
+keep = e._columnwise_data
+e.quantize_(xr)
+rht["inplace"] = all(same(e, fp4.quantize(xr, rht_sign_mask=mask)).values())
+rht["inplace_same_buffer"] = e._columnwise_data is keep
+# what stays refused with the RHT on, by name (or by TE's own error)
+def outcome(fn):
+    try:
+        fn()
+        return "accepted"
+    except (NotImplementedError, RuntimeError, ValueError) as exc:
+        return type(exc).__name__ + ": " + str(exc)
+nan_x = xr.clone(); nan_x[1, 2] = float("nan")
+bad_matrix = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)
+bad_matrix.rht_matrix = fp4.rht_matrix(0).bfloat16()
+rht["refused"] = {
+    "2d": outcome(lambda: NVFP4Quantizer(with_rht=True, with_post_rht_amax=True,
+                                         with_2d_quantization=True)(xr)),
+    "pre_rht_amax": outcome(lambda: NVFP4Quantizer(with_rht=True)(xr)),
+    "fp32": outcome(lambda: qr(xr.float())),
+    "nan": outcome(lambda: qr(nan_x)),
+    "noop": outcome(lambda: e.quantize_(xr, noop_flag=torch.ones(1))),
+    "matrix": outcome(lambda: bad_matrix(xr)),
+    "sr": outcome(lambda: NVFP4Quantizer(with_rht=True, with_post_rht_amax=True,
+                                         stochastic_rounding=True)(xr)),
+}
+R["rht"] = rht
+
 # refusals: by name, before any byte
 refused = {}
 for label, kw in {
-    "rht": dict(with_rht=True, with_post_rht_amax=True),
     "stochastic_rounding": dict(stochastic_rounding=True),
     "row_scaled": dict(row_scaled_nvfp4=True),
     "4over6": dict(nvfp4_use_4over6=True),
@@ -710,11 +775,10 @@ def test_te_quantizer_inplace_empty_noop_and_2d_columnwise(te_results):
 
 @needs_te
 def test_te_quantizer_refuses_what_is_not_emulated(te_results):
-    """By name, never with other bytes: RHT, stochastic rounding, row-scaled and 4over6 NVFP4,
+    """By name, never with other bytes: stochastic rounding, row-scaled and 4over6 NVFP4,
     amax reduction, NVFP4 in the TE-module kernels (``split_quantize``), odd
     shapes (TE's own check) and columnwise-only dequantize (TE's own refusal)."""
     assert te_results["refused"] == {
-        "rht": True,
         "stochastic_rounding": True,
         "row_scaled": True,
         "4over6": True,
@@ -723,3 +787,77 @@ def test_te_quantizer_refuses_what_is_not_emulated(te_results):
         "split_quantize": True,
         "columnwise_dequant": True,
     }
+
+
+@needs_te
+def test_te_quantizer_rht_bytes_equal_scalar_reference(te_results):
+    """``NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)`` (TE's default sign mask) over
+    the emulation: TE's own sign mask and bf16 matrix are the test's (Sylvester, TE's signs),
+    and its bytes equal the scalar reference (the rowwise copy plain, the columnwise copy from
+    the bf16 RHT of ``x^T`` with its own amax). Control: the same reference without the signs
+    differs."""
+    r = te_results["rht"]
+    assert r["mask"] == ref_sign_mask(TE_SIGNS) and r["mask_without_signs"] == 0
+    h = ref_sylvester(16)
+    assert r["matrix_dtype"] == "torch.bfloat16"
+    assert r["matrix"] == [[TE_SIGNS[k] * h[k][n] / 4 for n in range(16)] for k in range(16)]
+    b = r["te_bytes"]
+    x = torch.tensor(r["x"])
+    data = fp4.NVFP4Data(
+        tuple(x.shape),
+        *(
+            torch.tensor(b[n], dtype=torch.float32 if n.startswith("amax") else torch.uint8)
+            for n in (
+                "rowwise_data",
+                "rowwise_scale_inv",
+                "columnwise_data",
+                "columnwise_scale_inv",
+                "amax_rowwise",
+                "amax_columnwise",
+            )
+        ),
+    )
+    res = compare_rht(data, x, ref_rht_t(x, TE_SIGNS))
+    assert all(res.values()), res
+    control = compare_rht(data, x, ref_rht_t(x, [1] * 16))
+    assert not control["col_data"] and not control["amax_columnwise"], control
+    assert control["row_data"] and control["amax_rowwise"]  # the rowwise copy has no RHT
+
+
+@needs_te
+def test_te_quantizer_rht_paths_inplace_and_swizzle(te_results):
+    """Each usage (unfused shape: compact scales even with ``optimize_for_gemm``), a 3-D input,
+    no random signs, in place; on the fused cast's shape (rows % 64, cols % 128, SM 10.0) with
+    ``optimize_for_gemm`` both usages' scales are the compact ones swizzled, data and amaxes
+    unchanged. Controls: the reference without signs, and the plain cast, differ."""
+    r = te_results["rht"]
+    for usage in ("(True, True)", "(True, False)", "(False, True)"):
+        assert all(r[f"unfused/{usage}"].values()), (usage, r[f"unfused/{usage}"])
+        assert r[f"unfused/{usage}/swizzled"] is False
+    assert all(r["3d"].values()) and all(r["no_signs"].values())
+    assert r["inplace"] and r["inplace_same_buffer"]
+    assert r["fused_swizzled"] and r["fused_data_amax"] and r["fused_scales"]
+    assert r["fused_unswizzled_equal_compact"]
+    for control in ("control_no_signs", "control_plain_cast"):
+        c = r[control]
+        assert not c["columnwise_data"] and not c["amax_columnwise"], (control, c)
+        assert c["rowwise_data"] and c["amax_rowwise"], (control, c)
+
+
+@needs_te
+def test_te_quantizer_rht_refusals(te_results):
+    """With the RHT on: TE's own errors (pre-RHT amax, non-bf16 input) and, by name, what is not
+    emulated (16x16 blocks, non-finite input, a set noop flag, an ``rht_matrix`` that is not
+    its sign mask's, stochastic rounding)."""
+    ref = te_results["rht"]["refused"]
+    assert ref["pre_rht_amax"].startswith("RuntimeError: Pre-RHT amax is not supported"), ref
+    assert ref["fp32"].startswith("RuntimeError: RHT is only supported for bfloat16"), ref
+    for key, words in {
+        "2d": "16x16 blocks",
+        "nan": "non-finite input",
+        "noop": "noop flag",
+        "matrix": "rht_matrix",
+        "sr": "stochastic rounding",
+    }.items():
+        assert ref[key].startswith("NotImplementedError") and words in ref[key], (key, ref)
+        assert "not emulated yet" in ref[key]
