@@ -535,6 +535,35 @@ def test_rht_controls_diverge():
                            ds.columnwise_data)  # fmt: skip
 
 
+def _order_results(span: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Output 0 of the RHT of 400 groups whose bf16 values span ``span`` binades: the
+    emulation's fp32 sum, and fp32 sums accumulated one term at a time in 6 random orders."""
+    gen = torch.Generator().manual_seed(seed)
+    mant = 1 + torch.randint(0, 128, (400, 16), generator=gen).float() / 128  # 8 bits
+    sign = torch.randint(0, 2, (400, 16), generator=gen).float() * 2 - 1
+    x = sign * mant * 2.0 ** -torch.randint(0, span + 1, (400, 16), generator=gen).float()
+    x = x.bfloat16()
+    m = fp4.rht_matrix(ref_sign_mask(TE_SIGNS))
+    ours = (x.double() @ m.double()).float()[:, 0]
+    terms = x.float() * m[:, 0]  # exact products
+    orders = []
+    for _ in range(6):
+        acc = torch.zeros(400)
+        for k in torch.randperm(16, generator=gen).tolist():
+            acc = acc + terms[:, k]
+        orders.append(acc)
+    return ours, orders
+
+
+def test_rht_sum_is_order_free_within_12_binades():
+    """The exactness claim of the docstring: when a group's terms span at most 12 binades, any
+    fp32 summation order gives the emulation's sum. Control: over 30 binades, orders differ."""
+    ours, orders = _order_results(11, 1)  # mantissa in [1, 2): terms span at most 12 binades
+    assert all(torch.equal(o, ours) for o in orders)
+    ours, orders = _order_results(30, 2)
+    assert not all(torch.equal(o, ours) for o in orders)
+
+
 def test_rht_refuses_what_te_refuses():
     """TE's checks: bf16 input only, both dims multiples of 16; the RHT cast takes 1x16 blocks."""
     mask = ref_sign_mask(TE_SIGNS)

@@ -53,12 +53,13 @@ columnwise copy only, ``NVFP4Quantizer::quantize_impl``):
   MMA's fp32 accumulator in ``hadamard_transform.cu``; the fused ``row_cast_col_hadamard_
   transform_cast_fusion.cu`` rounds its accumulator to bf16 and back "for bit-wise
   compatibility with unfused kernels" unless ``NVTE_USE_FAST_MATH``);
-* accumulation: each product ``x * (+-0.25)`` is exact; the emulation sums the 16 of a group in
-  float64 (exact unless the terms span more than 41 binades), rounds to fp32, then to bf16.
-  That is the GPU's result whenever the group's exact sum is an fp32, which holds unless the
-  terms span more than ~12 binades; beyond that the tensor cores' internal alignment (not
-  documented) decides the fp32 accumulator, so this is a documented deterministic fp32
-  computation there, not a claim about the hardware;
+* accumulation: each product ``x * (+-0.25)`` has 8 significant bits and is exact; the
+  emulation sums the 16 of a group in float64 (exact unless they span more than 41 binades),
+  rounds to fp32, then to bf16. When the 16 terms span at most 12 binades every partial sum
+  fits fp32's 24 bits, so any summation order or alignment gives the exact sum and this is the
+  GPU's result; beyond that the tensor cores' internal alignment and truncation (not
+  documented) decide the fp32 accumulator, and this is a documented deterministic computation
+  there, not a claim about the hardware;
 * amaxes (``nvte_hadamard_transform_amax``, ``with_post_rht_amax``): the rowwise one is
   ``max |x|`` (the pre-RHT amax), the columnwise one ``max |y|`` over the bf16 outputs; each
   copy's global scale comes from its own amax;

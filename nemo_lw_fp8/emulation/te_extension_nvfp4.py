@@ -43,7 +43,7 @@ EMULATED = (
     "NVFP4Quantizer casts (1x16 and 16x16 blocks, rowwise / columnwise, compact and "
     "GEMM-swizzled scales), TE-exact",
     "random Hadamard transform of the columnwise copy (with_rht, post-RHT amax, bf16 input, "
-    "1x16 blocks), TE-exact where the 16-term sum is an fp32",
+    "1x16 blocks), TE-exact where a group's 16 terms span at most 12 binades",
     "generic_gemm on NVFP4 x NVFP4 operands (TE Linear's fprop, dgrad, wgrad): exact operands, "
     "fp32 product",
     "bgrad_quantize with an NVFP4 quantizer",
