@@ -369,6 +369,214 @@ def test_transpose_packed_matches_columnwise_of_2d():
 
 
 # --------------------------------------------------------------------------------------------
+# The random Hadamard transform (columnwise copy) against a scalar reference
+# --------------------------------------------------------------------------------------------
+
+#: TE's hard-coded wgrad signs (``get_wgrad_sign_vector``), as written there.
+TE_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]
+
+
+def ref_sign_mask(signs: list[int]) -> int:
+    """Bit ``i`` set where ``signs[i]`` is -1 (``get_sign_from_vector``)."""
+    return sum(1 << i for i, v in enumerate(signs) if v == -1)
+
+
+def ref_sylvester(n: int) -> list[list[int]]:
+    """The +-1 Hadamard matrix of order ``n`` by Sylvester's doubling ``[[H, H], [H, -H]]``."""
+    h = [[1]]
+    while len(h) < n:
+        h = [row + row for row in h] + [row + [-e for e in row] for row in h]
+    return h
+
+
+def ref_bf16(x: float) -> float:
+    """Round an fp32 value to bf16, nearest even, from its bits (finite values)."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def ref_rht_t(x: torch.Tensor, signs: list[int], *, bf16: bool = True) -> torch.Tensor:
+    """The RHT of ``x^T`` (``(K, M)``): each 16 consecutive elements ``v`` of a row of ``x^T``
+    to ``sum_k v_k * signs[k] * H[k][n] / 4``, exact (Fraction), then fp32, then bf16."""
+    h = ref_sylvester(16)
+    xt = [[Fraction(float(e)) for e in row] for row in x.float().t().tolist()]
+    out = []
+    for row in xt:
+        res = []
+        for g in range(0, len(row), 16):
+            v = row[g : g + 16]
+            for n in range(16):
+                exact = sum(v[k] * signs[k] * h[k][n] for k in range(16)) / 4
+                y = f32(exact)
+                res.append(ref_bf16(y) if bf16 else y)
+        out.append(res)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def compare_rht(data: fp4.NVFP4Data, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """``data`` (a RHT cast of ``x``) against the scalar reference: the rowwise copy is the plain
+    cast of ``x`` with ``max |x|``, the columnwise copy the plain cast of ``y`` (``(K, M)``) with
+    ``max |y|``."""
+    rows = x.shape[0]
+    ref_row, ref_col = ref_quantize(x), ref_quantize(y)
+    res = {
+        "amax_rowwise": float(data.amax_rowwise) == ref_row["amax"],
+        "amax_columnwise": float(data.amax_columnwise) == ref_col["amax"],
+        "row_data": data.rowwise_data.reshape(rows, -1).tolist() == ref_pack(ref_row["row"][0]),
+        "col_data": data.columnwise_data.tolist() == ref_pack(ref_col["row"][0]),
+    }
+    for usage, scale, ref in (
+        ("row", data.rowwise_scale_inv, ref_row["row"][1]),
+        ("col", data.columnwise_scale_inv, ref_col["row"][1]),
+    ):
+        res[f"{usage}_scales"] = scale[: len(ref), : len(ref[0])].tolist() == ref
+        pad = scale.clone()
+        pad[: len(ref), : len(ref[0])] = 0
+        res[f"{usage}_padding_zero"] = not bool(pad.any())
+    return res
+
+
+def _rht_case(name: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(13)
+    if name == "random":
+        return (torch.randn(32, 48, generator=gen) * 3).bfloat16()
+    if name == "zeros":
+        return torch.zeros(16, 32, dtype=torch.bfloat16)
+    if name == "spread":  # magnitudes over 2^0 .. 2^-10 inside each group: fp32 sums, bf16 ties
+        exps = torch.randint(0, 11, (48, 32), generator=gen).float()
+        return (torch.randn(48, 32, generator=gen) * 2.0**-exps).bfloat16()
+    if name == "one_hot":  # one element per group: the output is that element's row of +-x/4
+        x = torch.zeros(32, 32)
+        x[3, 0], x[16 + 9, 17], x[7, 31] = 2.0, -5.0, 1e-3
+        return x.bfloat16()
+    raise KeyError(name)
+
+
+RHT_CASES = ["random", "zeros", "spread", "one_hot"]
+
+
+def test_rht_matrix_is_signed_sylvester_over_four():
+    """``rht_matrix``: Sylvester's +-1 matrix of order 16 over 4, row ``k`` negated where bit
+    ``k`` of the mask is set; orthogonal. TE's wgrad signs give mask 0xD7E8 (bit i per sign)."""
+    mask = ref_sign_mask(TE_SIGNS)
+    assert mask == 0xD7E8
+    h = ref_sylvester(16)
+    expect = [[TE_SIGNS[k] * h[k][n] / 4 for n in range(16)] for k in range(16)]
+    assert fp4.rht_matrix(mask).tolist() == expect
+    m = fp4.rht_matrix(mask)
+    assert torch.equal(m @ m.t(), torch.eye(16))
+    assert fp4.rht_matrix(0).tolist() == [[e / 4 for e in row] for row in h]
+    # control: the signs applied to the columns (H @ diag(s)) is another matrix
+    assert fp4.rht_matrix(mask).tolist() != [
+        [h[k][n] * TE_SIGNS[n] / 4 for n in range(16)] for k in range(16)
+    ]
+
+
+@pytest.mark.parametrize("signs", ["te", "none"])
+@pytest.mark.parametrize("case", RHT_CASES)
+def test_rht_quantize_matches_scalar_reference(case, signs):
+    """The RHT cast: rowwise the plain cast (pre-RHT amax), columnwise the plain cast of the
+    bf16 RHT of ``x^T`` (exact sum, fp32, bf16) with its own amax; all buffers bitwise."""
+    vec = TE_SIGNS if signs == "te" else [1] * 16
+    x = _rht_case(case)
+    data = fp4.quantize(x, rht_sign_mask=ref_sign_mask(vec))
+    y = ref_rht_t(x, vec)
+    res = compare_rht(data, x.float(), y)
+    assert all(res.values()), res
+    # the transform itself, bitwise
+    got = fp4.hadamard_transform(x.t().contiguous(), ref_sign_mask(vec))
+    assert torch.equal(got.float(), y)
+
+
+def test_rht_rowwise_only_and_columnwise_only():
+    x = _rht_case("random")
+    mask = ref_sign_mask(TE_SIGNS)
+    both = fp4.quantize(x, rht_sign_mask=mask)
+    row = fp4.quantize(x, columnwise=False, rht_sign_mask=mask)
+    col = fp4.quantize(x, rowwise=False, rht_sign_mask=mask)
+    assert row.columnwise_data is None and row.amax_columnwise is None
+    assert col.rowwise_data is None and col.amax_rowwise is None
+    assert torch.equal(row.rowwise_data, both.rowwise_data)
+    assert torch.equal(col.columnwise_data, both.columnwise_data)
+    assert torch.equal(col.amax_columnwise, both.amax_columnwise)
+    plain = fp4.quantize(x)
+    assert torch.equal(row.rowwise_data, plain.rowwise_data)  # RHT leaves the rowwise copy alone
+
+
+def test_rht_controls_diverge():
+    """Controls, each a plausible misreading that must give other bytes: the signs reversed
+    (bit 15 - i), the signs on the columns, the transform along the rows of ``x`` instead of
+    ``x^T``, the columnwise copy scaled by the pre-RHT amax, and the fp32 transform without
+    the bf16 rounding."""
+    x = _rht_case("random")
+    mask = ref_sign_mask(TE_SIGNS)
+    data = fp4.quantize(x, rht_sign_mask=mask)
+    y = ref_rht_t(x, TE_SIGNS)
+    assert all(compare_rht(data, x.float(), y).values())
+    reversed_signs = TE_SIGNS[::-1]
+    assert not compare_rht(data, x.float(), ref_rht_t(x, reversed_signs))["col_data"]
+    # signs on the output index: y = v @ H @ diag(s)
+    h = torch.tensor(ref_sylvester(16), dtype=torch.float64)
+    s = torch.tensor(TE_SIGNS, dtype=torch.float64)
+    cols_signed = (x.t().double().reshape(-1, 16) @ (h * s[None, :] / 4)).float().bfloat16()
+    assert not compare_rht(data, x.float(), cols_signed.float().reshape(y.shape))["col_data"]
+    # along the rows of x: the transform of x, then transposed
+    other_dim = fp4.hadamard_transform(x, mask).t().contiguous()
+    assert not torch.equal(fp4.quantize(other_dim.t()).rowwise_data, data.columnwise_data)
+    # pre-RHT amax for the columnwise copy
+    pre = fp4.quantize(y, amax=fp4.tensor_amax(x), columnwise=False)
+    assert not torch.equal(pre.rowwise_scale_inv, data.columnwise_scale_inv)
+    # no bf16 rounding of the transform
+    xs = _rht_case("spread")
+    ds = fp4.quantize(xs, rht_sign_mask=mask)
+    unrounded = ref_rht_t(xs, TE_SIGNS, bf16=False)
+    assert not torch.equal(fp4.quantize(unrounded, columnwise=False).rowwise_data,
+                           ds.columnwise_data)  # fmt: skip
+
+
+def _order_results(span: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Output 0 of the RHT of 400 groups whose bf16 values span ``span`` binades: the
+    emulation's fp32 sum, and fp32 sums accumulated one term at a time in 6 random orders."""
+    gen = torch.Generator().manual_seed(seed)
+    mant = 1 + torch.randint(0, 128, (400, 16), generator=gen).float() / 128  # 8 bits
+    sign = torch.randint(0, 2, (400, 16), generator=gen).float() * 2 - 1
+    x = sign * mant * 2.0 ** -torch.randint(0, span + 1, (400, 16), generator=gen).float()
+    x = x.bfloat16()
+    m = fp4.rht_matrix(ref_sign_mask(TE_SIGNS))
+    ours = (x.double() @ m.double()).float()[:, 0]
+    terms = x.float() * m[:, 0]  # exact products
+    orders = []
+    for _ in range(6):
+        acc = torch.zeros(400)
+        for k in torch.randperm(16, generator=gen).tolist():
+            acc = acc + terms[:, k]
+        orders.append(acc)
+    return ours, orders
+
+
+def test_rht_sum_is_order_free_within_12_binades():
+    """The exactness claim of the docstring: when a group's terms span at most 12 binades, any
+    fp32 summation order gives the emulation's sum. Control: over 30 binades, orders differ."""
+    ours, orders = _order_results(11, 1)  # mantissa in [1, 2): terms span at most 12 binades
+    assert all(torch.equal(o, ours) for o in orders)
+    ours, orders = _order_results(30, 2)
+    assert not all(torch.equal(o, ours) for o in orders)
+
+
+def test_rht_refuses_what_te_refuses():
+    """TE's checks: bf16 input only, both dims multiples of 16; the RHT cast takes 1x16 blocks."""
+    mask = ref_sign_mask(TE_SIGNS)
+    with pytest.raises(ValueError, match="bfloat16"):
+        fp4.quantize(torch.ones(16, 32), rht_sign_mask=mask)
+    for shape in [(20, 32), (32, 24)]:
+        with pytest.raises(ValueError, match="divisible by 16"):
+            fp4.quantize(torch.ones(shape, dtype=torch.bfloat16), rht_sign_mask=mask)
+    with pytest.raises(ValueError, match="1x16"):
+        fp4.quantize(torch.ones(16, 32, dtype=torch.bfloat16), two_d=True, rht_sign_mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
 # TE's NVFP4Quantizer over the emulation (in a subprocess: this process never imports TE)
 # --------------------------------------------------------------------------------------------
 
@@ -456,10 +664,75 @@ R["create_columnwise_scales"] = torch.equal(
     t2._columnwise_scale_inv[:64, :2], r2.columnwise_scale_inv[:64, :2])
 R["create_columnwise_amax"] = torch.equal(t2._amax_columnwise, r2.amax_columnwise)
 
+# the random Hadamard transform (columnwise copy): TE's default signs, both paths' shapes
+rht = {}
+qr = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)
+mask = qr.rht_matrix_random_sign_mask_t
+rht["mask"] = mask
+rht["matrix"] = qr.rht_matrix.float().tolist()
+rht["matrix_dtype"] = str(qr.rht_matrix.dtype)
+xr = inputs["bf16"]  # 32 x 64: rows not a multiple of 64, TE's unfused path
+for usage in ((True, True), (True, False), (False, True)):
+    q = NVFP4Quantizer(rowwise=usage[0], columnwise=usage[1], with_rht=True,
+                       with_post_rht_amax=True)
+    q.optimize_for_gemm = True  # compact all the same: not eligible for the fused cast
+    t = q(xr)
+    rht[f"unfused/{usage}"] = same(
+        t, fp4.quantize(xr, rowwise=usage[0], columnwise=usage[1], rht_sign_mask=mask))
+    rht[f"unfused/{usage}/swizzled"] = bool(t._with_gemm_swizzled_scales)
+t = qr(xr)
+rht["te_bytes"] = {n: getattr(t, "_" + n).tolist() for n in NAMES}
+rht["x"] = xr.float().tolist()
+rht["3d"] = same(qr(inputs["3d"]), fp4.quantize(inputs["3d"], rht_sign_mask=mask))
+q0 = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, with_random_sign_mask=False)
+rht["mask_without_signs"] = q0.rht_matrix_random_sign_mask_t
+rht["no_signs"] = same(q0(xr), fp4.quantize(xr, rht_sign_mask=0))
+rht["control_no_signs"] = same(t, fp4.quantize(xr, rht_sign_mask=0))
+rht["control_plain_cast"] = same(t, fp4.quantize(xr))
+# 64 x 128 with optimize_for_gemm: the fused cast's shape, both usages' scales swizzled
+xf = (torch.randn(2, 32, 128, generator=gen) * 2).bfloat16()
+qf = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)
+qf.optimize_for_gemm = True
+tf = qf(xf)
+rf = fp4.quantize(xf, rht_sign_mask=mask)
+rht["fused_swizzled"] = bool(tf._with_gemm_swizzled_scales)
+rht["fused_data_amax"] = all(same(tf, rf)[n] for n in NAMES if "scale" not in n)
+rht["fused_scales"] = (torch.equal(tf._rowwise_scale_inv, fp4.swizzle_scales(rf.rowwise_scale_inv))
+                       and torch.equal(tf._columnwise_scale_inv,
+                                       fp4.swizzle_scales(rf.columnwise_scale_inv)))
+rht["fused_unswizzled_equal_compact"] = all(same(qr(xf), rf).values())
+# in place, and an empty tensor of the RHT quantizer
+e = qr.make_empty((32, 64), dtype=torch.bfloat16, device="cpu")
+keep = e._columnwise_data
+e.quantize_(xr)
+rht["inplace"] = all(same(e, fp4.quantize(xr, rht_sign_mask=mask)).values())
+rht["inplace_same_buffer"] = e._columnwise_data is keep
+# what stays refused with the RHT on, by name (or by TE's own error)
+def outcome(fn):
+    try:
+        fn()
+        return "accepted"
+    except (NotImplementedError, RuntimeError, ValueError) as exc:
+        return type(exc).__name__ + ": " + str(exc)
+nan_x = xr.clone(); nan_x[1, 2] = float("nan")
+bad_matrix = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)
+bad_matrix.rht_matrix = fp4.rht_matrix(0).bfloat16()
+rht["refused"] = {
+    "2d": outcome(lambda: NVFP4Quantizer(with_rht=True, with_post_rht_amax=True,
+                                         with_2d_quantization=True)(xr)),
+    "pre_rht_amax": outcome(lambda: NVFP4Quantizer(with_rht=True)(xr)),
+    "fp32": outcome(lambda: qr(xr.float())),
+    "nan": outcome(lambda: qr(nan_x)),
+    "noop": outcome(lambda: e.quantize_(xr, noop_flag=torch.ones(1))),
+    "matrix": outcome(lambda: bad_matrix(xr)),
+    "sr": outcome(lambda: NVFP4Quantizer(with_rht=True, with_post_rht_amax=True,
+                                         stochastic_rounding=True)(xr)),
+}
+R["rht"] = rht
+
 # refusals: by name, before any byte
 refused = {}
 for label, kw in {
-    "rht": dict(with_rht=True, with_post_rht_amax=True),
     "stochastic_rounding": dict(stochastic_rounding=True),
     "row_scaled": dict(row_scaled_nvfp4=True),
     "4over6": dict(nvfp4_use_4over6=True),
@@ -531,11 +804,10 @@ def test_te_quantizer_inplace_empty_noop_and_2d_columnwise(te_results):
 
 @needs_te
 def test_te_quantizer_refuses_what_is_not_emulated(te_results):
-    """By name, never with other bytes: RHT, stochastic rounding, row-scaled and 4over6 NVFP4,
+    """By name, never with other bytes: stochastic rounding, row-scaled and 4over6 NVFP4,
     amax reduction, NVFP4 in the TE-module kernels (``split_quantize``), odd
     shapes (TE's own check) and columnwise-only dequantize (TE's own refusal)."""
     assert te_results["refused"] == {
-        "rht": True,
         "stochastic_rounding": True,
         "row_scaled": True,
         "4over6": True,
@@ -544,3 +816,77 @@ def test_te_quantizer_refuses_what_is_not_emulated(te_results):
         "split_quantize": True,
         "columnwise_dequant": True,
     }
+
+
+@needs_te
+def test_te_quantizer_rht_bytes_equal_scalar_reference(te_results):
+    """``NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)`` (TE's default sign mask) over
+    the emulation: TE's own sign mask and bf16 matrix are the test's (Sylvester, TE's signs),
+    and its bytes equal the scalar reference (the rowwise copy plain, the columnwise copy from
+    the bf16 RHT of ``x^T`` with its own amax). Control: the same reference without the signs
+    differs."""
+    r = te_results["rht"]
+    assert r["mask"] == ref_sign_mask(TE_SIGNS) and r["mask_without_signs"] == 0
+    h = ref_sylvester(16)
+    assert r["matrix_dtype"] == "torch.bfloat16"
+    assert r["matrix"] == [[TE_SIGNS[k] * h[k][n] / 4 for n in range(16)] for k in range(16)]
+    b = r["te_bytes"]
+    x = torch.tensor(r["x"])
+    data = fp4.NVFP4Data(
+        tuple(x.shape),
+        *(
+            torch.tensor(b[n], dtype=torch.float32 if n.startswith("amax") else torch.uint8)
+            for n in (
+                "rowwise_data",
+                "rowwise_scale_inv",
+                "columnwise_data",
+                "columnwise_scale_inv",
+                "amax_rowwise",
+                "amax_columnwise",
+            )
+        ),
+    )
+    res = compare_rht(data, x, ref_rht_t(x, TE_SIGNS))
+    assert all(res.values()), res
+    control = compare_rht(data, x, ref_rht_t(x, [1] * 16))
+    assert not control["col_data"] and not control["amax_columnwise"], control
+    assert control["row_data"] and control["amax_rowwise"]  # the rowwise copy has no RHT
+
+
+@needs_te
+def test_te_quantizer_rht_paths_inplace_and_swizzle(te_results):
+    """Each usage (unfused shape: compact scales even with ``optimize_for_gemm``), a 3-D input,
+    no random signs, in place; on the fused cast's shape (rows % 64, cols % 128, SM 10.0) with
+    ``optimize_for_gemm`` both usages' scales are the compact ones swizzled, data and amaxes
+    unchanged. Controls: the reference without signs, and the plain cast, differ."""
+    r = te_results["rht"]
+    for usage in ("(True, True)", "(True, False)", "(False, True)"):
+        assert all(r[f"unfused/{usage}"].values()), (usage, r[f"unfused/{usage}"])
+        assert r[f"unfused/{usage}/swizzled"] is False
+    assert all(r["3d"].values()) and all(r["no_signs"].values())
+    assert r["inplace"] and r["inplace_same_buffer"]
+    assert r["fused_swizzled"] and r["fused_data_amax"] and r["fused_scales"]
+    assert r["fused_unswizzled_equal_compact"]
+    for control in ("control_no_signs", "control_plain_cast"):
+        c = r[control]
+        assert not c["columnwise_data"] and not c["amax_columnwise"], (control, c)
+        assert c["rowwise_data"] and c["amax_rowwise"], (control, c)
+
+
+@needs_te
+def test_te_quantizer_rht_refusals(te_results):
+    """With the RHT on: TE's own errors (pre-RHT amax, non-bf16 input) and, by name, what is not
+    emulated (16x16 blocks, non-finite input, a set noop flag, an ``rht_matrix`` that is not
+    its sign mask's, stochastic rounding)."""
+    ref = te_results["rht"]["refused"]
+    assert ref["pre_rht_amax"].startswith("RuntimeError: Pre-RHT amax is not supported"), ref
+    assert ref["fp32"].startswith("RuntimeError: RHT is only supported for bfloat16"), ref
+    for key, words in {
+        "2d": "16x16 blocks",
+        "nan": "non-finite input",
+        "noop": "noop flag",
+        "matrix": "rht_matrix",
+        "sr": "stochastic rounding",
+    }.items():
+        assert ref[key].startswith("NotImplementedError") and words in ref[key], (key, ref)
+        assert "not emulated yet" in ref[key]

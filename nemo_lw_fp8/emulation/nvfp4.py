@@ -39,8 +39,38 @@ the TE 2.20.2 source it reproduces (paths under ``transformer_engine/common/``):
   ``compute_nvfp4_per_tensor_scale_kernel`` (``recipe/nvfp4.cu``):
   ``fp32(fp32(fp32(alpha * amax_A) * amax_B) * fp32(1 / (36 * 448 * 448)))``.
 
-Not emulated, refused by name where TE's quantizer asks for them: the random Hadamard transform
-(``with_rht``), stochastic rounding, row-scaled NVFP4 and the 4over6 block selection.
+The random Hadamard transform (``with_rht``, :func:`hadamard_transform`; TE applies it to the
+columnwise copy only, ``NVFP4Quantizer::quantize_impl``):
+
+* the matrix (``hadamard_transform/hadamard_transform_utils.cuh``,
+  ``get_hadamard_matrix_fragment``; ``tensor/nvfp4_tensor.py``, ``get_rht_matrix``):
+  ``M[k, n] = s_k * (-1)^popcount(k & n) / 4``, the Sylvester Hadamard matrix of order 16
+  normalised by ``1/sqrt(16)``, its row ``k`` (the input element's index in its group) negated
+  where bit ``k`` of the quantizer's ``rht_matrix_random_sign_mask_t`` is set; every entry is
+  +-0.25, exact in bf16;
+* where: each group of 16 consecutive elements of a row of ``x^T`` (16 consecutive rows of
+  ``x``, one column), ``y = v @ M``; the result is stored as bf16 (``cvt.rn.bf16x2.f32`` of the
+  MMA's fp32 accumulator in ``hadamard_transform.cu``; the fused ``row_cast_col_hadamard_
+  transform_cast_fusion.cu`` rounds its accumulator to bf16 and back "for bit-wise
+  compatibility with unfused kernels" unless ``NVTE_USE_FAST_MATH``);
+* accumulation: each product ``x * (+-0.25)`` has 8 significant bits and is exact; the
+  emulation sums the 16 of a group in float64 (exact unless they span more than 41 binades),
+  rounds to fp32, then to bf16. When the 16 terms span at most 12 binades every partial sum
+  fits fp32's 24 bits, so any summation order or alignment gives the exact sum and this is the
+  GPU's result; beyond that the tensor cores' internal alignment and truncation (not
+  documented) decide the fp32 accumulator, and this is a documented deterministic computation
+  there, not a claim about the hardware;
+* amaxes (``nvte_hadamard_transform_amax``, ``with_post_rht_amax``): the rowwise one is
+  ``max |x|`` (the pre-RHT amax), the columnwise one ``max |y|`` over the bf16 outputs; each
+  copy's global scale comes from its own amax;
+* casts: the rowwise copy is the plain cast of ``x``; the columnwise copy is the plain 1x16
+  cast of the bf16 ``y`` as a ``(K, M)`` matrix (the unfused path's ``nvte_quantize_v2`` on the
+  transposed RHT output, and the fused kernel's epilogue, whose steps are the same operations);
+  bf16 input only (TE's check).
+
+Not emulated, refused by name where TE's quantizer asks for them: stochastic rounding, row-scaled
+NVFP4, the 4over6 block selection, RHT with 16x16 blocks or non-finite input (see
+:mod:`.te_extension_nvfp4`).
 """
 
 from __future__ import annotations
@@ -51,6 +81,10 @@ import torch
 
 BLOCK = 16
 """Elements per NVFP4 scaling block (``NVFP4_BLOCK_SCALING_SIZE``)."""
+HADAMARD_DIM = 16
+"""Order of TE's random Hadamard transform (``kHadamardDimension``)."""
+HADAMARD_SCALE = 0.25
+"""``1 / sqrt(16)`` (``k16x16HadamardScale``)."""
 FP4_MAX = 6.0
 E4M3_MAX = 448.0
 FLT_MAX = torch.finfo(torch.float32).max
@@ -81,8 +115,10 @@ __all__ = [
     "encode_e2m1",
     "gemm_alpha",
     "global_encode_scale",
+    "hadamard_transform",
     "pack_fp4",
     "quantize",
+    "rht_matrix",
     "scale_shape",
     "swizzle_scales",
     "tensor_amax",
@@ -237,6 +273,35 @@ def flat_2d(shape: tuple[int, ...]) -> tuple[int, int]:
     return rows, cols
 
 
+def rht_matrix(sign_mask: int) -> torch.Tensor:
+    """fp32 ``(16, 16)`` matrix of TE's RHT: ``M[k, n] = s_k * (-1)^popcount(k & n) * 0.25``,
+    ``s_k = -1`` where bit ``k`` of ``sign_mask`` is set (``get_hadamard_matrix_fragment``)."""
+    idx = torch.arange(HADAMARD_DIM)
+    both = idx[:, None] & idx[None, :]
+    parity = torch.zeros_like(both)
+    for bit in range(4):
+        parity ^= (both >> bit) & 1
+    flip = ((int(sign_mask) >> idx) & 1)[:, None]
+    negative = (parity ^ flip).bool()
+    scale = torch.full((HADAMARD_DIM, HADAMARD_DIM), HADAMARD_SCALE, dtype=torch.float32)
+    return torch.where(negative, -scale, scale)
+
+
+def hadamard_transform(x2: torch.Tensor, sign_mask: int) -> torch.Tensor:
+    """The bf16 RHT of each group of 16 consecutive elements along the last dimension of a bf16
+    ``(R, C)`` matrix: ``v @ rht_matrix(sign_mask)``, summed in float64 (exact for the 16 exact
+    products unless they span more than 41 binades), rounded to fp32, then to bf16 (the
+    accumulator's ``cvt.rn.bf16x2.f32``). See the module docstring for what is TE's here."""
+    if x2.dtype != torch.bfloat16:
+        raise ValueError(f"RHT is only supported for bfloat16 input, got {x2.dtype}")
+    rows, cols = x2.shape
+    if cols % HADAMARD_DIM or rows % HADAMARD_DIM:
+        raise ValueError("row_length and num_rows must be divisible by hadamard_dimension")
+    groups = x2.reshape(-1, HADAMARD_DIM).double()
+    out = groups @ rht_matrix(sign_mask).double()
+    return out.float().bfloat16().reshape(rows, cols)
+
+
 def quantize(
     x: torch.Tensor,
     *,
@@ -244,12 +309,17 @@ def quantize(
     columnwise: bool = True,
     two_d: bool = False,
     amax: torch.Tensor | None = None,
+    rht_sign_mask: int | None = None,
 ) -> NVFP4Data:
     """TE's NVFP4 cast of ``x`` (any float dtype, flattened to 2-D): data, scales and amaxes.
 
-    ``amax`` overrides the tensor amax (what an amax reduction across ranks would produce)."""
+    ``amax`` overrides the tensor amax (what an amax reduction across ranks would produce).
+    ``rht_sign_mask`` (an int, 0 for no sign flips) casts the columnwise copy from the random
+    Hadamard transform of ``x^T`` with its own post-RHT amax (bf16 ``x`` and 1x16 blocks only)."""
     shape = tuple(int(d) for d in x.shape)
     rows, cols = flat_2d(shape)
+    if rht_sign_mask is not None:
+        return _quantize_rht(x, shape, rows, cols, rowwise, columnwise, two_d, amax, rht_sign_mask)
     x2 = x.detach().reshape(rows, cols).float()
     global_amax = tensor_amax(x2) if amax is None else amax.detach().float().reshape(1).clone()
     s_enc = global_encode_scale(global_amax)
@@ -278,6 +348,27 @@ def quantize(
         global_amax.clone() if rowwise else None,
         global_amax.clone() if columnwise else None,
     )
+
+
+def _quantize_rht(x, shape, rows, cols, rowwise, columnwise, two_d, amax, sign_mask):
+    """``quantize`` with the RHT: rowwise the plain cast of ``x`` (pre-RHT amax), columnwise the
+    plain cast of the bf16 RHT of ``x^T`` (its own amax)."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"RHT is only supported for bfloat16 input, got {x.dtype}")
+    if two_d or amax is not None:
+        raise ValueError("the RHT cast takes 1x16 blocks and its own amaxes")
+    x2 = x.detach().reshape(rows, cols)
+    out = NVFP4Data(shape, None, None, None, None, None, None)
+    if rowwise:
+        plain = quantize(x, rowwise=True, columnwise=False)
+        out.rowwise_data, out.rowwise_scale_inv = plain.rowwise_data, plain.rowwise_scale_inv
+        out.amax_rowwise = plain.amax_rowwise
+    if columnwise:
+        y = hadamard_transform(x2.t().contiguous(), sign_mask)
+        cast = quantize(y, rowwise=True, columnwise=False)
+        out.columnwise_data, out.columnwise_scale_inv = cast.rowwise_data, cast.rowwise_scale_inv
+        out.amax_columnwise = cast.amax_rowwise
+    return out
 
 
 def swizzle_scales(compact: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,9 @@ helpers megatron-core uses (grad-norm and clipping), and nothing else:
 * NVFP4 (``NVFP4Quantizer``, issue 30) in :mod:`.te_extension_nvfp4` over
   :mod:`nemo_lw_fp8.emulation.nvfp4`: ``quantize`` (1x16 or 16x16 blocks, rowwise and
   transposed columnwise), ``dequantize`` (rowwise), ``nvfp4_data_transpose`` and
-  ``nvfp4_2d_scale_transpose``, compact or GEMM-swizzled scales (docs/nvfp4.md); the random
-  Hadamard transform, stochastic rounding, row-scaled and 4over6 NVFP4 and amax reduction are
-  refused by name;
+  ``nvfp4_2d_scale_transpose``, compact or GEMM-swizzled scales, the random Hadamard transform
+  of the columnwise copy (docs/nvfp4.md); stochastic rounding, row-scaled and 4over6 NVFP4 and
+  amax reduction are refused by name;
 * blockwise FP8 helpers TE's Python calls: ``fp8_transpose`` (``_create_columnwise``),
   ``fp8_block_scaling_compute_partial_amax``, ``multi_tensor_compute_scale_and_scale_inv`` and
   ``fp8_block_scaling_partial_cast`` (the distributed-optimizer cast of blockwise weights);

@@ -42,14 +42,16 @@ _FP4_DTYPE = 10  # DType.kFloat4E2M1
 EMULATED = (
     "NVFP4Quantizer casts (1x16 and 16x16 blocks, rowwise / columnwise, compact and "
     "GEMM-swizzled scales), TE-exact",
+    "random Hadamard transform of the columnwise copy (with_rht, post-RHT amax, bf16 input, "
+    "1x16 blocks), TE-exact where a group's 16 terms span at most 12 binades",
     "generic_gemm on NVFP4 x NVFP4 operands (TE Linear's fprop, dgrad, wgrad): exact operands, "
     "fp32 product",
     "bgrad_quantize with an NVFP4 quantizer",
 )
 #: What is refused by name (:func:`check_supported`, the GEMM and the output-quantizing kernels).
 REFUSED = (
-    "random Hadamard transform (set NVTE_NVFP4_DISABLE_RHT=1 on CPU)",
     "stochastic rounding (set NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1 on CPU)",
+    "RHT with 16x16 blocks, non-finite input, a set noop flag or a changed rht_matrix",
     "row-scaled NVFP4, 4over6, amax reduction across ranks, fast-math casts",
     "grouped NVFP4 GEMMs and NVFP4 outputs of split_quantize, the norms and SwiGLU",
 )
@@ -77,7 +79,7 @@ def check_supported(quantizer: Any) -> None:
     if int(quantizer.dtype) != _FP4_DTYPE:
         raise ValueError(f"NVFP4Quantizer with dtype {quantizer.dtype!r}: only kFloat4E2M1 exists")
     if quantizer.with_rht:
-        raise _not_emulated("random Hadamard transform (with_rht)")
+        _check_rht(quantizer)
     if quantizer.stochastic_rounding:
         raise _not_emulated("stochastic rounding")
     if quantizer.row_scaled_nvfp4:
@@ -91,13 +93,48 @@ def check_supported(quantizer: Any) -> None:
         raise _not_emulated("fast-math cast (NVTE_USE_FAST_MATH)")
 
 
+def _check_rht(quantizer: Any) -> None:
+    """What of ``with_rht`` is not emulated, refused by name (TE's own errors where TE has one).
+
+    16x16 blocks: TE's fused RHT kernel ignores ``nvfp4_2d_quantization`` while its unfused path
+    honours it, so the bytes would depend on the path (TE's recipe never asks for both). The
+    fused kernel takes ``quantizer.rht_matrix`` and the unfused one the sign mask: a matrix that
+    is not the mask's would make the two paths differ, so it is refused too."""
+    if not quantizer.with_post_rht_amax:
+        raise RuntimeError(
+            "Pre-RHT amax is not supported yet. Use with_post_rht_amax=true instead."
+        )
+    if quantizer.with_2d_quantization:
+        raise _not_emulated("random Hadamard transform with 16x16 blocks (with_2d_quantization)")
+    expected = _fp4.rht_matrix(quantizer.rht_matrix_random_sign_mask_t).bfloat16()
+    matrix = getattr(quantizer, "rht_matrix", None)
+    if matrix is None or not torch.equal(matrix.detach().cpu(), expected):
+        raise _not_emulated("random Hadamard transform with an rht_matrix not of its sign mask")
+
+
+def _rht_eligible_for_fusion(shape: tuple[int, ...]) -> bool:
+    """``is_eligible_for_rht_cast_fusion`` (single tensor): rows % 64, cols % 128, SM 10.0-11.0."""
+    rows, cols = _fp4.flat_2d(shape)
+    if rows % 64 or cols % 128:
+        return False
+    from nemo_lw_fp8.cpu.te_device import require_target
+
+    major, minor = require_target("NVFP4Quantizer (sm_arch)").compute_capability
+    return 100 <= major * 10 + minor <= 110
+
+
 def emits_swizzled_scales(quantizer: Any, shape: tuple[int, ...]) -> bool:
-    """``nvfp4_emits_gemm_swizzled_scales`` (``pytorch/csrc/quantizer.cpp``) without RHT: the
-    plain 2D kernel writes GEMM-swizzled scales when ``optimize_for_gemm`` asks for them, both
-    flattened dims are multiples of 128 and the GPU is SM 10.0 to 11.0
-    (``is_eligible_for_2d_swizzle_fusion``); every other cast writes compact scales (the GEMM
-    swizzles those itself)."""
-    if not (quantizer.optimize_for_gemm and quantizer.with_2d_quantization):
+    """``nvfp4_emits_gemm_swizzled_scales`` (``pytorch/csrc/quantizer.cpp``): only with
+    ``optimize_for_gemm``; with RHT, when the shape is eligible for the fused RHT cast (rows a
+    multiple of 64, columns of 128, SM 10.0 to 11.0: that kernel writes both usages' scales
+    swizzled); without, the plain 2D kernel when both flattened dims are multiples of 128 on
+    SM 10.0 to 11.0 (``is_eligible_for_2d_swizzle_fusion``). Every other cast writes compact
+    scales (the GEMM swizzles those itself)."""
+    if not quantizer.optimize_for_gemm:
+        return False
+    if quantizer.with_rht:
+        return _rht_eligible_for_fusion(shape)
+    if not quantizer.with_2d_quantization:
         return False
     rows, cols = _fp4.flat_2d(shape)
     if rows % 128 or cols % 128:
@@ -202,11 +239,21 @@ def _fill(output: Any, quantizer: Any, fresh: _fp4.NVFP4Data) -> Any:
 
 
 def _cast(src: torch.Tensor, quantizer: Any, shape: tuple[int, ...]) -> _fp4.NVFP4Data:
+    mask = None
+    if quantizer.with_rht:
+        if src.dtype != torch.bfloat16:
+            raise RuntimeError(f"RHT is only supported for bfloat16 input, got dtype {src.dtype}")
+        if not bool(torch.isfinite(src).all()):
+            # the fused kernel keeps NaN in its block amax and gives a zero global scale for an
+            # infinite amax, unlike the plain cast: path-dependent, not compared
+            raise _not_emulated("random Hadamard transform of non-finite input")
+        mask = int(quantizer.rht_matrix_random_sign_mask_t)
     data = _fp4.quantize(
         src,
         rowwise=quantizer.rowwise_usage,
         columnwise=quantizer.columnwise_usage,
         two_d=bool(quantizer.with_2d_quantization),
+        rht_sign_mask=mask,
     )
     return _swizzle(data) if emits_swizzled_scales(quantizer, shape) else data
 
@@ -214,14 +261,19 @@ def _cast(src: torch.Tensor, quantizer: Any, shape: tuple[int, ...]) -> _fp4.NVF
 def quantize_nvfp4(
     tensor: torch.Tensor, quantizer: Any, output: Any = None, noop: torch.Tensor | None = None
 ) -> Any:
-    """``tex.quantize`` for an ``NVFP4Quantizer`` (``NVFP4Quantizer::quantize_impl`` without RHT:
-    ``nvte_compute_amax`` then ``nvte_quantize_v2``): a new tensor, or in place into ``output``.
+    """``tex.quantize`` for an ``NVFP4Quantizer`` (``NVFP4Quantizer::quantize_impl``: without RHT
+    ``nvte_compute_amax`` then ``nvte_quantize_v2``; with RHT ``nvte_hadamard_transform_amax``,
+    then the fused or unfused RHT cast, the same bytes): a new tensor, or in place into
+    ``output``.
 
     ``noop`` set to 1 skips both the amax and the cast, as TE's kernels do."""
     check_supported(quantizer)
     src = plain_source(tensor)
     shape = tuple(int(d) for d in src.shape)
     _fp4.flat_2d(shape)
+    if quantizer.with_rht and noop_set(noop) and src.numel():
+        # TE's Hadamard amax kernel and its fused RHT cast do not read the flag
+        raise _not_emulated("random Hadamard transform with a set noop flag")
     skip = noop_set(noop) or src.numel() == 0
     if output is None:
         data = _empty_data(quantizer, shape, src.device) if skip else _cast(src, quantizer, shape)
