@@ -875,12 +875,13 @@ def test_te_quantizer_rht_paths_inplace_and_swizzle(te_results):
 
 @needs_te
 def test_te_quantizer_rht_refusals(te_results):
-    """With the RHT on: TE's own errors (pre-RHT amax, non-bf16 input) and, by name, what is not
+    """With the RHT on: what TE refuses too (pre-RHT amax, non-bf16 input) and, by name, what is not
     emulated (16x16 blocks, non-finite input, a set noop flag, an ``rht_matrix`` that is not
     its sign mask's, stochastic rounding)."""
     ref = te_results["rht"]["refused"]
-    assert ref["pre_rht_amax"].startswith("RuntimeError: Pre-RHT amax is not supported"), ref
-    assert ref["fp32"].startswith("RuntimeError: RHT is only supported for bfloat16"), ref
+    assert ref["pre_rht_amax"].startswith("RuntimeError: NVFP4 RHT cast with the amax taken "
+                                          "before the transform"), ref  # fmt: skip
+    assert ref["fp32"].startswith("RuntimeError: NVFP4 RHT cast: TE's transform takes bf16"), ref
     for key, words in {
         "2d": "16x16 blocks",
         "nan": "non-finite input",

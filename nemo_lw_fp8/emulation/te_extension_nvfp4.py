@@ -102,7 +102,8 @@ def _check_rht(quantizer: Any) -> None:
     is not the mask's would make the two paths differ, so it is refused too."""
     if not quantizer.with_post_rht_amax:
         raise RuntimeError(
-            "Pre-RHT amax is not supported yet. Use with_post_rht_amax=true instead."
+            "NVFP4 RHT cast with the amax taken before the transform: TE builds no such kernel; "
+            "set with_post_rht_amax=True"
         )
     if quantizer.with_2d_quantization:
         raise _not_emulated("random Hadamard transform with 16x16 blocks (with_2d_quantization)")
@@ -242,7 +243,7 @@ def _cast(src: torch.Tensor, quantizer: Any, shape: tuple[int, ...]) -> _fp4.NVF
     mask = None
     if quantizer.with_rht:
         if src.dtype != torch.bfloat16:
-            raise RuntimeError(f"RHT is only supported for bfloat16 input, got dtype {src.dtype}")
+            raise RuntimeError(f"NVFP4 RHT cast: TE's transform takes bf16 input, not {src.dtype}")
         if not bool(torch.isfinite(src).all()):
             # the fused kernel keeps NaN in its block amax and gives a zero global scale for an
             # infinite amax, unlike the plain cast: path-dependent, not compared
