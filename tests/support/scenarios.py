@@ -86,8 +86,8 @@ class Scenario:
     #: Checkpoints keyed by parameter name in the discrete expert layout (model "moe_grouped"):
     #: save single grouped, load discrete, and the reverse.
     named_checkpoint: bool = False
-    #: model "moe_grouped": fused wgrad accumulation in the expert layers (TE's behaviour under
-    #: ``gradient_accumulation_fusion``): expert wgrads go straight into ``main_grad``.
+    #: model "moe_grouped": megatron's ``gradient_accumulation_fusion``: TE's linears (the
+    #: grouped experts' included) accumulate their wgrads straight into ``main_grad``.
     grad_accum_fusion: bool = False
     #: Compact layout: how single grouped expert weights are owned ("whole", "expert", "auto").
     grouped_weight_ownership: str = "whole"
@@ -372,8 +372,9 @@ def boot_for(scenario: Scenario) -> BootOptions:
 
 def te_scope(scenario: Scenario) -> contextlib.AbstractContextManager:
     """Where a TE-spec model is built and run: TE's device questions answered as a B200
-    (:func:`nemo_lw_fp8.cpu.te_device.target_gpu`, ``BLACKWELL``); nothing for other models.
-    Refuses a rank whose pool was not booted with :data:`TE_BOOT` (megatron would otherwise
+    (:func:`nemo_lw_fp8.cpu.te_device.target_gpu`, ``BLACKWELL``), for ``moe_grouped`` with
+    TE's grouped-linear switches set (:func:`single_param_env`, :data:`MOE_GROUPED_ENV`);
+    nothing for other models. Refuses a rank whose pool was not booted with :data:`TE_BOOT` (megatron would otherwise
     fall back to its local modules without a word)."""
     if scenario.model not in TE_MODELS:
         return contextlib.nullcontext()
