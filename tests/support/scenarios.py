@@ -374,8 +374,8 @@ def te_scope(scenario: Scenario) -> contextlib.AbstractContextManager:
     """Where a TE-spec model is built and run: TE's device questions answered as a B200
     (:func:`nemo_lw_fp8.cpu.te_device.target_gpu`, ``BLACKWELL``), for ``moe_grouped`` with
     TE's grouped-linear switches set (:func:`single_param_env`, :data:`MOE_GROUPED_ENV`);
-    nothing for other models. Refuses a rank whose pool was not booted with :data:`TE_BOOT` (megatron would otherwise
-    fall back to its local modules without a word)."""
+    nothing for other models. Refuses a rank whose pool was not booted with :data:`TE_BOOT`
+    (megatron would otherwise fall back to its local modules without a word)."""
     if scenario.model not in TE_MODELS:
         return contextlib.nullcontext()
     from nemo_lw_fp8.cpu import te_device
