@@ -1,0 +1,157 @@
+"""Layer-wise Muon with MXFP8 param gather at tensor parallel 2 (issue 29), through TE's own
+modules on CPU: a tiny GPT from megatron's TE spec at TP 2 x DP 2 on 4 gloo ranks, each rank a
+TP shard of every matrix, persistent MXFP8 weights (``quantized_model_init``) whose shards the
+DP owners update and gather.
+
+The claim: FP8 param gather ON (persistent MXFP8 TP shards, gathered over DP) = OFF (bf16 TP
+shards TE quantizes at each forward), bitwise, for every loss and every rank's fp32 masters,
+with the compact layout, the owner reduce and overlapped gathers, with and without sequence
+parallelism. Control: ON with each persistent weight's columnwise copy left stale after the
+gather diverges.
+
+The rule ``fp8-gather-tensor-parallel`` still refuses this combination for users: these runs
+lift it inside the ranks to check the mechanism ahead of narrowing the rule (issue 29: the
+block-boundary check at configuration time and blockwise FP8, what Bridge's TP-2 H100 recipes
+use, are not built yet). Extended tier: 4-rank runs, and no user can reach the path yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from nemo_lw_fp8.emulation import te_backend
+from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
+from tests.support.parity import assert_diverges
+from tests.support.te_helpers import rowwise_only_refresh
+
+if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
+    pytest.skip("TE's own modules need TE's Python package", allow_module_level=True)
+
+pytestmark = pytest.mark.extended
+
+BOOT = BootOptions(fp8_emulation=True)
+TP2 = ParallelSpec(tp=2)
+STEPS = 3
+
+
+#: MoE layers as Bridge's TP-2 recipes run them: experts whole per rank (expert-tensor
+#: parallel 1) next to TP-2 attention, experts as megatron's ``SequentialMLP`` of TE linears.
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+           moe_token_dispatcher_type="allgather", expert_tensor_parallel_size=1)  # fmt: skip
+
+
+def build_tp_gpt(fp8_params: bool, sequence_parallel: bool, seed: int, moe: bool = False):
+    """A 2-layer GPT from megatron's TE spec with MXFP8 compute at this pool's TP size; with
+    ``fp8_params`` its linear weights are persistent MXFP8 TP shards. Built with
+    ``use_cpu_initialization=False`` (TE keeps the high-precision init value the fp32 masters
+    of persistent weights start from; tests/test_te_model_training.py says why)."""
+    from transformer_engine.common.recipe import MXFP8BlockScaling
+    from transformer_engine.pytorch import quantized_model_init
+
+    from tests.support.scenarios import build_gpt, seed_all, transformer_config
+
+    seed_all(seed)
+    config = transformer_config(
+        hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, fp8="e4m3",
+        fp8_recipe="mxfp8", fp8_param=fp8_params, use_cpu_initialization=False,
+        sequence_parallel=sequence_parallel, add_bias_linear=False, **(MOE if moe else {}),
+    )  # fmt: skip
+    with quantized_model_init(
+        enabled=fp8_params, recipe=MXFP8BlockScaling(), preserve_high_precision_init_val=True
+    ):
+        module = build_gpt(config)
+    for param in module.parameters():  # persistent MXFP8 weights are final
+        if type(param.data) is torch.Tensor:
+            param.data = param.data.to(torch.bfloat16)
+    return module, config
+
+
+def tp_gather_run(
+    fp8_param_gather: bool, sequence_parallel: bool, mutation: str | None, moe: bool = False
+):
+    """Three steps of layer-wise Muon (compact layout, owner reduce, Q/K/V parts, overlapped
+    gathers) on the TP-2 GPT; losses, this rank's fp32 masters and how many persistent MXFP8
+    weights it held."""
+    from megatron.core import parallel_state
+    from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+
+    import nemo_lw_fp8
+    from nemo_lw_fp8.cpu import te_device
+    from tests.support import training
+    from tests.support.scenarios import Scenario
+
+    assert parallel_state.get_tensor_model_parallel_world_size() == 2
+    scenario = Scenario(
+        model="moe_gpt" if moe else "gpt", fp8=True, fp8_param_gather=fp8_param_gather,
+        plugin=True, optimizer="muon", distribution="layerwise_compact", overlap=True, seed=5,
+        steps=STEPS,
+    )  # fmt: skip
+    nemo_lw_fp8.apply()
+    with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(te_device.BLACKWELL):
+        from nemo_lw_fp8 import guards
+
+        lifted = tuple(r for r in guards.RULES if r.name != "fp8-gather-tensor-parallel")
+        mp.setattr(guards, "RULES", lifted)  # the rule lifted in this rank (module docstring)
+        if mutation == "stale_columnwise":
+            refresh = rowwise_only_refresh(MXFP8Quantizer.update_quantized)
+            mp.setattr(MXFP8Quantizer, "update_quantized", refresh)
+        elif mutation is not None:
+            raise ValueError(mutation)
+        module, config = build_tp_gpt(fp8_param_gather, sequence_parallel, seed=5, moe=moe)
+        model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
+        dp_rank = parallel_state.get_data_parallel_rank()
+        losses = []
+        for step in range(STEPS):
+            if step == 0:
+                from megatron.training.training import disable_forward_pre_hook
+
+                disable_forward_pre_hook(model, param_sync=False)
+            losses.append(training.train_step(scenario, model, optimizer, step, dp_rank))
+            if step == 0:
+                from megatron.training.training import enable_forward_pre_hook
+
+                enable_forward_pre_hook(model)
+        training.final_sync(model, optimizer)
+    persistent = sum(type(p).__name__ == "MXFP8Tensor" for p in model[0].module.parameters())
+    return {
+        "losses": losses,
+        "masters": training.state_by_part(optimizer, model[0].module),
+        "persistent_fp8": persistent,
+        "layer_wise": training.uses_layer_wise(optimizer),
+    }
+
+
+def _same_training(reference: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
+    """Every loss and every rank's fp32 masters, bitwise."""
+    assert [r["losses"] for r in reference] == [r["losses"] for r in results]
+    for rank, (ref, res) in enumerate(zip(reference, results, strict=True)):
+        assert ref["masters"].keys() == res["masters"].keys()
+        differ = [k for k in ref["masters"] if not torch.equal(ref["masters"][k],
+                                                               res["masters"][k])]  # fmt: skip
+        assert not differ, f"rank {rank}: masters differ in {differ}"
+
+
+@pytest.mark.parametrize(
+    ("sequence_parallel", "moe"), [(False, False), (True, False), (True, True)],
+    ids=["tp2", "tp2-sp", "tp2-sp-moe"],
+)  # fmt: skip
+def test_mxfp8_param_gather_at_tp2_on_equals_off(sequence_parallel, moe):
+    """ON = OFF bitwise at TP 2 x DP 2 (the ON run held persistent MXFP8 TP shards, the OFF run
+    none); with ``moe`` the MoE layers' experts are whole on every rank (ETP 1, owned over the
+    4-rank expert data-parallel group). Control: a stale columnwise copy after the gather
+    diverges."""
+
+    def run(on: bool, mutation: str | None = None) -> list[dict]:
+        return run_on_ranks(tp_gather_run, on, sequence_parallel, mutation, moe, world_size=4,
+                            parallel=TP2, boot=BOOT)  # fmt: skip
+
+    on, off = run(True), run(False)
+    assert all(r["layer_wise"] for r in on + off)
+    assert all(r["persistent_fp8"] > 0 for r in on), [r["persistent_fp8"] for r in on]
+    assert all(r["persistent_fp8"] == 0 for r in off), [r["persistent_fp8"] for r in off]
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in on)
+    _same_training(off, on)
+    assert_diverges(off, run(True, "stale_columnwise"), compare=_same_training)
