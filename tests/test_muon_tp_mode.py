@@ -179,8 +179,9 @@ def test_blockwise_differs_on_sharded_matrices(reference):
 
 
 def test_distributed_is_tp_invariant_up_to_summation_order(reference):
-    """The "distributed" mode runs at TP 2; its Muon updates equal TP 1's only up to the summation order
-    of the sharded Newton-Schulz matmuls (measured here); everything else is equal."""
+    """The "distributed" mode runs at TP 2; its Muon updates equal TP 1's only up to the
+    summation order of the sharded Newton-Schulz matmuls (measured here); everything else is
+    equal."""
     got = _check_start_and_agreement(reference, _run("distributed", TP2))
     rest = [n for n in got["after"] if n not in got["muon"]]
     _assert_equal(reference["after"], got["after"], "distributed, non-Muon", rest)
