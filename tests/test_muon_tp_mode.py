@@ -25,7 +25,9 @@ The reference is TP 1 (2 ranks, DP 2). Findings, bitwise on bf16 weights:
 * ``"distributed"`` runs, but is TP-invariant only up to summation order: the sharded
   Newton-Schulz matmuls add TP partial products in another order, so some TP-sharded Muon
   matrices differ from TP 1 in the last bits (:data:`DISTRIBUTED_TOLERANCE` bounds the measured
-  difference of the update); everything not TP-sharded is equal.
+  difference of the update); everything not TP-sharded is equal;
+* extended: the MoE GPT's experts (megatron's ``SequentialMLP`` of TE linears, expert TP 2)
+  follow the same rule under "duplicated" (bitwise) and "blockwise" (differ).
 """
 
 from __future__ import annotations
@@ -196,3 +198,26 @@ def test_distributed_is_tp_invariant_up_to_summation_order(reference):
           f"largest |update difference| / max |update| = {worst:.3g}")  # fmt: skip
     assert differ, "distributed equals TP 1 bitwise: update the docs"
     assert worst < DISTRIBUTED_TOLERANCE
+
+
+@pytest.mark.extended
+def test_duplicated_experts_tp_invariant_bitwise():
+    """The MoE GPT (4 experts as megatron's SequentialMLP of TE linears, expert TP = TP): with
+    "duplicated" every parameter at TP 2 x DP 1 equals TP 1's, experts' matrices included (they
+    gather over the expert-TP group); "blockwise" differs on the experts' matrices."""
+    moe = BASE.with_(model="moe_gpt")
+
+    def run(mode: str, parallel: ParallelSpec) -> list[dict]:
+        return run_on_ranks(
+            one_step_from_full_gradient, moe.with_(muon_tp_mode=mode), world_size=2,
+            parallel=parallel, boot=boot_for(moe), timeout=600.0,
+        )  # fmt: skip
+
+    ref = run("duplicated", TP1)[0]
+    got = _check_start_and_agreement(ref, run("duplicated", TP2))
+    experts = [n for n in got["muon"] if ".experts." in n and n in got["sharded"]]
+    assert experts, "no TP-sharded expert matrix is a Muon matrix"
+    _assert_equal(ref["after"], got["after"], "duplicated, MoE")
+    control = _check_start_and_agreement(ref, run("blockwise", TP2))
+    same = [n for n in experts if torch.equal(ref["after"][n], control["after"][n])]
+    assert not same, f"blockwise left {same} as TP 1's"
