@@ -76,6 +76,7 @@ def recipe_row(cfg: Any) -> dict[str, Any]:
         "pipeline_layout": _layout_text(model.pipeline_model_parallel_layout),
         "ep": model.expert_model_parallel_size,
         "clip_grad": opt.clip_grad,
+        "muon_tp_mode": opt.muon_tp_mode,
         "mtp_num_layers": getattr(model, "mtp_num_layers", None),
         "etp": model.expert_tensor_parallel_size,
         "num_layers": model.num_layers,

@@ -117,11 +117,15 @@ def build(
     layer_wise_layout: str = "compact",
     max_lr: float = 2e-4,
     transformer_impl: str = "transformer_engine",
+    muon_tp_mode: str = "duplicated",
 ) -> Any:
     """A Megatron-Bridge ``ConfigContainer`` for ``arch`` with every plugin feature on.
 
     ``single_grouped_weight`` (default: on, except for the Hopper variant, whose blockwise FP8
     gather handles discrete expert weights only; guard ``grouped-weight-blockwise-gather``).
+    ``muon_tp_mode``: Muon's Newton-Schulz mode for TP-sharded matrices (default
+    ``"duplicated"``, the TP-invariant one; :func:`~nemo_lw_fp8.bridge.
+    layer_wise_muon_fp8_with_cosine_annealing`).
     """
     from megatron.bridge.recipes.common import _pretrain_common
 
@@ -140,6 +144,7 @@ def build(
         lr_decay_iters=train_iters,
         layer_wise_layout=layer_wise_layout,
         overlap_param_gather=True,
+        muon_tp_mode=muon_tp_mode,
     )
     cfg.ddp.use_distributed_optimizer = False  # layer-wise Muon; megatron sets its own buffers
     cfg.ddp.overlap_grad_reduce = True

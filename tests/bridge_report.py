@@ -148,6 +148,12 @@ def main(out_path: str) -> None:
             report["guards"][case] = guard_case(recipe, overrides)
         except Exception as error:
             report["guards"][case] = f"!{type(error).__name__}: {error}"
+    # The factory's Newton-Schulz mode: a name megatron does not know is refused there.
+    try:
+        bridge.layer_wise_muon_fp8_with_cosine_annealing(muon_tp_mode="sharded")
+        report["bad_muon_tp_mode"] = ""
+    except ValueError as error:
+        report["bad_muon_tp_mode"] = str(error)
     with tempfile.TemporaryDirectory() as tmp:
         report["yaml"] = yaml_checks(tmp)
     # Each recipes/<name>.yaml applied to its own recipe changes nothing.

@@ -54,6 +54,7 @@ def test_recipe_key_settings(report, name):
     else:
         assert (row["fp8_recipe"], row["reuse_grad_buf"]) == ("mxfp8", True)
     assert row["tp"] == 1 and row["etp"] == 1  # whole matrices for layer-wise Muon
+    assert row["muon_tp_mode"] == "duplicated"  # the factory's TP-invariant default
     assert row["provider"] == ("MLAModelProvider" if row["multi_latent_attention"] else
                                "GPTModelProvider")
     arch = row["arch"]
@@ -93,6 +94,13 @@ def test_recipe_models_match_published_sizes(model):
     arch = models.get_architecture(model)
     _, delta = models.published_comparison(arch)
     assert abs(delta) <= 0.01
+
+
+def test_factory_refuses_an_unknown_muon_tp_mode(report):
+    """The factory's ``muon_tp_mode`` (default "duplicated", checked on every recipe above)
+    takes megatron's three names only."""
+    assert "muon_tp_mode='sharded'" in report["bad_muon_tp_mode"]
+    assert "distributed" in report["bad_muon_tp_mode"]
 
 
 def test_yaml_and_cli_precedence(report):

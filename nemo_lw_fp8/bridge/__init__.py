@@ -119,6 +119,10 @@ class LayerWiseMuonConfig(_BridgeOptimizerConfig):
         }
 
 
+#: megatron-core 0.19.2's Newton-Schulz modes for TP-sharded matrices (``muon_tp_mode``).
+MUON_TP_MODES = ("duplicated", "blockwise", "distributed")
+
+
 def layer_wise_muon_fp8_with_cosine_annealing(
     *,
     max_lr: float = 2e-4,
@@ -133,6 +137,7 @@ def layer_wise_muon_fp8_with_cosine_annealing(
     muon_num_ns_steps: int = 5,
     muon_extra_scale_factor: float = 1.0,
     muon_scalar_optimizer: str = "adam",
+    muon_tp_mode: str = "duplicated",
     layer_wise_layout: str = LayerWiseConfig.layout,
     gather_padding_tolerance: float = DEFAULT_GATHER_PADDING_TOLERANCE,
     grouped_weight_ownership: str = LayerWiseConfig.grouped_weight_ownership,
@@ -149,7 +154,15 @@ def layer_wise_muon_fp8_with_cosine_annealing(
     chooses the optimizer, the layer-wise layout and overlapped param gather. ``min_lr``
     defaults to a tenth of ``max_lr`` (Bridge's Muon helper leaves it ``None``, which its
     scheduler rejects).
+
+    ``muon_tp_mode`` is megatron's ``OptimizerConfig.muon_tp_mode`` with the plugin's default,
+    ``"duplicated"``: a TP-sharded matrix is gathered over TP, orthogonalized whole and sliced,
+    so the update does not depend on the TP size (megatron's default, ``"blockwise"``,
+    orthogonalizes each shard alone; ``"distributed"`` shards the Newton-Schulz matmuls and is
+    TP-invariant up to their summation order). ``docs/compact-layout.md``.
     """
+    if muon_tp_mode not in MUON_TP_MODES:
+        raise ValueError(f"muon_tp_mode={muon_tp_mode!r}: one of {MUON_TP_MODES}")
     optimizer = LayerWiseMuonConfig(
         optimizer="dist_muon",
         lr=max_lr,
@@ -164,6 +177,7 @@ def layer_wise_muon_fp8_with_cosine_annealing(
         muon_num_ns_steps=muon_num_ns_steps,
         muon_extra_scale_factor=muon_extra_scale_factor,
         muon_scalar_optimizer=muon_scalar_optimizer,
+        muon_tp_mode=muon_tp_mode,
         use_distributed_optimizer=False,
         use_layer_wise_distributed_optimizer=True,
         overlap_param_gather=overlap_param_gather,

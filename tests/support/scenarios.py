@@ -96,6 +96,10 @@ class Scenario:
     qkv_ownership: str = "auto"
     #: ``OptimizerConfig.muon_split_qkv``: Muon orthogonalizes a fused QKV weight's Q, K, V apart.
     muon_split_qkv: bool = True
+    #: ``OptimizerConfig.muon_tp_mode``: how Muon runs Newton-Schulz on a TP-sharded matrix
+    #: ("blockwise", megatron's default: each shard alone; "duplicated": gather over TP, the
+    #: full matrix, slice; "distributed": the NS matmuls sharded over TP).
+    muon_tp_mode: str = "blockwise"
     #: Compact layout: how Muon gradients are synced ("reduce_to_owner", "all_reduce"; None:
     #: ``LayerWiseConfig``'s default).
     grad_sync: str | None = None

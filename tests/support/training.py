@@ -93,6 +93,7 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
         overlap_param_gather=scenario.overlap,
         muon_fp32_matmul_prec="highest",
         muon_split_qkv=scenario.muon_split_qkv,
+        muon_tp_mode=scenario.muon_tp_mode,
         fp8_recipe=scenario.fp8_recipe if scenario.fp8 else None,
         reuse_grad_buf_for_mxfp8_param_ag=_reuse_grad_buf(scenario),
     )
