@@ -255,7 +255,8 @@ def _quiet_known_import_noise() -> None:
 #: parallel state and what the tasks of tests/support/scenarios.py and training.py build with.
 #: Not ``megatron.training`` (tasks and the patches recorded by :func:`_record_true_originals`
 #: import it in the rank): importing it starts native threads (jemalloc's background thread among
-#: them), and the zygote must have no thread but its own (and torch's idle one) when it forks.
+#: them), and the zygote must have no thread but its own (and numpy's idle OpenBLAS one) when it
+#: forks.
 PREIMPORTED_MODULES = (
     "megatron.core.parallel_state",
     "megatron.core.tensor_parallel",
@@ -398,7 +399,8 @@ def _zygote_main(conn: Connection, boot: BootOptions) -> None:
     # SIGTERM (multiprocessing ending its daemon children at the parent's exit) ends the ranks.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        # torch leaves one idle native thread of its own at import; nothing may add to it.
+        # Importing torch loads numpy, whose OpenBLAS starts an idle worker thread (its fork
+        # handlers take care of it, as in any forked torch process); nothing may add to it.
         import torch  # noqa: F401
 
         threads_after_torch = _native_threads()
@@ -424,7 +426,7 @@ def _zygote_main(conn: Connection, boot: BootOptions) -> None:
                 if extra[0] > 0 or extra[1] > 0:
                     raise RuntimeError(
                         f"the zygote runs {extra[0]} Python and {extra[1]} native threads "
-                        "besides its own and torch's: it cannot fork safely"
+                        "besides its own and numpy's OpenBLAS one: it cannot fork safely"
                     )
                 sys.stdout.flush()
                 sys.stderr.flush()
