@@ -334,7 +334,8 @@ def _serve_rank(
         standins.install(boot.standins)  # a no-op in a forked rank: the zygote installed them
         _init_parallel_state(ParallelSpec())
         _record_true_originals()
-        conn.send_bytes(pickle.dumps(("ready", None)))
+        # The CPU time this rank spent starting (a forked rank's count starts at its fork).
+        conn.send_bytes(pickle.dumps(("ready", time.process_time())))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         return
@@ -408,7 +409,7 @@ def _zygote_main(conn: Connection, boot: BootOptions) -> None:
         import gc
 
         gc.freeze()  # the imported stack: never collected, never copied by the ranks' collections
-        conn.send_bytes(pickle.dumps(("ready", os.getpid())))
+        conn.send_bytes(pickle.dumps(("ready", time.process_time())))
         while True:
             try:
                 message = pickle.loads(conn.recv_bytes())
@@ -516,6 +517,8 @@ class _Zygote:
             self.stop()
             raise RuntimeError(f"zygote for {boot} failed to start:\n{value}")
         self.start_seconds = time.monotonic() - started
+        #: CPU seconds the zygote spent importing (what each spawned rank would spend too).
+        self.start_cpu_seconds: float = value
 
     @property
     def alive(self) -> bool:
@@ -607,7 +610,8 @@ def _zygote(boot: BootOptions) -> _Zygote:
         if POOL_LOG:
             with open(POOL_LOG, "a") as log:
                 test = os.environ.get("PYTEST_CURRENT_TEST", "?")
-                log.write(f"{zygote.start_seconds:.1f}s zygote {boot} {test}\n")
+                seconds, cpu = zygote.start_seconds, zygote.start_cpu_seconds
+                log.write(f"{seconds:.1f}s zygote {boot} cpu={cpu:.1f}s {test}\n")
     return zygote
 
 
@@ -683,7 +687,8 @@ class RankPool:
             self._procs.append(proc)
             self._conns.append(parent_conn)
         self.alive = True
-        self._collect(STARTUP_TIMEOUT_S, what="start-up")
+        #: CPU seconds the ranks spent starting, summed (``NEMO_LW_FP8_POOL_LOG``).
+        self.start_cpu_seconds = sum(self._collect(STARTUP_TIMEOUT_S, what="start-up"))
         self._pause()
 
     def _spawn_instead(self, reason: Exception) -> None:
@@ -874,7 +879,8 @@ def get_pool(
             with open(POOL_LOG, "a") as log:
                 test = os.environ.get("PYTEST_CURRENT_TEST", "?")
                 seconds = time.monotonic() - started
-                log.write(f"{seconds:.1f}s {world_size} {boot} {pool.start} {test}\n")
+                cpu = f"cpu={pool.start_cpu_seconds:.1f}s"
+                log.write(f"{seconds:.1f}s {world_size} {boot} {pool.start} {cpu} {test}\n")
     _POOLS[key] = pool
     return pool
 
