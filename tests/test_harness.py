@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from nemo_lw_fp8.cpu import standins
-from tests.support.harness import BootOptions, RankFailure, RankTimeout, get_pool, run_on_ranks
+from tests.support.harness import (
+    BootOptions,
+    RankFailure,
+    RankPool,
+    RankTimeout,
+    get_pool,
+    run_on_ranks,
+)
 
 # Failure tests kill their pool; keep them off the pool the parity tests share.
 DISPOSABLE = BootOptions(standins=("cuda_runtime", "cuda_device"))
@@ -266,3 +273,37 @@ def test_idle_ranks_are_stopped_between_tasks():
             break
         time.sleep(0.05)
     assert states == ["T", "T"]
+
+
+def _tiny_training_and_import_order() -> tuple[list[float], str, bool, int]:
+    """The cheapest training scenario (Adam, DDP, the tiny MLP, two steps), and whether
+    megatron's grad buffers call the ``gloo_coalescing`` stand-in (a name they import: the
+    zygote must import megatron after the stand-ins, as a spawned rank does)."""
+    import threading
+
+    from megatron.core.distributed import param_and_grad_buffer
+
+    from tests.support.scenarios import Scenario
+    from tests.support.training import train
+
+    result = train(Scenario(optimizer="adam", steps=2))
+    coalescing = param_and_grad_buffer._coalescing_manager is torch.distributed._coalescing_manager
+    return result["losses"], result["digest"], coalescing, threading.active_count()
+
+
+def test_forked_ranks_train_as_spawned_ones():
+    """Ranks forked from the zygote (the default start) train to the same bits as ranks spawned
+    as fresh interpreters (``NEMO_LW_FP8_POOL_START=spawn``), with megatron importing the same
+    stand-ins; the forked pool did not fall back to spawning."""
+    forked_pool = get_pool(2, start="fork")
+    forked = forked_pool.run(_tiny_training_and_import_order)
+    assert forked_pool.start == "fork"
+    assert all(type(proc).__name__ == "_ForkedRank" for proc in forked_pool._procs)
+    spawned_pool = RankPool(2, start="spawn")
+    try:
+        spawned = spawned_pool.run(_tiny_training_and_import_order)
+    finally:
+        spawned_pool.shutdown()
+    assert forked == spawned
+    assert forked[0][2], "megatron's grad buffers do not use the gloo_coalescing stand-in"
+    assert len(forked[0][0]) == 2

@@ -2,9 +2,14 @@
 
 Design (see ``docs/testing.md``):
 
-* A :class:`RankPool` spawns ``world_size`` worker processes once. Each joins a gloo process group,
-  installs the CPU stand-ins (:mod:`nemo_lw_fp8.cpu.standins`), imports megatron-core and
-  then serves tasks. Imports (about 10-20 s on two cores) are paid once per pool, not per test.
+* A :class:`RankPool` starts ``world_size`` worker processes once. Each joins a gloo process
+  group, installs the CPU stand-ins (:mod:`nemo_lw_fp8.cpu.standins`), imports megatron-core and
+  then serves tasks. The ranks are forked from a "zygote" (:class:`_Zygote`), one process per
+  boot (:class:`BootOptions`) and test session that has imported torch, the TE emulation, the
+  stand-ins and megatron-core once, so a rank does not import them again: a rank of the default
+  boot started on 16 CPU-seconds instead of 33 (the rest is mostly ``megatron.training``, which
+  stays per rank: :data:`PREIMPORTED_MODULES`). ``NEMO_LW_FP8_POOL_START=spawn`` spawns every
+  rank as a fresh interpreter instead (the former start; each rank imports the stack itself).
 * A task is a picklable module-level function. It runs on every rank with megatron's parallel
   state initialised for the requested :class:`ParallelSpec`; each rank's return value (or
   traceback) comes back to the caller.
@@ -29,6 +34,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import importlib
 import io
 import multiprocessing as mp
 import os
@@ -37,8 +43,10 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -244,20 +252,79 @@ def _quiet_known_import_noise() -> None:
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
 
 
+#: megatron-core modules the zygote imports (after the boot's stand-ins, as a spawned rank does):
+#: parallel state and what the tasks of tests/support/scenarios.py and training.py build with.
+#: Not ``megatron.training`` (tasks and the patches recorded by :func:`_record_true_originals`
+#: import it in the rank): importing it starts native threads (jemalloc's background thread among
+#: them), and the zygote must have no thread but its own (and numpy's idle OpenBLAS one) when it
+#: forks.
+PREIMPORTED_MODULES = (
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.transformer",
+    "megatron.core.transformer.torch_norm",
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.distributed",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.layer_wise_optimizer",
+)
+
+
+def _import_stack(boot: BootOptions, megatron: bool) -> None:
+    """What a rank imports before gloo: torch (one intra-op thread), then the TE emulation when
+    the boot asks for it (before anything imports megatron, which looks for TE at import).
+
+    With ``megatron`` (the zygote) also the boot's stand-ins and then megatron-core, in that
+    order, as in a spawned rank. Why the order matters: megatron's ``param_and_grad_buffer``
+    takes ``torch.distributed._coalescing_manager`` by name at import, so it must see the
+    ``gloo_coalescing`` stand-in's function there, as it does when the stand-ins import it.
+    """
+    _quiet_known_import_noise()
+    import torch
+
+    torch.set_num_threads(1)
+    if boot.fp8_emulation:
+        from nemo_lw_fp8.emulation import te_backend
+
+        te_backend.activate()
+    if not megatron:
+        return
+    import nemo_lw_fp8  # noqa: F401 - its NVRx shim must precede megatron's import
+    from nemo_lw_fp8.cpu import standins
+
+    standins.install(boot.standins)
+    for name in PREIMPORTED_MODULES:
+        importlib.import_module(name)
+
+
 def _worker_main(
     rank: int, world_size: int, port: int, conn: Connection, dump_path: str, boot: BootOptions
 ) -> None:
+    """A spawned rank (``NEMO_LW_FP8_POOL_START=spawn``): imports the stack, then serves."""
+    _serve_rank(rank, world_size, port, conn, dump_path, boot, imports=True)
+
+
+def _serve_rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    conn: Connection,
+    dump_path: str,
+    boot: BootOptions,
+    imports: bool,
+) -> None:
+    """A rank's life from its start-up (imports first unless forked from a zygote, which did
+    them) to the end of its task loop."""
     dump_file = open(dump_path, "w")  # noqa: SIM115 - kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
     try:
-        _quiet_known_import_noise()
-        import torch
-
-        torch.set_num_threads(1)
-        if boot.fp8_emulation:
-            from nemo_lw_fp8.emulation import te_backend
-
-            te_backend.activate()
+        if imports:
+            _import_stack(boot, megatron=False)
         import torch.distributed as dist
 
         dist.init_process_group(
@@ -265,10 +332,11 @@ def _worker_main(
         )
         from nemo_lw_fp8.cpu import standins
 
-        standins.install(boot.standins)
+        standins.install(boot.standins)  # a no-op in a forked rank: the zygote installed them
         _init_parallel_state(ParallelSpec())
         _record_true_originals()
-        conn.send_bytes(pickle.dumps(("ready", None)))
+        # The CPU time this rank spent starting (a forked rank's count starts at its fork).
+        conn.send_bytes(pickle.dumps(("ready", time.process_time())))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         return
@@ -301,6 +369,259 @@ def _worker_main(
         conn.send_bytes(payload)
 
 
+# --------------------------------------------------------------------------- zygote side
+
+
+def _native_threads() -> int:
+    """Threads of this process as the kernel counts them (C++ and OpenMP threads included)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def _zygote_main(conn: Connection, boot: BootOptions) -> None:
+    """The zygote: imports the stack once, then forks ranks on request until the parent goes.
+
+    Requests (pickled, on ``conn``): ``("fork", rank, world_size, port, dump_path, env, cwd)``,
+    followed by the rank's end of its pipe to the parent and the parent's stdout / stderr as
+    file descriptors (``SCM_RIGHTS``); answered with ``("forked", pid)``. ``("poll", pids)``
+    reaps exited ranks and answers ``{pid: exit code or None}``. ``None`` or the parent's end
+    closing ends the zygote, and with it every rank it forked that still runs.
+    """
+    channel = socket.socket(fileno=os.dup(conn.fileno()))
+    exit_codes: dict[int, int] = {}
+    children: set[int] = set()
+
+    def reap() -> None:
+        for pid in list(children):
+            with contextlib.suppress(ChildProcessError):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    exit_codes[pid] = os.waitstatus_to_exitcode(status)
+                    children.discard(pid)
+
+    # SIGTERM (multiprocessing ending its daemon children at the parent's exit) ends the ranks.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        # Importing torch loads numpy, whose OpenBLAS starts an idle worker thread (its fork
+        # handlers take care of it, as in any forked torch process); nothing may add to it.
+        import torch  # noqa: F401
+
+        threads_after_torch = _native_threads()
+        _import_stack(boot, megatron=True)
+        import gc
+
+        gc.freeze()  # the imported stack: never collected, never copied by the ranks' collections
+        conn.send_bytes(pickle.dumps(("ready", time.process_time())))
+        while True:
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                return
+            if message is None:
+                return
+            reap()
+            if message[0] == "poll":
+                conn.send_bytes(pickle.dumps({pid: exit_codes.get(pid) for pid in message[1]}))
+                continue
+            _, fds, _, _ = socket.recv_fds(channel, 1, 3)
+            try:
+                extra = threading.active_count() - 1, _native_threads() - threads_after_torch
+                if extra[0] > 0 or extra[1] > 0:
+                    raise RuntimeError(
+                        f"the zygote runs {extra[0]} Python and {extra[1]} native threads "
+                        "besides its own and numpy's OpenBLAS one: it cannot fork safely"
+                    )
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _forked_rank_main(message, fds, conn, channel, boot)  # never returns
+                children.add(pid)
+                conn.send_bytes(pickle.dumps(("forked", pid)))
+            except BaseException:  # noqa: BLE001 - the parent falls back to spawned ranks
+                conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+    except BaseException:  # noqa: BLE001 - report a start-up failure to the parent
+        with contextlib.suppress(OSError):
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+    finally:
+        for pid in children:  # stopped or not, they end (SIGKILL also ends a stopped process)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in children:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+def _forked_rank_main(
+    message: tuple, fds: list[int], zygote_conn: Connection, channel: socket.socket,
+    boot: BootOptions,
+) -> None:  # fmt: skip
+    """In a rank just forked from the zygote: take the parent's view of the world (output,
+    environment, working directory, fresh random seeds), then serve as a spawned rank does."""
+    code = 1
+    try:
+        _, rank, world_size, port, dump_path, env, cwd = message
+        rank_fd, out_fd, err_fd = fds
+        channel.close()
+        zygote_conn.close()  # the parent must see the zygote's pipe close when the zygote ends
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.close(out_fd)
+        os.close(err_fd)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        # What multiprocessing does in a child it forks (its after-fork hooks, no finalizers of
+        # the parent), and the seeds a spawned interpreter would draw (os.fork reseeds random).
+        mp.util._finalizer_registry.clear()
+        mp.util._run_after_forkers()
+        mp.current_process().name = f"nemo_lw_fp8-rank{rank}"
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed()
+        _serve_rank(rank, world_size, port, Connection(rank_fd), dump_path, boot, imports=False)
+        code = 0
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    finally:
+        # The exit handlers a spawned rank's interpreter runs when its task loop ends.
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+class _Zygote:
+    """Parent side of a zygote process (one per boot, kept for the session)."""
+
+    def __init__(self, boot: BootOptions) -> None:
+        ctx = mp.get_context("spawn")
+        self.boot = boot
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_zygote_main, args=(child_conn, boot), daemon=True, name="nemo_lw_fp8-zygote"
+        )
+        started = time.monotonic()
+        self._proc.start()
+        child_conn.close()
+        self._channel = socket.socket(fileno=os.dup(self._conn.fileno()))
+        if not self._conn.poll(STARTUP_TIMEOUT_S):
+            self.stop()
+            raise RuntimeError(f"zygote for {boot}: not ready within {STARTUP_TIMEOUT_S:.0f}s")
+        status, value = self._receive()
+        if status != "ready":
+            self.stop()
+            raise RuntimeError(f"zygote for {boot} failed to start:\n{value}")
+        self.start_seconds = time.monotonic() - started
+        #: CPU seconds the zygote spent importing (what each spawned rank would spend too).
+        self.start_cpu_seconds: float = value
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    def _receive(self) -> Any:
+        try:
+            return pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise RuntimeError(f"zygote for {self.boot} exited ({self._proc.exitcode})") from exc
+
+    def fork(self, rank: int, world_size: int, port: int, rank_conn: Connection, dump: str) -> int:
+        """Fork one rank; returns its pid. The rank writes where this process writes now."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        request = ("fork", rank, world_size, port, dump, dict(os.environ), os.getcwd())
+        self._conn.send_bytes(pickle.dumps(request))
+        socket.send_fds(self._channel, [b"F"], [rank_conn.fileno(), 1, 2])
+        status, value = self._receive()
+        if status != "forked":
+            raise RuntimeError(f"zygote for {self.boot} could not fork a rank:\n{value}")
+        return value
+
+    def exit_codes(self, pids: list[int]) -> dict[int, int | None]:
+        """Each rank's exit code, ``None`` while it runs (or is stopped)."""
+        if not self.alive:  # its ranks were ended with it (or are orphans soon reaped)
+            return {pid: _orphan_exit_code(pid) for pid in pids}
+        self._conn.send_bytes(pickle.dumps(("poll", pids)))
+        return self._receive()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send_bytes(pickle.dumps(None))
+        self._proc.join(timeout=10.0)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=5.0)
+        self._channel.close()
+        self._conn.close()
+
+
+def _orphan_exit_code(pid: int) -> int | None:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return -signal.SIGKILL
+    return None
+
+
+class _ForkedRank:
+    """A rank forked by a zygote, with the part of ``multiprocessing.Process``'s interface the
+    pool uses (it is the zygote's child, so the zygote reaps it and knows its exit code)."""
+
+    def __init__(self, zygote: _Zygote, pid: int, name: str) -> None:
+        self._zygote = zygote
+        self.pid = pid
+        self.name = name
+        self._exitcode: int | None = None
+
+    @property
+    def exitcode(self) -> int | None:
+        if self._exitcode is None:
+            self._exitcode = self._zygote.exit_codes([self.pid])[self.pid]
+        return self._exitcode
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_alive() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.02)
+
+
+_ZYGOTES: dict[BootOptions, _Zygote] = {}
+#: How pools start their ranks: "fork" (from the boot's zygote) or "spawn" (fresh interpreters).
+POOL_START = os.environ.get("NEMO_LW_FP8_POOL_START", "fork")
+
+
+def _zygote(boot: BootOptions) -> _Zygote:
+    """The session's zygote for ``boot``, started on first use (again if it died)."""
+    zygote = _ZYGOTES.get(boot)
+    if zygote is None or not zygote.alive:
+        zygote = _ZYGOTES[boot] = _Zygote(boot)
+        if POOL_LOG:
+            with open(POOL_LOG, "a") as log:
+                test = os.environ.get("PYTEST_CURRENT_TEST", "?")
+                seconds, cpu = zygote.start_seconds, zygote.start_cpu_seconds
+                log.write(f"{seconds:.1f}s zygote {boot} cpu={cpu:.1f}s {test}\n")
+    return zygote
+
+
+def shutdown_zygotes() -> None:
+    for zygote in _ZYGOTES.values():
+        zygote.stop()
+    _ZYGOTES.clear()
+
+
 # --------------------------------------------------------------------------- parent side
 
 
@@ -314,9 +635,15 @@ class RankPool:
     2-core machine took a third of the CPU from whatever test was running.
     """
 
-    def __init__(self, world_size: int, boot: BootOptions = BootOptions()):
+    def __init__(
+        self, world_size: int, boot: BootOptions = BootOptions(), start: str | None = None
+    ):
         self.world_size = world_size
         self.boot = boot
+        #: "fork": ranks forked from the boot's zygote; "spawn": fresh interpreters.
+        self.start = start or POOL_START
+        if self.start not in ("fork", "spawn"):
+            raise ValueError(f"pool start {self.start!r}: expected 'fork' or 'spawn'")
         self._ctx = mp.get_context("spawn")
         self._dump_dir = tempfile.mkdtemp(prefix=f"nemo_lw_fp8_ranks{world_size}_")
         self._procs: list[Any] = []
@@ -328,22 +655,48 @@ class RankPool:
         return os.path.join(self._dump_dir, f"rank{rank}.stacks")
 
     def _start(self) -> None:
+        try:
+            zygote = _zygote(self.boot) if self.start == "fork" else None
+        except RuntimeError as exc:
+            return self._spawn_instead(exc)
         port = _free_port()
         for rank in range(self.world_size):
             parent_conn, child_conn = self._ctx.Pipe()
-            proc = self._ctx.Process(
-                target=_worker_main,
-                args=(rank, self.world_size, port, child_conn, self._dump_path(rank), self.boot),
-                daemon=True,
-                name=f"nemo_lw_fp8-rank{rank}",
-            )
-            proc.start()
+            name = f"nemo_lw_fp8-rank{rank}"
+            dump = self._dump_path(rank)
+            if zygote is not None:
+                try:
+                    pid = zygote.fork(rank, self.world_size, port, child_conn, dump)
+                except RuntimeError as exc:
+                    parent_conn.close()
+                    child_conn.close()
+                    self._kill(list(range(rank)))  # they wait in gloo's init for this one
+                    for conn in self._conns:
+                        conn.close()
+                    self._procs, self._conns = [], []
+                    return self._spawn_instead(exc)
+                proc = _ForkedRank(zygote, pid, name)
+            else:
+                proc = self._ctx.Process(
+                    target=_worker_main,
+                    args=(rank, self.world_size, port, child_conn, dump, self.boot),
+                    daemon=True,
+                    name=name,
+                )
+                proc.start()
             child_conn.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
         self.alive = True
-        self._collect(STARTUP_TIMEOUT_S, what="start-up")
+        #: CPU seconds the ranks spent starting, summed (``NEMO_LW_FP8_POOL_LOG``).
+        self.start_cpu_seconds = sum(self._collect(STARTUP_TIMEOUT_S, what="start-up"))
         self._pause()
+
+    def _spawn_instead(self, reason: Exception) -> None:
+        """Start this pool's ranks as fresh interpreters: the zygote could not fork them."""
+        warnings.warn(f"{self.boot}: spawning the ranks instead of forking: {reason}", stacklevel=3)
+        self.start = "spawn"
+        self._start()
 
     def _signal_ranks(self, sig: int) -> None:
         for proc in self._procs:
@@ -487,7 +840,7 @@ class RankPool:
         self._procs, self._conns = [], []
 
 
-_POOLS: dict[tuple[int, BootOptions], RankPool] = {}
+_POOLS: dict[tuple[int, BootOptions, str], RankPool] = {}
 
 
 #: Rank processes kept alive across pools. Each holds ~1 GB once megatron is imported, and the
@@ -511,18 +864,24 @@ def _make_room(needed: int) -> None:
         pool.shutdown()
 
 
-def get_pool(world_size: int, boot: BootOptions = BootOptions()) -> RankPool:
-    """A live pool for this world size and boot options, started on first use."""
-    key = (world_size, boot)
+def get_pool(
+    world_size: int, boot: BootOptions = BootOptions(), start: str | None = None
+) -> RankPool:
+    """A live pool for this world size and boot options, started on first use (its ranks
+    forked from the boot's zygote, or spawned: ``start``, by default ``POOL_START``)."""
+    start = start or POOL_START
+    key = (world_size, boot, start)
     pool = _POOLS.pop(key, None)  # put back last: the dict runs from least to most recent
     if pool is None or not pool.alive:
         _make_room(world_size)
         started = time.monotonic()
-        pool = RankPool(world_size, boot)
+        pool = RankPool(world_size, boot, start)
         if POOL_LOG:
             with open(POOL_LOG, "a") as log:
                 test = os.environ.get("PYTEST_CURRENT_TEST", "?")
-                log.write(f"{time.monotonic() - started:.1f}s {world_size} {boot} {test}\n")
+                seconds = time.monotonic() - started
+                cpu = f"cpu={pool.start_cpu_seconds:.1f}s"
+                log.write(f"{seconds:.1f}s {world_size} {boot} {pool.start} {cpu} {test}\n")
     _POOLS[key] = pool
     return pool
 
@@ -553,7 +912,8 @@ atexit.register(_resume_all_pools)
 
 
 def shutdown_pools() -> None:
-    """Stop every pool this process started."""
+    """Stop every pool this process started, then the zygotes their ranks were forked from."""
     for pool in _POOLS.values():
         pool.shutdown()
     _POOLS.clear()
+    shutdown_zygotes()
