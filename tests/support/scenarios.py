@@ -396,11 +396,11 @@ def te_scope(scenario: Scenario) -> contextlib.AbstractContextManager:
     stack = contextlib.ExitStack()
     stack.enter_context(te_device.target_gpu(te_device.BLACKWELL))
     stack.enter_context(single_param_env(scenario.single_grouped_weight))
-    stack.enter_context(env_scope(MOE_GROUPED_ENV))
+    stack.enter_context(_env(MOE_GROUPED_ENV))
     return stack
 
 
-def env_scope(values: dict[str, str]) -> contextlib.AbstractContextManager:
+def _env(values: dict[str, str]) -> contextlib.AbstractContextManager:
     """Context manager setting environment variables, restoring them after."""
 
     @contextlib.contextmanager
