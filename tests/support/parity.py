@@ -48,16 +48,10 @@ def as_discrete(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _merged_masters(results: list[dict]) -> dict[str, torch.Tensor]:
-    """Whole-parameter fp32 masters from every rank (layer-wise: each is held by its owner;
-    DistOpt: a vector split over shards is joined from its pieces in rank order)."""
+    """Whole-parameter fp32 masters from every rank (layer-wise: each is held by its owner)."""
     merged: dict[str, torch.Tensor] = {}
     for result in results:
         for name, master in as_discrete(result["masters"]).items():
-            if name in merged and merged[name].dim() == master.dim() == 1:
-                # A DistributedOptimizer shard boundary falls inside this parameter: its flat
-                # pieces are held in rank order (the vectors; layer-wise masters are matrices).
-                merged[name] = torch.cat([merged[name], master])
-                continue
             assert name not in merged, f"{name} has two owners"
             merged[name] = master
     return merged
