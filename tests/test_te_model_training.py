@@ -25,7 +25,7 @@ import torch
 
 from nemo_lw_fp8.emulation import te_backend
 from tests.support.harness import BootOptions, run_on_ranks
-from tests.support.parity import assert_diverges
+from tests.support.parity import assert_diverges, assert_same_losses_and_masters
 from tests.support.te_helpers import rowwise_only_refresh
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
@@ -149,16 +149,6 @@ def te_moe_run(
         }
 
 
-def _same_training(reference: list[dict], results: list[dict]) -> None:
-    """Every loss and every rank's fp32 masters, bitwise."""
-    assert [r["losses"] for r in reference] == [r["losses"] for r in results]
-    for rank, (ref, res) in enumerate(zip(reference, results, strict=True)):
-        assert ref["masters"].keys() == res["masters"].keys()
-        masters = ref["masters"]
-        differ = [k for k in masters if not torch.equal(masters[k], res["masters"][k])]
-        assert not differ, f"rank {rank}: masters differ in {differ}"
-
-
 def test_te_spec_moe_fp8_param_gather_on_equals_off():
     """The TE-spec MoE trains two steps with persistent MXFP8 weights gathered over DP 2 to the
     same losses and masters, bitwise, as with bf16 weights (the ON run held persistent MXFP8
@@ -168,9 +158,9 @@ def test_te_spec_moe_fp8_param_gather_on_equals_off():
     assert all(r["persistent_fp8"] > 0 for r in on), [r["persistent_fp8"] for r in on]
     assert all(r["persistent_fp8"] == 0 for r in off), [r["persistent_fp8"] for r in off]
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in on)
-    _same_training(off, on)
+    assert_same_losses_and_masters(off, on)
     stale = run_on_ranks(te_moe_run, True, "stale_columnwise", world_size=2, boot=BOOT)
-    assert_diverges(off, stale, compare=_same_training)
+    assert_diverges(off, stale, compare=assert_same_losses_and_masters)
 
 
 def test_te_spec_moe_resumes_bitwise(tmp_path):
@@ -186,7 +176,7 @@ def test_te_spec_moe_resumes_bitwise(tmp_path):
     resumed = run_on_ranks(te_moe_run, True, None, (2, 4), None, saved, world_size=2, boot=BOOT)
     for rank in range(2):
         assert first[rank]["losses"] + resumed[rank]["losses"] == whole[rank]["losses"]
-    _same_training(
+    assert_same_losses_and_masters(
         [{**r, "losses": []} for r in whole], [{**r, "losses": []} for r in resumed]
     )
     nudged = run_on_ranks(
@@ -195,5 +185,5 @@ def test_te_spec_moe_resumes_bitwise(tmp_path):
     assert_diverges(
         [{**r, "losses": []} for r in whole],
         [{**r, "losses": []} for r in nudged],
-        compare=_same_training,
+        compare=assert_same_losses_and_masters,
     )

@@ -17,14 +17,12 @@ use, are not built yet). Extended tier: 4-rank runs, and no user can reach the p
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 from nemo_lw_fp8.emulation import te_backend
 from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
-from tests.support.parity import assert_diverges
+from tests.support.parity import assert_diverges, assert_same_losses_and_masters
 from tests.support.te_helpers import rowwise_only_refresh
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
@@ -124,16 +122,6 @@ def tp_gather_run(
     }
 
 
-def _same_training(reference: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
-    """Every loss and every rank's fp32 masters, bitwise."""
-    assert [r["losses"] for r in reference] == [r["losses"] for r in results]
-    for rank, (ref, res) in enumerate(zip(reference, results, strict=True)):
-        assert ref["masters"].keys() == res["masters"].keys()
-        differ = [k for k in ref["masters"] if not torch.equal(ref["masters"][k],
-                                                               res["masters"][k])]  # fmt: skip
-        assert not differ, f"rank {rank}: masters differ in {differ}"
-
-
 @pytest.mark.parametrize(
     ("sequence_parallel", "moe"), [(False, False), (True, False), (True, True)],
     ids=["tp2", "tp2-sp", "tp2-sp-moe"],
@@ -153,5 +141,5 @@ def test_mxfp8_param_gather_at_tp2_on_equals_off(sequence_parallel, moe):
     assert all(r["persistent_fp8"] > 0 for r in on), [r["persistent_fp8"] for r in on]
     assert all(r["persistent_fp8"] == 0 for r in off), [r["persistent_fp8"] for r in off]
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in on)
-    _same_training(off, on)
-    assert_diverges(off, run(True, "stale_columnwise"), compare=_same_training)
+    assert_same_losses_and_masters(off, on)
+    assert_diverges(off, run(True, "stale_columnwise"), compare=assert_same_losses_and_masters)

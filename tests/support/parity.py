@@ -57,6 +57,17 @@ def _merged_masters(results: list[dict]) -> dict[str, torch.Tensor]:
     return merged
 
 
+def assert_same_losses_and_masters(reference: list[dict], results: list[dict]) -> None:
+    """Every loss and every rank's fp32 masters (``"masters"``: name -> tensor), bitwise: the
+    comparison of runs whose weights are FP8 on one side and bf16 on the other."""
+    assert [r["losses"] for r in reference] == [r["losses"] for r in results]
+    for rank, (ref, res) in enumerate(zip(reference, results, strict=True)):
+        assert ref["masters"].keys() == res["masters"].keys()
+        masters = ref["masters"]
+        differ = [k for k in masters if not torch.equal(masters[k], res["masters"][k])]
+        assert not differ, f"rank {rank}: masters differ in {differ}"
+
+
 def assert_same_training(
     discrete: list[dict], single: list[dict], replicas: list[list[int]] | None = None
 ) -> None:
