@@ -4,8 +4,9 @@ With ``grouped_weight_ownership="expert"`` each rank's layer-wise optimizer hold
 and Muon momentum for a run of experts ``[lo, hi)`` of a grouped weight. A checkpoint writes
 each run as its experts' slice of the grouped weight's entry (megatron's per-expert layout, see
 ``nemo_lw_fp8/mechanics/grouped_checkpoint.py``), so the state saved under one ownership loads
-under another. 2 CPU ranks, the tiny MoE GPT with MXFP8 primary weights in one TE
-``GroupedTensor`` per expert linear, compact layout, megatron's own ``dist_checkpointing``.
+under another. 2 CPU ranks, the tiny MoE GPT from megatron's TE spec (model ``moe_grouped``:
+``TEGroupedMLP`` through TE's op fuser) with MXFP8 primary weights in one TE ``GroupedTensor``
+per expert linear, compact layout, megatron's own ``dist_checkpointing``.
 """
 
 from __future__ import annotations
@@ -68,16 +69,20 @@ def _optimizer_state(optimizer, module: torch.nn.Module) -> dict[str, torch.Tens
 
 
 def _grouped_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What the expert GEMMs read: each expert's rowwise and columnwise MXFP8 values."""
-    from nemo_lw_fp8.cpu.grouped_experts import GroupedExpertLinear
+    """What the expert GEMMs read: each expert's rowwise and columnwise MXFP8 values (the
+    members of TE's ``GroupedLinear`` weights)."""
+    from transformer_engine.pytorch import GroupedLinear
+
     from nemo_lw_fp8.emulation.fp8_linear import weight_columnwise
+    from nemo_lw_fp8.mechanics.grouped_checkpoint import _expert_tensors
 
     out = {}
     for name, sub in module.named_modules():
-        if isinstance(sub, GroupedExpertLinear):
-            for expert, member in enumerate(sub.member_weights()):
+        if isinstance(sub, GroupedLinear):
+            for expert, member in enumerate(_expert_tensors(sub.weight, sub.num_gemms)):
                 out[f"{name}:{expert}"] = member.dequantize(dtype=torch.float32)
                 out[f"{name}:{expert}:columnwise"] = weight_columnwise(member).float()
+    assert out, "no TE GroupedLinear in the model"
     return out
 
 
@@ -141,11 +146,8 @@ class _Chain:
 
 def round_trips(directory: str) -> dict:
     """Expert runs -> whole ownership, whole -> expert runs; then the control: expert runs
-    whose state is left out of the checkpoint (and so not read back)."""
-    from megatron.core.dist_checkpointing.mapping import (
-        LocalNonpersistentObject,
-        ShardedTensorFactory,
-    )
+    whose loads drop what they read (each run keeps the fresh build's state)."""
+    import dataclasses
 
     from nemo_lw_fp8.mechanics import grouped_checkpoint
 
@@ -154,17 +156,14 @@ def round_trips(directory: str) -> dict:
         "expert->whole": chain.round_trip("a", "whole"),
         "whole->expert": chain.round_trip("b", "expert"),
     }
+    narrow = grouped_checkpoint.narrow
 
-    def unwritten(whole_entry, data, lo, hi):
-        """A run's entry that writes nothing and loads back what the optimizer holds."""
-        return ShardedTensorFactory(
-            whole_entry.key, data,
-            lambda key, t, replica_id, flattened_range: {"kept": LocalNonpersistentObject(t)},
-            lambda loaded: loaded["kept"], whole_entry.replica_id,
-        )  # fmt: skip
+    def not_read_back(whole_entry, data, lo, hi):
+        """A run's entry, written as usual, whose load returns what the optimizer holds."""
+        return dataclasses.replace(narrow(whole_entry, data, lo, hi), merge_fn=lambda _: data)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(grouped_checkpoint, "narrow", unwritten)
+        mp.setattr(grouped_checkpoint, "narrow", not_read_back)
         out["control"] = chain.round_trip("c", "expert")
     return out
 
@@ -203,7 +202,7 @@ def test_expert_run_state_round_trips_across_ownerships(tmp_path):
         for result in results:
             assert result[case]["weights_differ"] == [], (case, result[case]["weights_differ"])
 
-    # Control: with the runs' state not written, the resumed masters and momentum of every
+    # Control: with the runs' state not read back, the resumed masters and momentum of every
     # expert are the fresh build's; the rest of the state still comes back.
     saved, loaded = _merged(results, "control", "saved"), _merged(results, "control", "loaded")
     assert _differ(saved, loaded) == sorted(saved)

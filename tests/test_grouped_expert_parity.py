@@ -1,10 +1,13 @@
 """Single grouped expert weights train exactly like discrete expert weights (#5464, CPU ranks).
 
-A 2-layer MoE GPT (4 experts, top-2, megatron's real router and allgather dispatcher) whose
-experts present their weights as TE 2.20.2's ``GroupedLinear`` does: ONE ``GroupedTensor``
-``(E, out, in)`` per expert linear, or ``weight0..weight3`` (``nemo_lw_fp8.cpu.
-grouped_experts``). Every comparison is atol = rtol = 0: per-step losses, eval losses, every
-parameter, every main_grad and every fp32 master, with the single run's tensors split per expert.
+The model a GPU builds (``tests/support/scenarios.py``, model ``moe_grouped``): a 2-layer MoE
+GPT from megatron's Transformer Engine spec (4 SwiGLU experts, top-2, megatron's real router
+and allgather dispatcher) whose experts are ``TEGroupedMLP`` through TE 2.20.2's op fuser
+(``ops.GroupedLinear``, ``ScaledSwiGLU``), over the emulated ``transformer_engine_torch``. TE's
+``GroupedLinear`` holds each expert linear's weights as ONE ``GroupedTensor`` ``(E, out, in)``
+(single grouped) or as ``weight0..weight3`` (discrete). Every comparison is atol = rtol = 0:
+per-step losses, eval losses, every parameter, every main_grad and every fp32 master, with the
+single run's tensors split per expert.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_lw_fp8.emulation import te_backend
-from tests.support.harness import BootOptions, RankFailure, run_on_ranks
+from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges, assert_same_training
 from tests.support.scenarios import Scenario
 from tests.support.training import train
@@ -42,7 +45,8 @@ def pair(scenario: Scenario) -> tuple[list[dict], list[dict]]:
     discrete = run(scenario)
     single = run(scenario.with_(single_grouped_weight=True))
     # The two runs really differ in how the experts are presented.
-    assert tuple(single[0]["params"][GROUPED].shape) == (4, 64, 64)
+    # fc1 of 4 SwiGLU experts: (E, 2 * ffn, hidden).
+    assert tuple(single[0]["params"][GROUPED].shape) == (4, 256, 128)
     assert GROUPED + "0" in discrete[0]["params"] and GROUPED not in discrete[0]["params"]
     return discrete, single
 
@@ -131,11 +135,18 @@ def test_control_stacked_newton_schulz_differs():
 
 
 def test_control_stock_routing_sends_grouped_weights_to_adam():
-    """Without the plugin, megatron 0.19.2 routes the 3-D grouped weight to Adam, and the
-    layer-wise + DistOpt path then refuses the expert-parallel Adam group."""
-    scenario = BASE.with_(**OPTIMIZERS["layerwise-muon"], plugin=False, single_grouped_weight=True)
-    with pytest.raises(RankFailure, match="Non-emerging expert-parallel param groups"):
-        run(scenario)
+    """Without the plugin, megatron 0.19.2 routes the 3-D grouped weight to Adam (its
+    ``len(param.shape) != 2`` rule). At EP 1 megatron's TE spec marks expert weights for the
+    dense data-parallel group (``_set_expert_parameter_attributes``: expert groups only with
+    EP > 1 or ETP != TP), so Adam is the sibling DistributedOptimizer's, whose masters are flat
+    shards: the run completes and trains other numbers than Muon on each discrete expert."""
+    scenario = BASE.with_(**OPTIMIZERS["layerwise-muon"])
+    discrete = run(scenario)
+    stock = run(scenario.with_(plugin=False, single_grouped_weight=True))
+    for result in stock:  # no layer-wise (3-D) master for the grouped weight on any rank
+        assert GROUPED not in result["masters"] or result["masters"][GROUPED].dim() == 1
+    assert any(GROUPED in r["masters"] for r in stock)  # the DistOpt shards hold it
+    assert_diverges(discrete, stock, assert_same_training)
 
 
 # --------------------------------------------------------------------------- train -> eval -> train
@@ -180,6 +191,24 @@ def test_control_train_eval_train_needs_the_restage():
         train_without_restage, EVAL.with_(eval_after=(1,)), world_size=2, boot=FP8
     )
     assert_diverges(train_only, _no_eval_losses(broken), assert_same_training)
+
+
+def test_control_momentum_differing_in_the_last_bit_is_caught():
+    """Control of the momentum comparison in ``assert_same_training``: two otherwise equal
+    layer-wise results whose Muon momentum differs in one element's last bit must diverge
+    (losses, params and masters stay equal, as after a step whose normalised update hid it)."""
+    import torch
+
+    def result(momentum: torch.Tensor) -> dict:
+        weight = torch.linspace(-1, 1, 12).reshape(3, 4)
+        return {"losses": [1.0], "eval_losses": [], "params": {"w": weight}, "layer_wise": True,
+                "masters": {"w": weight.float()}, "momenta": {"w": momentum}}  # fmt: skip
+
+    momentum = torch.linspace(-0.5, 0.5, 12).reshape(3, 4)
+    nudged = momentum.clone()
+    nudged[1, 2] = torch.nextafter(nudged[1, 2], torch.tensor(1.0))
+    assert_same_training([result(momentum)], [result(momentum.clone())])
+    assert_diverges([result(momentum)], [result(nudged)], assert_same_training, match="momentum")
 
 
 def test_grouped_tensor_survives_training():

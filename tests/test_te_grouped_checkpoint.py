@@ -21,7 +21,6 @@ nothing here runs a forward.
 from __future__ import annotations
 
 import contextlib
-import os
 import unittest.mock
 
 import pytest
@@ -50,20 +49,6 @@ def _te_construction():
         yield
 
 
-@contextlib.contextmanager
-def _env(values: dict[str, str]):
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _scenario(fp8: bool, ownership: str, seed: int):
     from tests.support.scenarios import Scenario
 
@@ -82,7 +67,7 @@ def build_te_moe(fp8: bool, seed: int):
     )
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from tests.support.scenarios import GPT_SEQ, GPT_VOCAB, seed_all, transformer_config
+    from tests.support.scenarios import GPT_SEQ, GPT_VOCAB, env_scope, seed_all, transformer_config
 
     seed_all(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -104,7 +89,7 @@ def build_te_moe(fp8: bool, seed: int):
             enabled=True, recipe=MXFP8BlockScaling(), preserve_high_precision_init_val=True
         )
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=EXPERTS, moe_grouped_gemm=True)
-    with _env(TE_ENV), _te_construction(), init:
+    with env_scope(TE_ENV), _te_construction(), init:
         module = GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=GPT_VOCAB,
             max_sequence_length=GPT_SEQ, share_embeddings_and_output_weights=False,

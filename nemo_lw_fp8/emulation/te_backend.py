@@ -342,12 +342,46 @@ def _replace_forward(autograd_function: Any, replacement: Any) -> bool:
     return True
 
 
+def _cpu_dummy_wgrad(shape: list, dtype: Any, zero: bool = False) -> Any:
+    """TE's ``get_dummy_wgrad`` with its buffer on the CPU.
+
+    With wgrad accumulated into ``main_grad`` (megatron's ``gradient_accumulation_fusion``)
+    TE's linears, its op-fuser linears and megatron's own output layer return a shared dummy
+    tensor as the weight's ``.grad``; TE allocates it with ``device="cuda"`` inside the backward,
+    where no device-redirect mode is active. Same cache (``module.base._dummy_wgrads``), same
+    zeroing; only the device differs."""
+    import torch
+    from transformer_engine.pytorch.module import base
+
+    key = (*shape, dtype)
+    if key not in base._dummy_wgrads:
+        base._dummy_wgrads[key] = torch.empty(shape, dtype=dtype, requires_grad=False)
+    if zero:
+        base._dummy_wgrads[key].fill_(0)
+    return base._dummy_wgrads[key].detach()
+
+
+def _swap_dummy_wgrad() -> None:
+    """Put :func:`_cpu_dummy_wgrad` wherever TE's modules bound ``get_dummy_wgrad`` (megatron,
+    imported after TE, then binds the replacement from ``module.base``)."""
+    from transformer_engine.pytorch.module import base
+
+    original = base.get_dummy_wgrad
+    if original is _cpu_dummy_wgrad:
+        return
+    for name, module in list(sys.modules.items()):
+        bound = getattr(module, "get_dummy_wgrad", None) if module is not None else None
+        if name.startswith("transformer_engine.") and bound is original:
+            module.get_dummy_wgrad = _cpu_dummy_wgrad  # type: ignore[attr-defined]
+
+
 def _patch_te_python() -> None:
     from transformer_engine.pytorch.tensor.storage import (
         mxfp8_tensor_storage,
         nvfp4_tensor_storage,
     )
 
+    _swap_dummy_wgrad()
     _replace_forward(nvfp4_tensor_storage._FromNVFP4Func, _cpu_from_nvfp4_forward)
     if not _replace_forward(mxfp8_tensor_storage._FromMXFP8Func, _cpu_from_mxfp8_forward):
         return

@@ -86,8 +86,8 @@ class Scenario:
     #: Checkpoints keyed by parameter name in the discrete expert layout (model "moe_grouped"):
     #: save single grouped, load discrete, and the reverse.
     named_checkpoint: bool = False
-    #: model "moe_grouped": fused wgrad accumulation in the expert layers (TE's behaviour under
-    #: ``gradient_accumulation_fusion``): expert wgrads go straight into ``main_grad``.
+    #: model "moe_grouped": megatron's ``gradient_accumulation_fusion``: TE's linears (the
+    #: grouped experts' included) accumulate their wgrads straight into ``main_grad``.
     grad_accum_fusion: bool = False
     #: Compact layout: how single grouped expert weights are owned ("whole", "expert", "auto").
     grouped_weight_ownership: str = "whole"
@@ -208,32 +208,51 @@ def single_param_env(enabled: bool):
     return scope()
 
 
-def moe_block_spec(num_layers: int, fp8: bool, fuse_wgrad_accumulation: bool = False):
-    """megatron's local GPT layers with 4-expert MoE whose experts are
-    :class:`~nemo_lw_fp8.cpu.grouped_experts.GroupedExperts`, and a torch final norm (with TE
-    importable megatron would pick TE's CUDA LayerNorm)."""
-    from functools import partial
+#: model "moe_grouped": hidden and expert FFN widths. TE's grouped MXFP8 path needs every
+#: expert member's rows and columns in multiples of 128 (its kernel and its Python lay the
+#: members' scales out alike only then; ``nemo_lw_fp8/emulation/te_kernels_grouped_tensor.py``);
+#: the bf16 runs use the same model so every precision trains one architecture.
+MOE_GROUPED_HIDDEN = 128
+MOE_GROUPED_FFN = 128
 
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    from nemo_lw_fp8.cpu.grouped_experts import GroupedExperts
-
-    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
-    experts = partial(GroupedExperts, fp8=fp8, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    spec.submodules.mlp = partial(MoELayer, submodules=MoESubmodules(experts=experts))
-    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=WrappedTorchNorm)
+#: What the MXFP8 recipes' TE modules read from the environment (docs/recipes.md), set around
+#: the ``moe_grouped`` build and its forwards and backwards (:func:`te_scope`).
+MOE_GROUPED_ENV = {"NVTE_CUTEDSL_FUSED_GROUPED_MLP": "1"}
 
 
 def _build_moe_grouped(scenario: Scenario):
-    """The tiny MoE GPT whose experts are :class:`~nemo_lw_fp8.cpu.grouped_experts.
-    GroupedExperts` (TE's grouped-weight presentation, CPU GEMMs); needs the FP8 emulation boot."""
+    """The tiny MoE GPT a GPU builds for grouped experts: megatron's TE spec
+    (``get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True)``) with
+    ``TEGroupedMLP`` through TE's op fuser (``ops.GroupedLinear`` + ``ScaledSwiGLU``), SwiGLU
+    experts, RMSNorm. ``single_grouped_weight``: one TE ``GroupedTensor`` per expert linear
+    (``moe_single_grouped_weight`` + ``NVTE_GROUPED_LINEAR_SINGLE_PARAM``), else TE's discrete
+    ``weight0..weight3``; ``fp8``: MXFP8 compute; ``fp8_param_gather``: persistent MXFP8
+    weights from ``quantized_model_init``; ``grad_accum_fusion``: megatron's
+    ``gradient_accumulation_fusion`` (TE's linears accumulate their wgrads into ``main_grad``;
+    megatron's own output layer uses the APEX stand-in, :mod:`nemo_lw_fp8.cpu.apex_wgrad`).
+
+    Built with ``use_cpu_initialization=False``: TE initialises the weights itself, so the
+    preserved high-precision init values of persistent MXFP8 weights are the weights' own
+    (``tests/test_te_model_training.py``). Build and run it inside :func:`te_scope`."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    quantized: dict[str, Any] = {}
+    if scenario.fp8:
+        quantized = dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_param=scenario.fp8_param_gather)
+    if scenario.grad_accum_fusion:
+        from nemo_lw_fp8.cpu import apex_wgrad
+
+        # megatron's output layer (its own ColumnParallelLinear) refuses the fusion without
+        # APEX's kernel; the stand-in stays for the pool (it serves only fused configs).
+        apex_wgrad.install()
     config = transformer_config(
+        hidden_size=MOE_GROUPED_HIDDEN,
         num_moe_experts=4,
         moe_router_topk=2,
-        moe_ffn_hidden_size=64,
+        moe_ffn_hidden_size=MOE_GROUPED_FFN,
         add_bias_linear=False,
         moe_token_dispatcher_type="allgather",
         expert_model_parallel_size=scenario.ep,
@@ -242,6 +261,12 @@ def _build_moe_grouped(scenario: Scenario):
         moe_grouped_gemm=True,
         use_transformer_engine_op_fuser=True,
         moe_single_grouped_weight=scenario.single_grouped_weight,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        use_cpu_initialization=False,
+        gradient_accumulation_fusion=scenario.grad_accum_fusion,
+        **quantized,
     )
     init: Any = contextlib.nullcontext()
     if scenario.fp8_param_gather:
@@ -251,14 +276,11 @@ def _build_moe_grouped(scenario: Scenario):
         init = quantized_model_init(
             enabled=True, recipe=MXFP8BlockScaling(), preserve_high_precision_init_val=True
         )
-    from megatron.core.models.gpt import GPTModel
-
-    with single_param_env(scenario.single_grouped_weight), init:
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True)
+    with te_scope(scenario), init:
         module = GPTModel(
             config=config,
-            transformer_layer_spec=moe_block_spec(
-                config.num_layers, scenario.fp8, fuse_wgrad_accumulation=scenario.grad_accum_fusion
-            ),
+            transformer_layer_spec=spec,
             vocab_size=GPT_VOCAB,
             max_sequence_length=GPT_SEQ,
             pre_process=True,
@@ -337,7 +359,7 @@ def build_gpt(config) -> torch.nn.Module:
 
 
 #: Models built from megatron's TE spec (TE's own modules over the emulated extension).
-TE_MODELS = ("gpt", "moe_gpt")
+TE_MODELS = ("gpt", "moe_gpt", "moe_grouped")
 
 #: The rank pools that run :data:`TE_MODELS`: TE's Python package over the emulated
 #: ``transformer_engine_torch``, activated before megatron is imported (megatron then picks its
@@ -354,9 +376,10 @@ def boot_for(scenario: Scenario) -> BootOptions:
 
 def te_scope(scenario: Scenario) -> contextlib.AbstractContextManager:
     """Where a TE-spec model is built and run: TE's device questions answered as a B200
-    (:func:`nemo_lw_fp8.cpu.te_device.target_gpu`, ``BLACKWELL``); nothing for other models.
-    Refuses a rank whose pool was not booted with :data:`TE_BOOT` (megatron would otherwise
-    fall back to its local modules without a word)."""
+    (:func:`nemo_lw_fp8.cpu.te_device.target_gpu`, ``BLACKWELL``), for ``moe_grouped`` with
+    TE's grouped-linear switches set (:func:`single_param_env`, :data:`MOE_GROUPED_ENV`);
+    nothing for other models. Refuses a rank whose pool was not booted with :data:`TE_BOOT`
+    (megatron would otherwise fall back to its local modules without a word)."""
     if scenario.model not in TE_MODELS:
         return contextlib.nullcontext()
     from nemo_lw_fp8.cpu import te_device
@@ -367,7 +390,33 @@ def te_scope(scenario: Scenario) -> contextlib.AbstractContextManager:
             f"model {scenario.model!r} is built from megatron's TE spec: run it on a pool booted "
             "with TE_BOOT (run_on_ranks(..., boot=boot_for(scenario)))"
         )
-    return te_device.target_gpu(te_device.BLACKWELL)
+    if scenario.model != "moe_grouped":
+        return te_device.target_gpu(te_device.BLACKWELL)
+    # TE reads its grouped-linear switches when megatron builds the fused ops (first forward).
+    stack = contextlib.ExitStack()
+    stack.enter_context(te_device.target_gpu(te_device.BLACKWELL))
+    stack.enter_context(single_param_env(scenario.single_grouped_weight))
+    stack.enter_context(env_scope(MOE_GROUPED_ENV))
+    return stack
+
+
+def env_scope(values: dict[str, str]) -> contextlib.AbstractContextManager:
+    """Context manager setting environment variables, restoring them after."""
+
+    @contextlib.contextmanager
+    def scope():
+        before = {name: os.environ.get(name) for name in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+    return scope()
 
 
 def seed_all(seed: int) -> None:

@@ -484,6 +484,11 @@ def train(scenario: Scenario, progress: bool = False) -> dict[str, Any]:
     if record is not None:
         extra["main_grads"] = record.get("main_grads", [])
         extra["masters"] = master_snapshot(optimizer, model[0].module)
+        extra["momenta"] = {
+            name.removeprefix("momentum:"): value
+            for name, value in state_by_part(optimizer, model[0].module).items()
+            if name.startswith("momentum:")
+        }
     return {
         "losses": losses,
         "params": params,
