@@ -165,17 +165,32 @@ def quantize(
     )
 
 
+#: Kernels whose NVFP4 output TE 2.20.2's C++ produces as the plain cast of the kernel's
+#: high-precision output, so ``tex.quantize``'s emulation is theirs too (why, per kernel).
+NVFP4_OUTPUT_IS_THE_CAST = {
+    "norm forward": (
+        "pytorch/csrc/extensions/normalization.cpp: no norm kernel writes NVFP4. layernorm_fwd / "
+        "rmsnorm_fwd write the norm into an unquantized out_dtype tensor, then quantize it: "
+        "Impl::UNFUSED (the quantizer applies the RHT with post-RHT amax) calls the plain cast; "
+        "Impl::FUSED_NORM_AMAX_NVFP4 (no RHT) has the norm kernel record amax = max "
+        "|output_t(y)| (common/normalization, since TE #2355), the value the cast computes from "
+        "that tensor, and quantize_with_amax then casts with it"
+    ),
+}
+
+
 def kernel_quantize(kernel: str, tensor: torch.Tensor, quantizer: Any, output: Any = None) -> Any:
     """``quantize`` as the emulated TE-module kernels (``te_kernels_*.py``) call it for their
-    quantized outputs: NVFP4 is refused there by name, since only the plain ``tex.quantize``
-    cast has been compared with TE's NVFP4 kernels (TE's fused and multi-tensor NVFP4 paths --
-    split quantize, norm / activation / GEMM outputs -- have not been read yet). ``bgrad_quantize``
-    does not come here for NVFP4: ``bias.cpp`` has no fused NVFP4 kernel and calls the plain
-    cast (``te_kernels_gemm.bgrad_quantize``)."""
-    if isinstance(quantizer, _nvfp4.nvfp4_classes()[0]):
+    quantized outputs. NVFP4 goes through only for the kernels in
+    :data:`NVFP4_OUTPUT_IS_THE_CAST` (TE's C++ read: the output is the plain cast of the
+    kernel's unquantized output) and is refused by name elsewhere: TE's fused and multi-tensor
+    NVFP4 paths of split quantize, SwiGLU and GEMM outputs have not been read yet.
+    ``bgrad_quantize`` does not come here for NVFP4: ``bias.cpp`` has no fused NVFP4 kernel and
+    calls the plain cast (``te_kernels_gemm.bgrad_quantize``)."""
+    if isinstance(quantizer, _nvfp4.nvfp4_classes()[0]) and kernel not in NVFP4_OUTPUT_IS_THE_CAST:
         raise NotImplementedError(
             f"tex.{kernel} with an NVFP4Quantizer is not emulated yet by {_BACKEND}; only "
-            "tex.quantize is (docs/nvfp4.md)"
+            "tex.quantize and the norms' outputs are (docs/nvfp4.md)"
         )
     return quantize(tensor, quantizer, output)
 

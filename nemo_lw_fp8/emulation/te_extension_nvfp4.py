@@ -47,13 +47,15 @@ EMULATED = (
     "generic_gemm on NVFP4 x NVFP4 operands (TE Linear's fprop, dgrad, wgrad): exact operands, "
     "fp32 product",
     "bgrad_quantize with an NVFP4 quantizer",
+    "NVFP4 outputs of rmsnorm_fwd / layernorm_fwd (TE LayerNormLinear's input): the norm cast "
+    "to its out_dtype, then the cast above, as TE's normalization.cpp does",
 )
 #: What is refused by name (:func:`check_supported`, the GEMM and the output-quantizing kernels).
 REFUSED = (
     "stochastic rounding (set NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1 on CPU)",
     "RHT with 16x16 blocks, non-finite input, a set noop flag or a changed rht_matrix",
     "row-scaled NVFP4, 4over6, amax reduction across ranks, fast-math casts",
-    "grouped NVFP4 GEMMs and NVFP4 outputs of split_quantize, the norms and SwiGLU",
+    "grouped NVFP4 GEMMs and NVFP4 outputs of split_quantize and SwiGLU",
 )
 
 
