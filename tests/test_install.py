@@ -129,6 +129,7 @@ def test_doctor_names_nvfp4_support():
     for item in te_extension_nvfp4.EMULATED + te_extension_nvfp4.REFUSED:
         assert item in table
     assert "grouped-weight-nvfp4-layer-wise" in table
+    assert "fp4-primary-weights-layer-wise" in table
 
 
 # --- pip install into an environment that already satisfies the requirements -----------------
