@@ -1,7 +1,8 @@
 """NVFP4 compute under layer-wise Muon on TE's own modules (issue 30): a GPT from megatron's TE
 spec with ``fp4="e2m1"`` (megatron's ``get_fp4_context``: TE's ``NVFP4BlockScaling`` around
 each layer; the RHT on inputs and gradients, 16x16-block weights), bf16 weights (no FP4 primary
-weights: rule ``fp4-primary-weights-layer-wise``), on two data-parallel ranks, with the devices
+weights: rule ``fp4-primary-weights-layer-wise``), dense and with MoE layers of discrete experts
+(``SequentialMLP`` of TE linears), on two data-parallel ranks, with the devices
 answered as a B200 would. Stochastic rounding is off (megatron's ``get_fp4_recipe`` result with
 ``disable_stochastic_rounding=True``; TE reads ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING`` only
 when it is imported): the emulation refuses it by name (docs/nvfp4.md).
@@ -35,8 +36,15 @@ BOOT = BootOptions(fp8_emulation=True)
 HIDDEN, FFN = 128, 256
 
 
-def build_nvfp4_gpt(fp4: bool, seed: int):
-    """A 2-layer GPT (SwiGLU, RMSNorm) from megatron's TE spec; NVFP4 compute with ``fp4``."""
+#: MoE layers with discrete experts (megatron's ``SequentialMLP`` of TE linears, each padding its
+#: tokens to megatron's FP4 alignment, 128 rows).
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128,
+           moe_token_dispatcher_type="allgather", moe_router_dtype="fp64")  # fmt: skip
+
+
+def build_nvfp4_gpt(fp4: bool, seed: int, moe: bool = False):
+    """A 2-layer GPT (SwiGLU, RMSNorm; MoE with ``moe``) from megatron's TE spec; NVFP4 compute
+    with ``fp4``."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from tests.support.scenarios import build_gpt, seed_all, transformer_config
@@ -48,6 +56,7 @@ def build_nvfp4_gpt(fp4: bool, seed: int):
         hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=4, add_bias_linear=False,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         normalization="RMSNorm", use_cpu_initialization=False, **precision,
+        **(MOE if moe else {}),
     )  # fmt: skip
     return build_gpt(config), config
 
@@ -59,6 +68,7 @@ def nvfp4_run(
     save_dir: str | None = None,
     load_dir: str | None = None,
     nudge_loaded_master: bool = False,
+    moe: bool = False,
 ) -> dict[str, Any]:
     """Steps ``steps[0]..steps[1]-1`` of layer-wise Muon with ``layout`` "compact" (the plugin's
     layout, owner reduce, overlapped gathers) or "stock" (megatron's padded layer-wise layout,
@@ -102,7 +112,7 @@ def nvfp4_run(
             return original_gemm(a, *args, **kwargs)
 
         mp.setattr(tex, "generic_gemm", counting_gemm)
-        module, config = build_nvfp4_gpt(fp4, seed=5 if load_dir is None else 17)
+        module, config = build_nvfp4_gpt(fp4, seed=5 if load_dir is None else 17, moe=moe)
         model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
         if load_dir is not None:
             dist_checkpoints.load_torch_dist(model, optimizer, load_dir)
@@ -147,17 +157,18 @@ def assert_same_run(reference: list[dict], results: list[dict]) -> None:
     assert not differ, f"masters / momenta differ in {differ}"
 
 
-def test_nvfp4_compact_layout_equals_stock_layer_wise():
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_nvfp4_compact_layout_equals_stock_layer_wise(moe):
     """NVFP4 compute, layer-wise Muon: the plugin's compact layout (owner reduce, overlapped
     gathers) = megatron's layer-wise layout without overlap, bitwise (an eval between steps);
-    every linear ran NVFP4 GEMMs, and bf16 compute gives other losses."""
-    compact = run_on_ranks(nvfp4_run, "compact", world_size=2, boot=BOOT)
-    stock = run_on_ranks(nvfp4_run, "stock", world_size=2, boot=BOOT)
+    every TE GEMM took NVFP4 operands, and bf16 compute gives other losses."""
+    compact = run_on_ranks(nvfp4_run, "compact", moe=moe, world_size=2, boot=BOOT)
+    stock = run_on_ranks(nvfp4_run, "stock", moe=moe, world_size=2, boot=BOOT)
     # every TE GEMM (fprop, dgrad, wgrad of the 8 TE linears) took NVFP4 operands
     assert all(r["nvfp4_gemms"] == r["gemms"] > 0 for r in compact + stock), compact
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in compact)
     assert_same_run(stock, compact)
-    bf16 = run_on_ranks(nvfp4_run, "compact", False, world_size=2, boot=BOOT)
+    bf16 = run_on_ranks(nvfp4_run, "compact", False, moe=moe, world_size=2, boot=BOOT)
     assert all(r["nvfp4_gemms"] == 0 < r["gemms"] for r in bf16)
     assert all(a["losses"][0] != b["losses"][0] for a, b in zip(bf16, compact, strict=True))
 
