@@ -73,7 +73,8 @@ def nvfp4_run(
     """Steps ``steps[0]..steps[1]-1`` of layer-wise Muon with ``layout`` "compact" (the plugin's
     layout, owner reduce, overlapped gathers) or "stock" (megatron's padded layer-wise layout,
     no overlap), an eval forward after the first step; a ``torch_dist`` load before and save
-    after. Returns losses, eval losses, this rank's masters and momenta, and how many of TE's GEMMs took NVFP4 operands."""
+    after. Returns losses, eval losses, this rank's masters and momenta, and how many of TE's
+    GEMMs ran and took NVFP4 operands."""
     from megatron.core import parallel_state
 
     import nemo_lw_fp8
