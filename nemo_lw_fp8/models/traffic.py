@@ -40,9 +40,10 @@ from .. import layout as lo
 from ..mechanics import owner_reduce
 from .owner_sync import bucket_spans
 from .ownership import Ownership, our_owners, stock_costs
-from .planner import PARAM_BYTES, _bucket_groups, _buffers, _local_specs
+from .plan_parts import bucket_groups, buffers_of, local_specs
 from .qkv_split import check_qkv_ownership, unit_costs
 from .shapes import ParamSpec
+from .weight_bytes import PARAM_BYTES
 
 LAYOUTS = ("stock_padded", "compact_all_reduce", "compact_owner_reduce", "adam")
 LABEL = {
@@ -64,7 +65,7 @@ def _groups(members: list[tuple[bool, int]], force_single: bool) -> list[list[tu
         return []
     if force_single:
         return [[(i, b) for i, (_, n) in enumerate(members) for b in range(n)]]
-    return _bucket_groups(members)
+    return bucket_groups(members)
 
 
 def lower_bound(costs: Sequence[int], loads: Sequence[int]) -> float:
@@ -98,7 +99,7 @@ def rank_traffic(
     check_qkv_ownership(qkv_ownership)
     edp = dp // ep
     bucket_size = max(40_000_000, 1_000_000 * dp) if bucket_size is None else bucket_size
-    local = [_local_specs(list(specs), ep) for specs in chunk_specs]
+    local = [local_specs(list(specs), ep) for specs in chunk_specs]
     merged = [s for specs in local for s in specs]
     own = our_owners(merged, dp, ep, ownership, qkv_ownership)
     starts = [sum(len(c) for c in local[:k]) for k in range(len(local))]
@@ -137,7 +138,7 @@ def rank_traffic(
     for c, specs in enumerate(local):
         force_single = c > 0
         for layer_wise, names in ((True, LAYOUTS[:3]), (False, ("adam",))):
-            buffers = _buffers(specs, fp8_param_gather, layer_wise=layer_wise)
+            buffers = buffers_of(specs, fp8_param_gather, layer_wise=layer_wise)
             per_kind: dict[str, dict[bool, list]] = {n: {False: [], True: []} for n in names}
             for buf in buffers:
                 w = world(buf.expert)
