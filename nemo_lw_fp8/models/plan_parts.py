@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import layout as lo
 from .shapes import ParamSpec
+from .tensor_parallel import StageRanks, tp_shard
 from .weight_bytes import PARAM_BYTES, mxfp8_weight_bytes
 
 MASTER_BYTES = 4  # fp32 master weights
@@ -125,7 +126,15 @@ class Acc:
             self.grad["wire_bytes_per_rank"] += ring(world, nbytes, all_reduce)
             self.grad["ops"].add("all_reduce" if all_reduce else "reduce_scatter")
 
-    def report(self, description: str, ns: list[int] | None, extra: dict | None = None) -> dict:
+    def report(
+        self,
+        description: str,
+        ns: list[int] | None,
+        extra: dict | None = None,
+        work: tuple[list[int], list[int]] | None = None,
+    ) -> dict:
+        """The layout's JSON entry; ``work``: per rank the Newton-Schulz work under
+        ``muon_tp_mode`` and the bytes its TP all-gathers receive (``duplicated``)."""
         dp = len(self.mem["params"])
         totals = [sum(self.mem[f][r] for f in MEMORY_FIELDS) for r in range(dp)]
         worst = max(range(dp), key=lambda r: (totals[r], -r))
@@ -157,28 +166,45 @@ class Acc:
                 "mean": mean_ns,
                 "max_over_mean": lo.imbalance(ns),
             }
+        if ns is not None and work is not None:
+            flops, gathers = work
+            out["newton_schulz"] |= {
+                "tp_mode_by_rank": list(flops),
+                "tp_mode_max": max(flops),
+                "tp_mode_max_over_mean": lo.imbalance(flops),
+            }
+            out["muon_tp_gather"] = {
+                "bytes_by_rank": list(gathers),
+                "bytes_per_rank": max(gathers),
+            }
         if extra:
             out.update(extra)
         return out
 
 
-def local_specs(specs: Sequence[ParamSpec], ep: int) -> list[ParamSpec]:
-    """One expert-parallel rank's trainable parameters. At EP 1 (with TP = ETP = 1) megatron
-    builds experts with the dense process groups (``allreduce`` stays True, the linears'
-    ``use_expert_pgs`` is off), so they share the dense buffers and ownership group."""
+def local_specs(
+    specs: Sequence[ParamSpec], ep: int, tp: int = 1, etp: int | None = None
+) -> list[ParamSpec]:
+    """One rank's trainable parameters: its TP shard (ETP for routed experts,
+    :func:`.tensor_parallel.tp_shard`) of its expert-parallel rank's share. At EP 1 with ETP =
+    TP megatron builds experts with the dense process groups (``allreduce`` stays True, the
+    linears' ``use_expert_pgs`` is off), so they share the dense buffers and ownership group;
+    ETP != TP switches the expert groups on even at EP 1."""
+    etp = tp if etp is None else etp
+    expert_pgs = ep > 1 or etp != tp
     local = []
     for s in specs:
         if not s.trainable:
             continue
-        view = s.local(ep)
+        view = tp_shard(s, tp, etp).local(ep)
         if view is not None:
-            local.append(view if ep > 1 else replace(view, expert_parallel=False))
+            local.append(view if expert_pgs else replace(view, expert_parallel=False))
     return local
 
 
-def rank_view(values: list[int], expert: bool, dp: int, ep: int) -> list[int]:
-    """A group-local per-rank vector as a vector over global ranks."""
-    return [values[r // ep] for r in range(dp)] if expert else list(values)
+def rank_view(values: list[int], expert: bool, ranks: StageRanks) -> list[int]:
+    """A group-local per-member vector as a vector over the stage's ranks."""
+    return ranks.view(values, expert)
 
 
 def param_bytes(buf: Buffer, numel: int) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import layout as lo
 from .owner_sync import bucket_spans, owner_reduce_layout, sent_by_member
-from .ownership import our_owners, stock_costs
+from .ownership import our_owners, stock_costs, stock_tp_work
 from .plan_parts import (
     ADAM_STATE_BYTES,
     GRAD_BYTES,
@@ -44,6 +44,7 @@ from .plan_parts import (
 from .plan_parts import MEMORY_FIELDS as MEMORY_FIELDS
 from .qkv_split import check_qkv_ownership
 from .shapes import ParamSpec, param_shapes
+from .tensor_parallel import MUON_TP_MODES, StageRanks
 from .weight_bytes import PARAM_BYTES as PARAM_BYTES
 from .weight_bytes import blockwise_wire_bytes as blockwise_wire_bytes
 from .weight_bytes import muon_gather_wire
@@ -102,6 +103,9 @@ def plan(
     qkv_ownership: str = "split",
     grad_sync: str = "reduce_to_owner",
     bucket_cap_numel: int | None = None,
+    tp: int = 1,
+    etp: int | None = None,
+    muon_tp_mode: str = "duplicated",
 ) -> dict[str, Any]:
     """Per-rank bytes, Newton-Schulz balance and per-step communication of the three layouts.
 
@@ -116,11 +120,24 @@ def plan(
     as the parts' (in every layout); ``"whole"`` owns and counts it as one matrix
     (:mod:`.qkv_split`). ``grad_sync`` and ``bucket_cap_numel``: the compact layout's
     (:class:`nemo_lw_fp8.LayerWiseConfig`; the defaults are its defaults, so the compact column
-    is the layout a run gets unless it says otherwise). Returns a JSON-ready dict
+    is the layout a run gets unless it says otherwise). ``tp`` / ``etp`` (default ``tp``):
+    tensor and expert tensor parallel sizes; every rank then holds TP shards
+    (:mod:`.tensor_parallel`), rank vectors run over the ``tp * dp`` ranks of the stage and the
+    expert data-parallel group is megatron's ``tp * dp / (ep * etp)`` ranks. ``muon_tp_mode``:
+    megatron's Newton-Schulz mode for TP-sharded matrices (the factory's default
+    ``duplicated``), for the work and TP gather bytes per owner. Returns a JSON-ready dict
     (docs/planner.md describes every field).
     """
-    if dp < 1 or ep < 1 or dp % ep:
-        raise ValueError(f"need dp >= 1, ep >= 1 and ep dividing dp; got dp={dp}, ep={ep}")
+    etp = tp if etp is None else etp
+    if min(dp, ep, tp, etp) < 1 or (dp * tp) % (ep * etp):
+        raise ValueError(
+            f"need dp, ep, tp, etp >= 1 and ep dividing dp (ep * etp dividing tp * dp); "
+            f"got dp={dp}, ep={ep}, tp={tp}, etp={etp}"
+        )
+    if muon_tp_mode not in MUON_TP_MODES:
+        raise ValueError(f"muon_tp_mode must be one of {MUON_TP_MODES}, got {muon_tp_mode!r}")
+    stage = StageRanks(dp, ep, tp, etp)
+    nranks = stage.n
     if grad_dtype not in GRAD_BYTES:
         raise ValueError(f"grad_dtype must be one of {sorted(GRAD_BYTES)}, got {grad_dtype!r}")
     check_qkv_ownership(qkv_ownership)
@@ -129,20 +146,23 @@ def plan(
     owner_reduce = grad_sync == "reduce_to_owner"
     name = model if isinstance(model, str) else "custom"
     all_specs = param_shapes(model) if isinstance(model, str) else list(model)
-    edp = dp // ep
+    edp = stage.edp
     if bucket_size is None and overlap_grad_reduce:
         bucket_size = max(40_000_000, 1_000_000 * dp)
     if not overlap_grad_reduce:
         bucket_size = None
     g = GRAD_BYTES[grad_dtype]
-    specs = local_specs(all_specs, ep)
+    specs = local_specs(all_specs, ep, tp, etp)
 
     def world(buf: Buffer) -> int:
         return edp if buf.expert else dp
 
     # -------------------------------------------------------------- layer-wise (a) and (b)
     buffers = buffers_of(specs, fp8_param_gather, layer_wise=True)
-    own = our_owners(specs, dp, ep, grouped_weight_ownership, qkv_ownership)
+    own = our_owners(
+        specs, dp, ep, grouped_weight_ownership, qkv_ownership,
+        ranks=stage, muon_tp_mode=muon_tp_mode,
+    )  # fmt: skip
 
     def our_pieces(buf: Buffer, p: int) -> list[tuple[int, int]]:
         """``(elements, owner)`` of each piece of parameter ``p`` of a Muon buffer (owners in
@@ -158,10 +178,10 @@ def plan(
         for p in range(len(buf.specs)):
             for numel, owner in our_pieces(buf, p):
                 loads[owner] += numel
-        return rank_view(loads, buf.expert, dp, ep)
+        return rank_view(loads, buf.expert, stage)
 
-    stock, compact = Acc(dp), Acc(dp)
-    stock_ns = [0] * dp
+    stock, compact = Acc(nranks), Acc(nranks)
+    stock_ns, stock_flops, stock_tp_gather = [0] * nranks, [0] * nranks, [0] * nranks
     # per process group (expert or not): (buffer, stock layout, compact layout)
     per_group: dict[bool, list[tuple[Buffer, lo.StockLayout, lo.StockLayout]]] = {
         False: [],
@@ -177,16 +197,19 @@ def plan(
                 if owner_reduce
                 else lo.default_buckets(buf.shapes, bucket_size)
             )
-            stock_rank = rank_view(padded.rank_numel or [], buf.expert, dp, ep)
+            stock_rank = rank_view(padded.rank_numel or [], buf.expert, stage)
             compact_rank = our_rank_numel(buf)
             state_bytes = MUON_STATE_BYTES
-            for r, cost in enumerate(
-                rank_view(stock_costs(buf.specs, padded, w, qkv_ownership), buf.expert, dp, ep)
+            costs = stock_costs(buf.specs, padded, w, qkv_ownership)
+            work = stock_tp_work(buf.specs, padded, w, qkv_ownership, muon_tp_mode)
+            for totals, values in zip(
+                (stock_ns, stock_flops, stock_tp_gather), (costs, *work), strict=True
             ):
-                stock_ns[r] += cost
+                for r, value in enumerate(rank_view(values, buf.expert, stage)):
+                    totals[r] += value
         else:
             padded = flat = lo.stock_distopt_layout(buf.shapes, w, bucket_size)
-            stock_rank = compact_rank = rank_view(padded.rank_numel or [], buf.expert, dp, ep)
+            stock_rank = compact_rank = rank_view(padded.rank_numel or [], buf.expert, stage)
             state_bytes = ADAM_STATE_BYTES
         per_group[buf.expert].append((buf, padded, flat))
         for acc, layout, rank_numel in ((stock, padded, stock_rank), (compact, flat, compact_rank)):
@@ -226,7 +249,7 @@ def plan(
 
     # collectives per bucket group (megatron's partition_buckets), per process group
     transient_peak = transient_extra = transient_padding = 0
-    owner_sent = [0] * dp  # elements each global rank sends in the owner reduce
+    owner_sent = [0] * nranks  # elements each rank of the stage sends in the owner reduce
     for expert, members in per_group.items():
         w = edp if expert else dp
         if w <= 1 or not members:
@@ -248,9 +271,9 @@ def plan(
             unit_grad_bytes: list[int] = []
             # the owner reduce exactly per group: expert-data-parallel groups own differently
             tables = (
-                list(zip(own.expert_groups, lo.default_expert_groups(dp, ep), strict=True))
+                list(zip(own.expert_groups, own.expert_ranks, strict=True))
                 if expert
-                else [(own.dense, list(range(dp)))]
+                else [(own.dense, group) for group in stage.dense_groups()]
             )
             for grp in reversed(groups):  # forward order, as the gathers are issued
                 sizes: list[int] = []
@@ -311,7 +334,7 @@ def plan(
         legacy["output_bytes"] += flat_legacy.numel * PARAM_BYTES
 
     # -------------------------------------------------------------- (c) Adam everywhere
-    adam_acc = Acc(dp)
+    adam_acc = Acc(nranks)
     adam_entries: dict[bool, list[tuple[bool, int]]] = {False: [], True: []}
     for buf in buffers_of(specs, fp8_param_gather, layer_wise=False):
         w = world(buf)
@@ -331,8 +354,8 @@ def plan(
         )
         adam_acc.add_all("params", param_bytes(buf, layout.numel))
         adam_acc.add_all("grads", layout.numel * g)
-        per_rank = rank_view(layout.rank_numel, buf.expert, dp, ep)
-        for r in range(dp):
+        per_rank = rank_view(layout.rank_numel, buf.expert, stage)
+        for r in range(nranks):
             adam_acc.mem["masters"][r] += per_rank[r] * MASTER_BYTES
             adam_acc.mem["optimizer_states"][r] += per_rank[r] * ADAM_STATE_BYTES
         for start, end, _ in layout.buckets:
@@ -351,6 +374,7 @@ def plan(
         "stock_padded": stock.report(
             "megatron-core 0.19.2 padded layer-wise layout (Muon) + DistributedOptimizer (Adam)",
             stock_ns,
+            work=(stock_flops, stock_tp_gather),
         ),
         "compact": compact.report(
             "compact Muon buffers, cost-balanced ownership, one even gather per gather group",
@@ -363,6 +387,7 @@ def plan(
                     "gather_padding_tolerance": gather_padding_tolerance,
                 }
             },
+            work=(own.flops, own.tp_gather),
         ),
         "adam_distopt": adam_acc.report("Adam on every parameter via DistributedOptimizer", None),
     }
@@ -374,6 +399,10 @@ def plan(
         "dp": dp,
         "ep": ep,
         "expert_dp": edp,
+        "tp": tp,
+        "etp": etp,
+        "stage_ranks": nranks,
+        "muon_tp_mode": muon_tp_mode,
         "bucket_size": bucket_size,
         "fp8_param_gather": fp8_param_gather,
         "grad_dtype": grad_dtype,
