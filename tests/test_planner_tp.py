@@ -12,7 +12,7 @@ import pytest
 from nemo_lw_fp8 import layout as lo
 from nemo_lw_fp8.models import planner
 from nemo_lw_fp8.models.shapes import ParamSpec, param_shapes
-from nemo_lw_fp8.models.tensor_parallel import StageRanks, ns_cost, tp_shard
+from nemo_lw_fp8.models.tensor_parallel import StageRanks, ns_cost, pad_vocab, tp_shard
 from nemo_lw_fp8.models.traffic import rank_traffic
 
 H, FFN, E = 64, 128, 4
@@ -64,8 +64,7 @@ def test_shards_follow_megatrons_partition_dims():
         # experts over ETP 2, not TP 4
         "decoder.layers.3.mlp.experts.linear_fc1.weight7": ((4096 // 2, 7168), 0),
         "decoder.layers.3.mlp.experts.linear_fc2.weight7": ((7168, 2048 // 2), 1),
-        # the vocabulary: 129280 padded to a multiple of 128 * 4, then a quarter
-        "embedding.word_embeddings.weight": ((-(-129280 // 512) * 128, 7168), 0),
+        "embedding.word_embeddings.weight": ((129280 // 4, 7168), 0),
     }
     for name, (shape, dim) in cases.items():
         shard = tp_shard(specs[name], tp=4, etp=2)
@@ -79,6 +78,10 @@ def test_shards_follow_megatrons_partition_dims():
     assert tp_shard(grouped, tp=1, etp=2).shape == (E, FFN, H)
     with pytest.raises(ValueError, match="does not split"):
         tp_shard(_matrix(f"{L}.mlp.linear_fc2.weight", H, 3), tp=2, etp=2)
+    # Bridge pads the vocabulary to a multiple of 128 x TP first: 129280 -> 129536 at TP 4
+    padded = {s.name: s for s in pad_vocab(list(specs.values()), 4)}
+    assert padded["output_layer.weight"].shape == (-(-129280 // 512) * 512, 7168)
+    assert pad_vocab(list(specs.values()), 1) == list(specs.values())
 
 
 # ----------------------------------------------------------------------------- groups

@@ -13,6 +13,7 @@ from .architectures import MoEArchitecture, get_architecture
 from .parallel import ParallelismDefaults, parallelism
 from .planner import plan
 from .shapes import ParamSpec, to_model_spec
+from .tensor_parallel import pad_vocab
 
 
 def _rank_holds(spec: ParamSpec, items: list[str]) -> bool:
@@ -59,7 +60,7 @@ def chunk_param_specs(
     chunk (megatron wraps each chunk in its own DDP, with its own buffers)."""
     if par.cp != 1:
         raise ValueError("the planner models CP = 1")
-    specs = to_model_spec(arch, include_mtp=include_mtp).params()
+    specs = pad_vocab(to_model_spec(arch, include_mtp=include_mtp).params(), par.tp)
     stages = par.stages(arch)
     return [
         specs_on_rank(specs, stages, par.pp, pp_rank, stage=k)
@@ -74,7 +75,7 @@ def stage_param_specs(
     one rank's TP shards and EP share)."""
     if par.cp != 1:
         raise ValueError("the planner models CP = 1")
-    specs = to_model_spec(arch, include_mtp=include_mtp).params()
+    specs = pad_vocab(to_model_spec(arch, include_mtp=include_mtp).params(), par.tp)
     return specs_on_rank(specs, par.stages(arch), par.pp, pp_rank)
 
 

@@ -1,6 +1,7 @@
 """Memory, Newton-Schulz balance and communication of layer-wise Muon layouts, per rank.
 
-``plan()`` compares, for one model at a given data- and expert-parallel size (TP = PP = CP = 1):
+``plan()`` compares, for one model at given data-, expert- and tensor-parallel sizes (PP = CP = 1;
+TP and ETP shards as in :mod:`.tensor_parallel`):
 
 * ``stock_padded``: megatron-core 0.19.2's padded layer-wise layout (Muon on the matrices, a
   sibling ``DistributedOptimizer`` running Adam on embeddings, output layer and vectors),
@@ -51,9 +52,11 @@ from .weight_bytes import muon_gather_wire
 from .weight_bytes import mxfp8_weight_bytes as mxfp8_weight_bytes
 
 ASSUMPTIONS = (
-    "TP = PP = CP = 1: the data-parallel group is every rank; an expert-parallel group is ep "
-    "consecutive ranks, so global rank r is member r // ep of expert-data-parallel group r % ep "
-    "(megatron's default tp-cp-ep-dp-pp order), a group of dp / ep ranks.",
+    "One pipeline stage (PP and CP outside; CP folded into dp). At TP = 1 the data-parallel "
+    "group is every rank; an expert-parallel group is ep consecutive ranks, so global rank r is "
+    "member r // ep of expert-data-parallel group r % ep (megatron's default tp-cp-ep-dp-pp "
+    "order), a group of dp / ep ranks. At TP > 1 each rank holds TP shards (ETP for experts) "
+    "and the expert-data-parallel group has tp * dp / (ep * etp) ranks (docs/planner.md).",
     "Each rank holds num_experts / ep experts of every MoE layer; expert matrices are sharded "
     "over the expert-data-parallel group, everything else over the data-parallel group.",
     "bucket_size defaults to megatron DDP's max(40M, 1M * dp) elements (overlap_grad_reduce on); "

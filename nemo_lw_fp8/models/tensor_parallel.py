@@ -56,12 +56,23 @@ def tp_shard(spec: ParamSpec, tp: int, etp: int) -> ParamSpec:
     if degree == 1 or dim is None:
         return spec
     shape = list(spec.shape)
-    if spec.embedding_or_output:  # megatron pads the vocabulary to a multiple of 128 * TP
-        shape[dim] = -(-shape[dim] // (128 * degree)) * 128 * degree
     if shape[dim] % degree:
         raise ValueError(f"{spec.name}: dim {dim} of {spec.shape} does not split over {degree}")
     shape[dim] //= degree
     return replace(spec, shape=tuple(shape), tp=degree, tp_dim=dim)
+
+
+def pad_vocab(specs: list[ParamSpec], tp: int, divisible_by: int = 128) -> list[ParamSpec]:
+    """``specs`` with the embedding and output layer's vocabulary padded as Megatron-Bridge pads
+    it (``make_vocab_size_divisible_by`` 128, times TP) before megatron splits it over TP; the
+    architectures' vocabularies are multiples of 128 already, so TP 1 changes nothing."""
+    step = divisible_by * tp
+    out = []
+    for s in specs:
+        if s.embedding_or_output and s.shape[0] % step:
+            s = replace(s, shape=(-(-s.shape[0] // step) * step, *s.shape[1:]))
+        out.append(s)
+    return out
 
 
 @dataclass(frozen=True)
