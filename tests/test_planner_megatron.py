@@ -109,6 +109,7 @@ def allocation(scenario: Scenario) -> dict:
     return {
         "stage": parallel_state.get_pipeline_model_parallel_rank(),
         "dp_rank": parallel_state.get_data_parallel_rank(),
+        "expert_dp": parallel_state.get_expert_data_parallel_world_size(),
         "buffers": buffers,
         **counts,
     }
@@ -172,6 +173,7 @@ def _plans(
     from nemo_lw_fp8.models.pipeline import specs_on_rank
 
     pp, ep, tp = parallel.pp, parallel.ep, parallel.tp
+    etp = tp if parallel.etp is None else parallel.etp
     dp = 4 // (pp * tp)
     # Megatron's default split: layers evenly over the stages, embedding first, loss last.
     layers = max(int(s.name.split(".")[2]) for s in specs if s.name.startswith("decoder.l")) + 1
@@ -185,7 +187,9 @@ def _plans(
     )
     options.update(settings)
     return [
-        plan(specs_on_rank(specs, stages, pp, stage), dp, ep, tp=tp, **options)["layouts"][layout]
+        plan(specs_on_rank(specs, stages, pp, stage), dp, ep, tp=tp, etp=etp, **options)[
+            "layouts"
+        ][layout]
         for stage in range(pp)
     ]
 
@@ -233,6 +237,21 @@ def test_planner_equals_megatron_at_tp2():
     owns the shards of its TP rank; the Newton-Schulz work compared is the local shards', what
     ownership balances (the work under muon_tp_mode: test_planner_tp.py)."""
     _compare(MOE, MOE, ParallelSpec(tp=2))
+
+
+def test_planner_equals_megatron_at_tp2_etp1():
+    """TP 2, ETP 1, EP 1 on 4 ranks: megatron's expert data-parallel group is world / (EP x
+    ETP) = 4 ranks, twice the dense DP group (dp / ep said 2): experts are whole on every rank,
+    in expert buffers owned over all 4 ranks, dense matrices as TP shards over DP 2."""
+    parallel = ParallelSpec(tp=2, etp=1)
+    reals = _compare(MOE, MOE, parallel)
+    assert all(real["expert_dp"] == 4 for real in reals)
+    # control: the same ranks against a planner told ETP = TP (experts TP-sharded in the dense
+    # buffers, as at ETP 2) fail on every rank
+    specs, runs = _runs(MOE, MOE, parallel, TE_BOOT)
+    for distribution, key in LAYOUTS.items():
+        wrong = _plans(specs, MOE, ParallelSpec(tp=2, etp=2), key)
+        assert _failing_ranks(runs[distribution], wrong, 4) == [0, 1, 2, 3], distribution
 
 
 @pytest.mark.parametrize("wrong", ["padding", "bucket_size"])
