@@ -244,3 +244,22 @@ def test_recipe_plans_at_tp_2():
 
     rows = traffic.pipeline_rows("tiny", setup.arch, setup.par, single_grouped_weight=False)
     assert rows and all(r["tp"] == 2 and "TP2 ETP1" in r["config"] for r in rows)
+
+
+def test_plan_cli_model_form_at_tp_2(capsys):
+    """``plan MODEL --dp 2 --tp 2 --muon-tp-mode blockwise``: the plan of 4 ranks whose owners
+    orthogonalize their shards (the work ownership balances), with its traffic rows."""
+    import json
+
+    from nemo_lw_fp8.models import plan_cli
+
+    argv = ["tiny-deepseek-v3", "--dp", "2", "--tp", "2", "--muon-tp-mode", "blockwise"]
+    assert plan_cli.main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["tp"], result["stage_ranks"], result["muon_tp_mode"]) == (2, 4, "blockwise")
+    ns = result["layouts"]["compact"]["newton_schulz"]
+    assert ns["tp_mode_by_rank"] == ns["by_rank"]
+    assert not any(result["layouts"]["compact"]["muon_tp_gather"]["bytes_by_rank"])
+    assert result["traffic"] and all(row["tp"] == 2 for row in result["traffic"])
+    assert plan_cli.main(argv) == 0
+    assert "TP 2 ETP 1, muon_tp_mode=blockwise" in capsys.readouterr().out
