@@ -113,11 +113,12 @@ def plan(
     """Per-rank bytes, Newton-Schulz balance and per-step communication of the three layouts.
 
     ``model``: a name from :data:`nemo_lw_fp8.models.shapes.SPECS` or an explicit list of
-    :class:`ParamSpec` (full model, all experts). ``dp``: data-parallel size = world size;
-    ``ep``: expert-parallel size (divides ``dp`` and the expert count). ``bucket_size``:
-    elements per DDP bucket, ``None`` for megatron's default. ``grouped_weight_ownership``: how
-    the compact layout owns single grouped expert weights ``(E, m, n)`` (``"whole"``,
-    ``"expert"``: runs of experts, ``"auto"``; :data:`nemo_lw_fp8.layout.GROUPED_WEIGHT_OWNERSHIP`).
+    :class:`ParamSpec` (full model, all experts). ``dp``: dense data-parallel size (x CP);
+    ``ep``: expert-parallel size (divides the expert count; EP x ETP divides TP x DP).
+    ``bucket_size``: elements per DDP bucket, ``None`` for megatron's default.
+    ``grouped_weight_ownership``: how the compact layout owns single grouped expert weights
+    ``(E, m, n)`` (``"whole"``, ``"expert"``: runs of experts, ``"auto"``;
+    :data:`nemo_lw_fp8.layout.GROUPED_WEIGHT_OWNERSHIP`).
     ``qkv_ownership``: ``"split"`` owns each ``linear_qkv`` weight Muon splits
     (``muon_split_qkv``, assumed on) as its Q / K / V parts and counts their Newton-Schulz work
     as the parts' (in every layout); ``"whole"`` owns and counts it as one matrix
