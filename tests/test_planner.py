@@ -427,7 +427,9 @@ def test_recipe_plan_pipeline_and_grouped_weights():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["model.tensor_model_parallel_size=2"], "whole matrices"),
+        # TP 3 does not divide the tiny recipe's 2 ranks (TP 2 plans: test_planner_tp.py)
+        (["model.tensor_model_parallel_size=3"], "does not split into TP 3"),
+        (["optimizer.muon_tp_mode=rowwise"], "muon_tp_mode='rowwise'"),
         (["optimizer.lr=1"], "plan does not read 'optimizer.lr'"),
         (["model.expert_model_parallel_size=3"], "does not split"),
         (["optimizer.grouped_weight_ownership=experts"], "grouped_weight_ownership='experts'"),

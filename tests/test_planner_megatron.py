@@ -109,6 +109,7 @@ def allocation(scenario: Scenario) -> dict:
     return {
         "stage": parallel_state.get_pipeline_model_parallel_rank(),
         "dp_rank": parallel_state.get_data_parallel_rank(),
+        "expert_dp": parallel_state.get_expert_data_parallel_world_size(),
         "buffers": buffers,
         **counts,
     }
@@ -123,9 +124,10 @@ def _specs(rows: list[dict]):
     return [ParamSpec(**row) for row in rows]
 
 
-def _assert_planned(rank: int, real: dict, planned: dict) -> None:
-    """One rank's allocation against the planner's layout (``planned``) for its stage."""
-    dp_rank = real["dp_rank"]
+def _assert_planned(rank: int, real: dict, planned: dict, ranks_per_stage: int) -> None:
+    """One rank's allocation against the planner's layout (``planned``) for its stage, whose
+    rank vectors run over the stage's ranks (the data-parallel ranks at TP 1)."""
+    dp_rank = rank % ranks_per_stage  # megatron's order tp-cp-ep-dp-pp: the stage's rank
     ours = {b["name"]: (b["numel"], b["buckets"], b["params"]) for b in planned["buffers"]}
     assert real["buffers"] == ours, (rank, real["buffers"], ours)
     by_rank = planned["bytes_by_rank"]
@@ -170,8 +172,9 @@ def _plans(
     from nemo_lw_fp8.models import plan
     from nemo_lw_fp8.models.pipeline import specs_on_rank
 
-    pp, ep = parallel.pp, parallel.ep
-    dp = 4 // pp
+    pp, ep, tp = parallel.pp, parallel.ep, parallel.tp
+    etp = tp if parallel.etp is None else parallel.etp
+    dp = 4 // (pp * tp)
     # Megatron's default split: layers evenly over the stages, embedding first, loss last.
     layers = max(int(s.name.split(".")[2]) for s in specs if s.name.startswith("decoder.l")) + 1
     per = layers // pp
@@ -184,7 +187,9 @@ def _plans(
     )
     options.update(settings)
     return [
-        plan(specs_on_rank(specs, stages, pp, stage), dp, ep, **options)["layouts"][layout]
+        plan(specs_on_rank(specs, stages, pp, stage), dp, ep, tp=tp, etp=etp, **options)[
+            "layouts"
+        ][layout]
         for stage in range(pp)
     ]
 
@@ -199,16 +204,16 @@ def _compare(
         plans = _plans(specs, scenario, parallel, key)
         for rank, real in enumerate(runs[distribution]):
             assert real["stage"] == rank // (4 // parallel.pp)
-            _assert_planned(rank, real, plans[real["stage"]])
+            _assert_planned(rank, real, plans[real["stage"]], 4 // parallel.pp)
     return runs["layerwise_compact"]
 
 
-def _failing_ranks(reals: list[dict], plans: list[dict]) -> list[int]:
+def _failing_ranks(reals: list[dict], plans: list[dict], ranks_per_stage: int) -> list[int]:
     """The ranks whose allocation the comparison of the test rejects against ``plans``."""
     failing = []
     for rank, real in enumerate(reals):
         try:
-            _assert_planned(rank, real, plans[real["stage"]])
+            _assert_planned(rank, real, plans[real["stage"]], ranks_per_stage)
         except AssertionError:
             failing.append(rank)
     return failing
@@ -224,6 +229,29 @@ def test_planner_equals_megatron_at_ep2():
     """EP 2 x DP 2: each rank holds 2 of the 4 experts of each MoE layer, owned over an
     expert-data-parallel group of 2 while dense matrices are owned over all 4 ranks."""
     _compare(MOE.with_(ep=2), MOE, ParallelSpec(ep=2))
+
+
+def test_planner_equals_megatron_at_tp2():
+    """TP 2 x DP 2 (ETP = TP, megatron's default, EP 1: the experts in the dense buffers): each
+    rank holds its TP shard of every matrix (the router and norms whole) and its DP group of 2
+    owns the shards of its TP rank; the Newton-Schulz work compared is the local shards', what
+    ownership balances (the work under muon_tp_mode: test_planner_tp.py)."""
+    _compare(MOE, MOE, ParallelSpec(tp=2))
+
+
+def test_planner_equals_megatron_at_tp2_etp1():
+    """TP 2, ETP 1, EP 1 on 4 ranks: megatron's expert data-parallel group is world / (EP x
+    ETP) = 4 ranks, twice the dense DP group (dp / ep said 2): experts are whole on every rank,
+    in expert buffers owned over all 4 ranks, dense matrices as TP shards over DP 2."""
+    parallel = ParallelSpec(tp=2, etp=1)
+    reals = _compare(MOE, MOE, parallel)
+    assert all(real["expert_dp"] == 4 for real in reals)
+    # control: the same ranks against a planner told ETP = TP (experts TP-sharded in the dense
+    # buffers, as at ETP 2) fail on every rank
+    specs, runs = _runs(MOE, MOE, parallel, TE_BOOT)
+    for distribution, key in LAYOUTS.items():
+        wrong = _plans(specs, MOE, ParallelSpec(tp=2, etp=2), key)
+        assert _failing_ranks(runs[distribution], wrong, 4) == [0, 1, 2, 3], distribution
 
 
 @pytest.mark.parametrize("wrong", ["padding", "bucket_size"])
@@ -242,7 +270,7 @@ def test_control_planner_told_a_wrong_setting_differs(wrong: str) -> None:
             plans = _plans(specs, MOE, parallel, other[key])
         else:
             plans = _plans(specs, MOE, parallel, key, overlap_grad_reduce=True, bucket_size=1000)
-        assert _failing_ranks(runs[distribution], plans) == [0, 1, 2, 3], distribution
+        assert _failing_ranks(runs[distribution], plans, 2) == [0, 1, 2, 3], distribution
 
 
 @needs_te

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from .. import layout as lo
 from .qkv_split import QkvParts, qkv_parts, unit_costs
 from .shapes import ParamSpec
+from .tensor_parallel import StageRanks, ns_cost, tp_gather_bytes
 
 
 @dataclass
@@ -24,7 +25,12 @@ class Ownership:
     (every group holds the same shapes, so one answer serves all); ``units[i]``: how many pieces
     spec ``i`` can split into; ``cost[r]``: Newton-Schulz total of global rank ``r``;
     ``qkv[i]``: the parts of a split ``linear_qkv`` spec, whose ``dense[i]`` holds one
-    ``(owner, 1)`` per part, in split order."""
+    ``(owner, 1)`` per part, in split order. Rank vectors run over the pipeline stage's ranks
+    (:class:`.tensor_parallel.StageRanks`; the data-parallel ranks at TP = 1): ``cost`` is
+    what ownership balances (the local shards' work, as the compact patch measures it),
+    ``flops`` the work each rank really does under ``muon_tp_mode`` and ``tp_gather`` the
+    bytes its ``duplicated`` TP all-gathers receive; ``expert_ranks[g]`` the stage ranks of
+    expert group ``g`` in group-rank order."""
 
     dense: dict[int, list[tuple[int, int]]]
     expert: dict[int, list[tuple[int, int]]]
@@ -32,6 +38,9 @@ class Ownership:
     cost: list[int]
     expert_groups: list[dict[int, list[tuple[int, int]]]] = field(default_factory=list)
     qkv: dict[int, QkvParts] = field(default_factory=dict)
+    flops: list[int] = field(default_factory=list)
+    tp_gather: list[int] = field(default_factory=list)
+    expert_ranks: list[list[int]] = field(default_factory=list)
 
     def pieces(self, table: dict, i: int, numel: int) -> list[tuple[int, int]]:
         """``(owner, elements)`` of each owned piece of spec ``i`` (``numel`` elements) under
@@ -57,7 +66,14 @@ def expert_units(spec: ParamSpec, ownership: str) -> int:
 
 
 def our_owners(
-    specs: list[ParamSpec], dp: int, ep: int, ownership: str, qkv_ownership: str = "split"
+    specs: list[ParamSpec],
+    dp: int,
+    ep: int,
+    ownership: str,
+    qkv_ownership: str = "split",
+    *,
+    ranks: StageRanks | None = None,
+    muon_tp_mode: str = "duplicated",
 ) -> Ownership:
     """Our owners keyed by spec index, as :func:`nemo_lw_fp8.mechanics.compact.shard` computes
     them: dense matrices over the data-parallel group first, then each expert-data-parallel
@@ -66,8 +82,10 @@ def our_owners(
     experts), so each rank's total is balanced. ``expert`` is group 0's table (every group
     holds the same shapes; their owners differ only through the members' dense work). With
     ``qkv_ownership="split"`` each split ``linear_qkv`` spec enters ``choose_pieces`` as its
-    parts, in its place among the members, each an independent matrix (one unit)."""
-    edp = dp // ep
+    parts, in its place among the members, each an independent matrix (one unit). ``specs``
+    are the TP shards a rank holds; ``ranks`` the stage's ranks (default: TP = ETP = 1)."""
+    ranks = ranks or StageRanks(dp, ep)
+    edp = ranks.edp
     units = {i: expert_units(s, ownership) for i, s in enumerate(specs) if s.muon}
     qkv = {
         i: parts
@@ -80,6 +98,7 @@ def our_owners(
         costs: list[int] = []
         counts: list[int] = []
         sizes: list[int] = []
+        shapes: list[tuple[int, ...]] = []
         for i in members:
             parts = qkv.get(i)
             if parts is None:
@@ -87,28 +106,40 @@ def our_owners(
                 costs.append(lo.newton_schulz_cost(specs[i].shape))
                 counts.append(units[i])
                 sizes.append(specs[i].numel)
+                shapes.append(specs[i].shape)
                 continue
             slots += [i] * len(parts.split)
             costs += parts.costs
             counts += [1] * len(parts.split)
             sizes += parts.numels
+            shapes += parts.shapes
         pieces = lo.choose_pieces(costs, counts, world, sizes, ownership, initial)
         table: dict[int, list[tuple[int, int]]] = {i: [] for i in members}
         for piece in pieces:  # parameter order, units ascending: parts in split order
             table[slots[piece.index]].append((piece.owner, piece.hi - piece.lo))
-        return table, lo.piece_loads(costs, counts, pieces, world)
+        flops = [ns_cost(shape, specs[slots[k]], muon_tp_mode) for k, shape in enumerate(shapes)]
+        gathers = [tp_gather_bytes(n, specs[slots[k]], muon_tp_mode) for k, n in enumerate(sizes)]
+        return table, [
+            lo.piece_loads(values, counts, pieces, world) for values in (costs, flops, gathers)
+        ]
 
     dense_members = [i for i, s in enumerate(specs) if s.muon and not s.expert_parallel]
     expert_members = [i for i, s in enumerate(specs) if s.muon and s.expert_parallel]
-    dense, dense_loads = owned(dense_members, dp, None)
-    cost = list(dense_loads)
+    dense, (dense_loads, dense_flops, dense_gather) = owned(dense_members, dp, None)
+    cost = ranks.view(dense_loads, expert=False)
+    flops = ranks.view(dense_flops, expert=False)
+    tp_gather = ranks.view(dense_gather, expert=False)
     groups = []
-    for group in lo.default_expert_groups(dp, ep):
-        table, loads = owned(expert_members, edp, [dense_loads[r] for r in group])
+    expert_ranks = ranks.expert_groups()
+    for group in expert_ranks:
+        initial = ranks.initial_loads(dense_loads, group)
+        table, loads = owned(expert_members, edp, initial)
         for k, r in enumerate(group):
-            cost[r] += loads[k]
+            cost[r] += loads[0][k]
+            flops[r] += loads[1][k]
+            tp_gather[r] += loads[2][k]
         groups.append(table)
-    return Ownership(dense, groups[0], units, cost, groups, qkv)
+    return Ownership(dense, groups[0], units, cost, groups, qkv, flops, tp_gather, expert_ranks)
 
 
 def stock_costs(
@@ -119,3 +150,19 @@ def stock_costs(
     Muon orthogonalizes them separately)."""
     costs = [sum(unit_costs(s, qkv_ownership)) for s in specs]
     return lo.rank_loads(costs, padded.owners or [], world)
+
+
+def stock_tp_work(
+    specs: Sequence[ParamSpec], padded: lo.StockLayout, world: int, qkv_ownership: str, mode: str
+) -> tuple[list[int], list[int]]:
+    """Per member of a Muon buffer's group in megatron's padded layout: the Newton-Schulz work
+    under ``muon_tp_mode`` ``mode`` and the bytes the ``duplicated`` TP all-gathers receive
+    (:func:`.tensor_parallel.ns_cost`, :func:`.tensor_parallel.tp_gather_bytes`)."""
+    flops, gathers = [], []
+    for s in specs:
+        parts = qkv_parts(s, qkv_ownership)
+        shapes = parts.shapes if parts is not None else [s.shape]
+        flops.append(sum(ns_cost(shape, s, mode) for shape in shapes))
+        gathers.append(tp_gather_bytes(s.numel, s, mode))
+    owners = padded.owners or []
+    return lo.rank_loads(flops, owners, world), lo.rank_loads(gathers, owners, world)

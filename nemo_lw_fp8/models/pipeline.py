@@ -13,6 +13,7 @@ from .architectures import MoEArchitecture, get_architecture
 from .parallel import ParallelismDefaults, parallelism
 from .planner import plan
 from .shapes import ParamSpec, to_model_spec
+from .tensor_parallel import pad_vocab
 
 
 def _rank_holds(spec: ParamSpec, items: list[str]) -> bool:
@@ -57,9 +58,9 @@ def chunk_param_specs(
 ) -> list[list[ParamSpec]]:
     """The parameters of each virtual-pipeline chunk pipeline rank ``pp_rank`` holds, chunk by
     chunk (megatron wraps each chunk in its own DDP, with its own buffers)."""
-    if par.tp != 1 or par.cp != 1:
-        raise ValueError("the planner models TP = CP = 1")
-    specs = to_model_spec(arch, include_mtp=include_mtp).params()
+    if par.cp != 1:
+        raise ValueError("the planner models CP = 1")
+    specs = pad_vocab(to_model_spec(arch, include_mtp=include_mtp).params(), par.tp)
     stages = par.stages(arch)
     return [
         specs_on_rank(specs, stages, par.pp, pp_rank, stage=k)
@@ -70,11 +71,11 @@ def chunk_param_specs(
 def stage_param_specs(
     arch: MoEArchitecture, par: ParallelismDefaults, pp_rank: int, *, include_mtp: bool = True
 ) -> list[ParamSpec]:
-    """The parameters pipeline rank ``pp_rank`` holds (TP = 1, all experts; the planner cuts
-    one EP rank's share)."""
-    if par.tp != 1 or par.cp != 1:
-        raise ValueError("the planner models TP = CP = 1")
-    specs = to_model_spec(arch, include_mtp=include_mtp).params()
+    """The parameters pipeline rank ``pp_rank`` holds (whole, all experts; the planner cuts
+    one rank's TP shards and EP share)."""
+    if par.cp != 1:
+        raise ValueError("the planner models CP = 1")
+    specs = pad_vocab(to_model_spec(arch, include_mtp=include_mtp).params(), par.tp)
     return specs_on_rank(specs, par.stages(arch), par.pp, pp_rank)
 
 
@@ -83,14 +84,16 @@ def plan_rank(
 ) -> dict[str, Any]:
     """:func:`.planner.plan` for one pipeline rank of ``arch`` under its
     :data:`~.parallel.PARALLELISM` defaults on ``gpu``: the rank holding the most parameters
-    unless ``pp_rank`` is given. DP and EP are the defaults' dense data-parallel and
-    expert-parallel sizes."""
+    unless ``pp_rank`` is given. DP, EP, TP and ETP are the defaults' dense data-parallel,
+    expert-parallel and (expert) tensor-parallel sizes."""
     arch = arch if isinstance(arch, MoEArchitecture) else get_architecture(arch)
     par = parallelism(arch, gpu)
     ranks = range(par.pp) if pp_rank is None else [pp_rank]
     by_rank = {r: stage_param_specs(arch, par, r) for r in ranks}
     rank = max(by_rank, key=lambda r: sum(s.numel for s in by_rank[r]))
-    result = plan(by_rank[rank], par.data_parallel_size, par.ep, **plan_kwargs)
+    result = plan(
+        by_rank[rank], par.data_parallel_size, par.ep, tp=par.tp, etp=par.etp, **plan_kwargs
+    )
     result["model"] = arch.name
     result["gpu"] = gpu
     result["pp_rank"] = rank

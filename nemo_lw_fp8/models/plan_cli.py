@@ -26,6 +26,7 @@ from ..layout import QKV_OWNERSHIP, resolve_qkv_ownership
 from . import traffic
 from .planner import GRAD_BYTES, MEMORY_FIELDS, plan
 from .shapes import SPECS
+from .tensor_parallel import MUON_TP_MODES
 
 
 def _unit(nbytes: float) -> tuple[str, float]:
@@ -86,6 +87,15 @@ def format_table(result: dict[str, Any]) -> str:
         )
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    if result.get("tp", 1) > 1 or result.get("etp", 1) > 1:
+        ns = [x["newton_schulz"] for x in lays[:2]]
+        gathers = [x["muon_tp_gather"]["bytes_per_rank"] for x in lays[:2]]
+        lines.append(
+            f"TP {result['tp']} ETP {result['etp']}, muon_tp_mode={result['muon_tp_mode']}: "
+            f"Newton-Schulz max work / rank {ns[0]['tp_mode_max']:.3g} (stock_padded), "
+            f"{ns[1]['tp_mode_max']:.3g} (compact); TP all-gather {unit} / rank / step "
+            f"{fmt(gathers[0])} (stock_padded), {fmt(gathers[1])} (compact)"
+        )
     summary = result["summary"]
     wire = result.get("muon_gather_wire")
     if wire is not None:
@@ -171,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("tp", "pp", "vpp", "etp", "cp"):
         parser.add_argument(f"--{flag}", type=int, default=None, help=f"{flag.upper()} size")
     parser.add_argument("--gpu", choices=sorted(recipe_plan.GPU_MEMORY), default=None)
+    parser.add_argument(
+        "--muon-tp-mode", choices=MUON_TP_MODES, default=None,
+        help="Newton-Schulz of TP-sharded matrices (megatron's muon_tp_mode; default "
+        "duplicated): the work and TP all-gather bytes per owner at TP or ETP > 1",
+    )  # fmt: skip
     parser.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket")
     parser.add_argument(
         "--no-overlap-grad-reduce", action="store_true", help="one bucket per buffer"
@@ -200,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         setup = recipe_plan.recipe_setup(args.recipe, words)
         if args.qkv_ownership != "auto":  # else the recipe's own (override or default)
             setup.qkv_ownership = args.qkv_ownership
+        if args.muon_tp_mode is not None:
+            setup.muon_tp_mode = args.muon_tp_mode
         result = recipe_plan.plan_recipe(setup)
         result["expert_path"] = expert_path_rows(args.recipe, setup.gpu)
         traffic_of = _pipeline_traffic(setup)
@@ -225,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                 fp8_param_gather=not args.no_fp8_param_gather,
                 gather_padding_tolerance=args.gather_padding_tolerance,
                 grad_reduce_in_fp32=args.grad_dtype == "fp32", qkv_ownership=qkv_ownership,
+                muon_tp_mode=args.muon_tp_mode or "duplicated",
             )  # fmt: skip
             result = recipe_plan.plan_recipe(setup)
             result["recipe"] = None

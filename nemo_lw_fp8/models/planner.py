@@ -1,6 +1,7 @@
 """Memory, Newton-Schulz balance and communication of layer-wise Muon layouts, per rank.
 
-``plan()`` compares, for one model at a given data- and expert-parallel size (TP = PP = CP = 1):
+``plan()`` compares, for one model at given data-, expert- and tensor-parallel sizes (PP = CP = 1;
+TP and ETP shards as in :mod:`.tensor_parallel`):
 
 * ``stock_padded``: megatron-core 0.19.2's padded layer-wise layout (Muon on the matrices, a
   sibling ``DistributedOptimizer`` running Adam on embeddings, output layer and vectors),
@@ -22,28 +23,40 @@ are in :mod:`.plan_cli`; the plan for one pipeline rank of a recipe in :mod:`.pi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import layout as lo
 from .owner_sync import bucket_spans, owner_reduce_layout, sent_by_member
-from .ownership import our_owners, stock_costs
+from .ownership import our_owners, stock_costs, stock_tp_work
+from .plan_parts import (
+    ADAM_STATE_BYTES,
+    GRAD_BYTES,
+    MASTER_BYTES,
+    MUON_STATE_BYTES,
+    Acc,
+    Buffer,
+    bucket_groups,
+    buffers_of,
+    local_specs,
+    param_bytes,
+    rank_view,
+    ring,
+)
+from .plan_parts import MEMORY_FIELDS as MEMORY_FIELDS
 from .qkv_split import check_qkv_ownership
 from .shapes import ParamSpec, param_shapes
+from .tensor_parallel import MUON_TP_MODES, StageRanks
 from .weight_bytes import PARAM_BYTES as PARAM_BYTES
 from .weight_bytes import blockwise_wire_bytes as blockwise_wire_bytes
-from .weight_bytes import muon_gather_wire, mxfp8_weight_bytes
-
-MASTER_BYTES = 4  # fp32 master weights
-MUON_STATE_BYTES = 4  # Muon momentum, fp32
-ADAM_STATE_BYTES = 8  # Adam exp_avg + exp_avg_sq, fp32
-GRAD_BYTES = {"fp32": 4, "bf16": 2}
-MEMORY_FIELDS = ("params", "grads", "masters", "optimizer_states")
+from .weight_bytes import muon_gather_wire
+from .weight_bytes import mxfp8_weight_bytes as mxfp8_weight_bytes
 
 ASSUMPTIONS = (
-    "TP = PP = CP = 1: the data-parallel group is every rank; an expert-parallel group is ep "
-    "consecutive ranks, so global rank r is member r // ep of expert-data-parallel group r % ep "
-    "(megatron's default tp-cp-ep-dp-pp order), a group of dp / ep ranks.",
+    "One pipeline stage (PP and CP outside; CP folded into dp). At TP = 1 the data-parallel "
+    "group is every rank; an expert-parallel group is ep consecutive ranks, so global rank r is "
+    "member r // ep of expert-data-parallel group r % ep (megatron's default tp-cp-ep-dp-pp "
+    "order), a group of dp / ep ranks. At TP > 1 each rank holds TP shards (ETP for experts) "
+    "and the expert-data-parallel group has tp * dp / (ep * etp) ranks (docs/planner.md).",
     "Each rank holds num_experts / ep experts of every MoE layer; expert matrices are sharded "
     "over the expert-data-parallel group, everything else over the data-parallel group.",
     "bucket_size defaults to megatron DDP's max(40M, 1M * dp) elements (overlap_grad_reduce on); "
@@ -79,174 +92,6 @@ ASSUMPTIONS = (
 )
 
 
-@dataclass
-class _Buffer:
-    """One DDP buffer of one rank: megatron's BufferKey without the (common) grad dtype."""
-
-    name: str
-    muon: bool
-    expert: bool
-    fp8: bool
-    specs: list[ParamSpec]  # model-definition (forward) order
-    indices: list[int]  # position of each spec in the rank's parameter list
-
-    @property
-    def numel(self) -> int:
-        return sum(s.numel for s in self.specs)
-
-    @property
-    def shapes(self) -> list[tuple[int, ...]]:
-        return [s.shape for s in self.specs]
-
-
-def _buffers(specs: list[ParamSpec], fp8: bool, layer_wise: bool) -> list[_Buffer]:
-    """Split a rank's trainable parameters by buffer key, as ``group_params_for_buffers`` does
-    (quantized storage, expert-parallel, layer-wise tag), keeping first-seen key order."""
-    groups: dict[tuple[bool, bool, bool], list[int]] = {}
-    for i, s in enumerate(specs):
-        key = (layer_wise and s.muon, s.expert_parallel, fp8 and s.quantized)
-        groups.setdefault(key, []).append(i)
-    buffers = []
-    for (muon, expert, is_fp8), members in groups.items():
-        name = "/".join(
-            (
-                "muon" if muon else "adam",
-                "expert" if expert else "dense",
-                "mxfp8" if is_fp8 else "bf16",
-            )
-        )
-        buffers.append(_Buffer(name, muon, expert, is_fp8, [specs[i] for i in members], members))
-    return buffers
-
-
-def _bucket_groups(bucket_counts: list[tuple[bool, int]]) -> list[list[tuple[int, int]]]:
-    """megatron's ``partition_buckets`` for the buffers of one process group.
-
-    ``bucket_counts``: ``(is_fp8_buffer, number of buckets)`` per buffer, in buffer order.
-    Returns the bucket groups as lists of ``(buffer index, bucket index)``, in megatron's order
-    (backprop order: the last group holds the first layers). Without an FP8 buffer each bucket is
-    its own group; with one, each FP8 bucket is a group and every other bucket joins the last
-    FP8 group (``reduce_scatter_with_fp32_accumulation`` off).
-    """
-    fp8 = [i for i, (is_fp8, _) in enumerate(bucket_counts) if is_fp8]
-    if not fp8:
-        return [[(i, b)] for i, (_, n) in enumerate(bucket_counts) for b in range(n)]
-    assert len(fp8) == 1, "megatron allows one FP8 buffer per process group"
-    groups = [[(fp8[0], b)] for b in range(bucket_counts[fp8[0]][1])]
-    others = [(i, b) for i, (is_fp8, n) in enumerate(bucket_counts) if not is_fp8 for b in range(n)]
-    if groups:
-        groups[-1].extend(others)
-    elif others:
-        groups.append(others)
-    return groups
-
-
-def _ring(world: int, nbytes: int, all_reduce: bool = False) -> int:
-    """Bytes one rank receives in a ring collective over ``nbytes`` of buffer."""
-    if world <= 1:
-        return 0
-    return (2 if all_reduce else 1) * nbytes * (world - 1) // world
-
-
-class _Acc:
-    """Per-rank memory and per-step communication of one layout."""
-
-    def __init__(self, dp: int) -> None:
-        self.mem = {f: [0] * dp for f in MEMORY_FIELDS}
-        self.padding_numel = 0
-        self.muon_padding_numel = 0
-        self.padding_bytes = 0
-        self.buffers: list[dict[str, Any]] = []
-        self.gather = {
-            "collectives": 0,
-            "muon_collectives": 0,
-            "adam_collectives": 0,
-            "output_bytes": 0,
-            "wire_bytes_per_rank": 0,
-            "padding_bytes": 0,
-        }
-        self.grad = {"collectives": 0, "buffer_bytes": 0, "wire_bytes_per_rank": 0, "ops": set()}
-
-    def add_all(self, field: str, nbytes: int) -> None:
-        for r in range(len(self.mem[field])):
-            self.mem[field][r] += nbytes
-
-    def add_gather(self, world: int, nbytes: int, padding: int = 0) -> None:
-        if world > 1:
-            self.gather["output_bytes"] += nbytes
-            self.gather["wire_bytes_per_rank"] += _ring(world, nbytes)
-            self.gather["padding_bytes"] += padding
-
-    def add_grad(self, world: int, nbytes: int, all_reduce: bool) -> None:
-        if world > 1:
-            self.grad["buffer_bytes"] += nbytes
-            self.grad["wire_bytes_per_rank"] += _ring(world, nbytes, all_reduce)
-            self.grad["ops"].add("all_reduce" if all_reduce else "reduce_scatter")
-
-    def report(self, description: str, ns: list[int] | None, extra: dict | None = None) -> dict:
-        dp = len(self.mem["params"])
-        totals = [sum(self.mem[f][r] for f in MEMORY_FIELDS) for r in range(dp)]
-        worst = max(range(dp), key=lambda r: (totals[r], -r))
-        per_rank = {f: self.mem[f][worst] for f in MEMORY_FIELDS}
-        per_rank["total"] = totals[worst]
-        mean = {f: sum(self.mem[f]) / dp for f in MEMORY_FIELDS}
-        mean["total"] = sum(totals) / dp
-        grad = dict(self.grad)
-        grad["op"] = "+".join(sorted(grad.pop("ops"))) or "none"
-        out = {
-            "description": description,
-            "bytes_per_rank": per_rank,
-            "worst_rank": worst,
-            "bytes_by_rank": {f: list(self.mem[f]) for f in MEMORY_FIELDS},
-            "bytes_per_rank_mean": mean,
-            "padding_numel": self.padding_numel,
-            "muon_padding_numel": self.muon_padding_numel,
-            "padding_bytes": self.padding_bytes,
-            "buffers": self.buffers,
-            "newton_schulz": None,
-            "param_gather": dict(self.gather),
-            "grad_sync": grad,
-        }
-        if ns is not None:
-            mean_ns = sum(ns) / dp
-            out["newton_schulz"] = {
-                "by_rank": list(ns),
-                "max": max(ns),
-                "mean": mean_ns,
-                "max_over_mean": lo.imbalance(ns),
-            }
-        if extra:
-            out.update(extra)
-        return out
-
-
-def _local_specs(specs: Sequence[ParamSpec], ep: int) -> list[ParamSpec]:
-    """One expert-parallel rank's trainable parameters. At EP 1 (with TP = ETP = 1) megatron
-    builds experts with the dense process groups (``allreduce`` stays True, the linears'
-    ``use_expert_pgs`` is off), so they share the dense buffers and ownership group."""
-    local = []
-    for s in specs:
-        if not s.trainable:
-            continue
-        view = s.local(ep)
-        if view is not None:
-            local.append(view if ep > 1 else replace(view, expert_parallel=False))
-    return local
-
-
-def _rank_view(values: list[int], expert: bool, dp: int, ep: int) -> list[int]:
-    """A group-local per-rank vector as a vector over global ranks."""
-    return [values[r // ep] for r in range(dp)] if expert else list(values)
-
-
-def _param_bytes(buf: _Buffer, numel: int) -> int:
-    """Persistent parameter bytes of a buffer on every rank: MXFP8 weights (their bf16 param
-    buffer aliases the gradient buffer), or a bf16 buffer of ``numel`` elements."""
-    if buf.fp8:
-        return sum(mxfp8_weight_bytes(s.shape) for s in buf.specs)
-    return numel * PARAM_BYTES
-
-
 def plan(
     model: str | Sequence[ParamSpec],
     dp: int,
@@ -261,25 +106,42 @@ def plan(
     qkv_ownership: str = "split",
     grad_sync: str = "reduce_to_owner",
     bucket_cap_numel: int | None = None,
+    tp: int = 1,
+    etp: int | None = None,
+    muon_tp_mode: str = "duplicated",
 ) -> dict[str, Any]:
     """Per-rank bytes, Newton-Schulz balance and per-step communication of the three layouts.
 
     ``model``: a name from :data:`nemo_lw_fp8.models.shapes.SPECS` or an explicit list of
-    :class:`ParamSpec` (full model, all experts). ``dp``: data-parallel size = world size;
-    ``ep``: expert-parallel size (divides ``dp`` and the expert count). ``bucket_size``:
-    elements per DDP bucket, ``None`` for megatron's default. ``grouped_weight_ownership``: how
-    the compact layout owns single grouped expert weights ``(E, m, n)`` (``"whole"``,
-    ``"expert"``: runs of experts, ``"auto"``; :data:`nemo_lw_fp8.layout.GROUPED_WEIGHT_OWNERSHIP`).
+    :class:`ParamSpec` (full model, all experts). ``dp``: dense data-parallel size (x CP);
+    ``ep``: expert-parallel size (divides the expert count; EP x ETP divides TP x DP).
+    ``bucket_size``: elements per DDP bucket, ``None`` for megatron's default.
+    ``grouped_weight_ownership``: how the compact layout owns single grouped expert weights
+    ``(E, m, n)`` (``"whole"``, ``"expert"``: runs of experts, ``"auto"``;
+    :data:`nemo_lw_fp8.layout.GROUPED_WEIGHT_OWNERSHIP`).
     ``qkv_ownership``: ``"split"`` owns each ``linear_qkv`` weight Muon splits
     (``muon_split_qkv``, assumed on) as its Q / K / V parts and counts their Newton-Schulz work
     as the parts' (in every layout); ``"whole"`` owns and counts it as one matrix
     (:mod:`.qkv_split`). ``grad_sync`` and ``bucket_cap_numel``: the compact layout's
     (:class:`nemo_lw_fp8.LayerWiseConfig`; the defaults are its defaults, so the compact column
-    is the layout a run gets unless it says otherwise). Returns a JSON-ready dict
+    is the layout a run gets unless it says otherwise). ``tp`` / ``etp`` (default ``tp``):
+    tensor and expert tensor parallel sizes; every rank then holds TP shards
+    (:mod:`.tensor_parallel`), rank vectors run over the ``tp * dp`` ranks of the stage and the
+    expert data-parallel group is megatron's ``tp * dp / (ep * etp)`` ranks. ``muon_tp_mode``:
+    megatron's Newton-Schulz mode for TP-sharded matrices (the factory's default
+    ``duplicated``), for the work and TP gather bytes per owner. Returns a JSON-ready dict
     (docs/planner.md describes every field).
     """
-    if dp < 1 or ep < 1 or dp % ep:
-        raise ValueError(f"need dp >= 1, ep >= 1 and ep dividing dp; got dp={dp}, ep={ep}")
+    etp = tp if etp is None else etp
+    if min(dp, ep, tp, etp) < 1 or (dp * tp) % (ep * etp):
+        raise ValueError(
+            f"need dp, ep, tp, etp >= 1 and ep dividing dp (ep * etp dividing tp * dp); "
+            f"got dp={dp}, ep={ep}, tp={tp}, etp={etp}"
+        )
+    if muon_tp_mode not in MUON_TP_MODES:
+        raise ValueError(f"muon_tp_mode must be one of {MUON_TP_MODES}, got {muon_tp_mode!r}")
+    stage = StageRanks(dp, ep, tp, etp)
+    nranks = stage.n
     if grad_dtype not in GRAD_BYTES:
         raise ValueError(f"grad_dtype must be one of {sorted(GRAD_BYTES)}, got {grad_dtype!r}")
     check_qkv_ownership(qkv_ownership)
@@ -288,22 +150,25 @@ def plan(
     owner_reduce = grad_sync == "reduce_to_owner"
     name = model if isinstance(model, str) else "custom"
     all_specs = param_shapes(model) if isinstance(model, str) else list(model)
-    edp = dp // ep
+    edp = stage.edp
     if bucket_size is None and overlap_grad_reduce:
         bucket_size = max(40_000_000, 1_000_000 * dp)
     if not overlap_grad_reduce:
         bucket_size = None
     g = GRAD_BYTES[grad_dtype]
-    specs = _local_specs(all_specs, ep)
+    specs = local_specs(all_specs, ep, tp, etp)
 
-    def world(buf: _Buffer) -> int:
+    def world(buf: Buffer) -> int:
         return edp if buf.expert else dp
 
     # -------------------------------------------------------------- layer-wise (a) and (b)
-    buffers = _buffers(specs, fp8_param_gather, layer_wise=True)
-    own = our_owners(specs, dp, ep, grouped_weight_ownership, qkv_ownership)
+    buffers = buffers_of(specs, fp8_param_gather, layer_wise=True)
+    own = our_owners(
+        specs, dp, ep, grouped_weight_ownership, qkv_ownership,
+        ranks=stage, muon_tp_mode=muon_tp_mode,
+    )  # fmt: skip
 
-    def our_pieces(buf: _Buffer, p: int) -> list[tuple[int, int]]:
+    def our_pieces(buf: Buffer, p: int) -> list[tuple[int, int]]:
         """``(elements, owner)`` of each piece of parameter ``p`` of a Muon buffer (owners in
         the buffer's group: data-parallel or expert-data-parallel ranks)."""
         table = own.expert if buf.expert else own.dense
@@ -311,18 +176,18 @@ def plan(
             (numel, owner) for owner, numel in own.pieces(table, buf.indices[p], buf.specs[p].numel)
         ]
 
-    def our_rank_numel(buf: _Buffer) -> list[int]:
+    def our_rank_numel(buf: Buffer) -> list[int]:
         """Elements each global rank updates in a Muon buffer under our ownership."""
         loads = [0] * world(buf)
         for p in range(len(buf.specs)):
             for numel, owner in our_pieces(buf, p):
                 loads[owner] += numel
-        return _rank_view(loads, buf.expert, dp, ep)
+        return rank_view(loads, buf.expert, stage)
 
-    stock, compact = _Acc(dp), _Acc(dp)
-    stock_ns = [0] * dp
+    stock, compact = Acc(nranks), Acc(nranks)
+    stock_ns, stock_flops, stock_tp_gather = [0] * nranks, [0] * nranks, [0] * nranks
     # per process group (expert or not): (buffer, stock layout, compact layout)
-    per_group: dict[bool, list[tuple[_Buffer, lo.StockLayout, lo.StockLayout]]] = {
+    per_group: dict[bool, list[tuple[Buffer, lo.StockLayout, lo.StockLayout]]] = {
         False: [],
         True: [],
     }
@@ -336,16 +201,19 @@ def plan(
                 if owner_reduce
                 else lo.default_buckets(buf.shapes, bucket_size)
             )
-            stock_rank = _rank_view(padded.rank_numel or [], buf.expert, dp, ep)
+            stock_rank = rank_view(padded.rank_numel or [], buf.expert, stage)
             compact_rank = our_rank_numel(buf)
             state_bytes = MUON_STATE_BYTES
-            for r, cost in enumerate(
-                _rank_view(stock_costs(buf.specs, padded, w, qkv_ownership), buf.expert, dp, ep)
+            costs = stock_costs(buf.specs, padded, w, qkv_ownership)
+            work = stock_tp_work(buf.specs, padded, w, qkv_ownership, muon_tp_mode)
+            for totals, values in zip(
+                (stock_ns, stock_flops, stock_tp_gather), (costs, *work), strict=True
             ):
-                stock_ns[r] += cost
+                for r, value in enumerate(rank_view(values, buf.expert, stage)):
+                    totals[r] += value
         else:
             padded = flat = lo.stock_distopt_layout(buf.shapes, w, bucket_size)
-            stock_rank = compact_rank = _rank_view(padded.rank_numel or [], buf.expert, dp, ep)
+            stock_rank = compact_rank = rank_view(padded.rank_numel or [], buf.expert, stage)
             state_bytes = ADAM_STATE_BYTES
         per_group[buf.expert].append((buf, padded, flat))
         for acc, layout, rank_numel in ((stock, padded, stock_rank), (compact, flat, compact_rank)):
@@ -364,7 +232,7 @@ def plan(
                     "buckets": len(layout.buckets),
                 }
             )
-            acc.add_all("params", _param_bytes(buf, layout.numel))
+            acc.add_all("params", param_bytes(buf, layout.numel))
             acc.add_all("grads", layout.numel * g)
             for r, n in enumerate(rank_numel):
                 acc.mem["masters"][r] += n * MASTER_BYTES
@@ -385,13 +253,13 @@ def plan(
 
     # collectives per bucket group (megatron's partition_buckets), per process group
     transient_peak = transient_extra = transient_padding = 0
-    owner_sent = [0] * dp  # elements each global rank sends in the owner reduce
+    owner_sent = [0] * nranks  # elements each rank of the stage sends in the owner reduce
     for expert, members in per_group.items():
         w = edp if expert else dp
         if w <= 1 or not members:
             continue
         for acc, which in ((stock, 1), (compact, 2)):
-            groups = _bucket_groups([(m[0].fp8, len(m[which].buckets)) for m in members])
+            groups = bucket_groups([(m[0].fp8, len(m[which].buckets)) for m in members])
             acc.grad["collectives"] += len(groups)
             acc.gather["adam_collectives"] += sum(
                 any(not members[i][0].muon for i, _ in grp) for grp in groups
@@ -407,9 +275,9 @@ def plan(
             unit_grad_bytes: list[int] = []
             # the owner reduce exactly per group: expert-data-parallel groups own differently
             tables = (
-                list(zip(own.expert_groups, lo.default_expert_groups(dp, ep), strict=True))
+                list(zip(own.expert_groups, own.expert_ranks, strict=True))
                 if expert
-                else [(own.dense, list(range(dp)))]
+                else [(own.dense, group) for group in stage.dense_groups()]
             )
             for grp in reversed(groups):  # forward order, as the gathers are issued
                 sizes: list[int] = []
@@ -445,7 +313,7 @@ def plan(
                 else:
                     nbytes = sum(sizes) * PARAM_BYTES
                 stats["output"] += nbytes
-                stats["wire"] += _ring(w, nbytes)
+                stats["wire"] += ring(w, nbytes)
                 transient_peak = max(transient_peak, nbytes)
                 transient_extra = max(transient_extra, nbytes - grad_region)
             acc.gather["muon_collectives"] += stats["collectives"]
@@ -461,7 +329,7 @@ def plan(
 
     # legacy uneven gather: untagged unpadded buffers, one broadcast per rank per bucket
     legacy = {"collectives": 0, "output_bytes": 0}
-    for buf in _buffers(specs, fp8_param_gather, layer_wise=False):
+    for buf in buffers_of(specs, fp8_param_gather, layer_wise=False):
         w = world(buf)
         if w <= 1:
             continue
@@ -470,9 +338,9 @@ def plan(
         legacy["output_bytes"] += flat_legacy.numel * PARAM_BYTES
 
     # -------------------------------------------------------------- (c) Adam everywhere
-    adam_acc = _Acc(dp)
+    adam_acc = Acc(nranks)
     adam_entries: dict[bool, list[tuple[bool, int]]] = {False: [], True: []}
-    for buf in _buffers(specs, fp8_param_gather, layer_wise=False):
+    for buf in buffers_of(specs, fp8_param_gather, layer_wise=False):
         w = world(buf)
         layout = lo.stock_distopt_layout(buf.shapes, w, bucket_size)
         padding = layout.numel - buf.numel
@@ -488,10 +356,10 @@ def plan(
                 "buckets": len(layout.buckets),
             }
         )
-        adam_acc.add_all("params", _param_bytes(buf, layout.numel))
+        adam_acc.add_all("params", param_bytes(buf, layout.numel))
         adam_acc.add_all("grads", layout.numel * g)
-        per_rank = _rank_view(layout.rank_numel, buf.expert, dp, ep)
-        for r in range(dp):
+        per_rank = rank_view(layout.rank_numel, buf.expert, stage)
+        for r in range(nranks):
             adam_acc.mem["masters"][r] += per_rank[r] * MASTER_BYTES
             adam_acc.mem["optimizer_states"][r] += per_rank[r] * ADAM_STATE_BYTES
         for start, end, _ in layout.buckets:
@@ -501,7 +369,7 @@ def plan(
     for expert, entries in adam_entries.items():
         w = edp if expert else dp
         if w > 1 and entries:
-            n = len(_bucket_groups(entries))
+            n = len(bucket_groups(entries))
             adam_acc.grad["collectives"] += n
             adam_acc.gather["adam_collectives"] += n
             adam_acc.gather["collectives"] += n
@@ -510,6 +378,7 @@ def plan(
         "stock_padded": stock.report(
             "megatron-core 0.19.2 padded layer-wise layout (Muon) + DistributedOptimizer (Adam)",
             stock_ns,
+            work=(stock_flops, stock_tp_gather),
         ),
         "compact": compact.report(
             "compact Muon buffers, cost-balanced ownership, one even gather per gather group",
@@ -522,6 +391,7 @@ def plan(
                     "gather_padding_tolerance": gather_padding_tolerance,
                 }
             },
+            work=(own.flops, own.tp_gather),
         ),
         "adam_distopt": adam_acc.report("Adam on every parameter via DistributedOptimizer", None),
     }
@@ -533,6 +403,10 @@ def plan(
         "dp": dp,
         "ep": ep,
         "expert_dp": edp,
+        "tp": tp,
+        "etp": etp,
+        "stage_ranks": nranks,
+        "muon_tp_mode": muon_tp_mode,
         "bucket_size": bucket_size,
         "fp8_param_gather": fp8_param_gather,
         "grad_dtype": grad_dtype,

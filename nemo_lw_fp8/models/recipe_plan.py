@@ -24,6 +24,7 @@ from .parallel import ParallelismDefaults, parallelism
 from .pipeline import stage_param_specs
 from .planner import plan
 from .shapes import ParamSpec, to_model_spec
+from .tensor_parallel import MUON_TP_MODES
 
 #: Usable memory of one GPU, decimal bytes (the vendor's figure).
 GPU_MEMORY = {"h100": 80e9, "h200": 141e9, "b200": 180e9, "gb200": 186e9}
@@ -45,6 +46,7 @@ OVERRIDES = {
     "optimizer.grouped_weight_ownership": "ownership",
     "optimizer.qkv_ownership": "qkv_ownership",
     "optimizer.gather_padding_tolerance": "gather_padding_tolerance",
+    "optimizer.muon_tp_mode": "muon_tp_mode",
     "mixed_precision.fp8_param_gather": "fp8_param_gather",
     "ddp.bucket_size": "bucket_size",
     "ddp.grad_reduce_in_fp32": "grad_reduce_in_fp32",
@@ -66,6 +68,8 @@ class RecipeSetup:
     blockwise: bool = False
     fp8_param_gather: bool = True
     gather_padding_tolerance: float = 0.1
+    #: megatron's Newton-Schulz mode for TP-sharded matrices (the factory's default).
+    muon_tp_mode: str = "duplicated"
     bucket_size: int | None = None
     grad_reduce_in_fp32: bool = True
 
@@ -177,10 +181,9 @@ def planned_qkv_ownership(setup: RecipeSetup) -> str:
 def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
     """The plan of every pipeline rank's parameters; the busiest rank's in full."""
     par, arch = setup.par, setup.arch
-    if par.tp != 1 or par.etp != 1:
+    if setup.muon_tp_mode not in MUON_TP_MODES:
         raise UsageError(
-            f"TP = {par.tp}, ETP = {par.etp}: the planner models whole matrices per rank",
-            "layer-wise Muon recipes use TP = ETP = 1 (docs/planner.md); plan with those",
+            f"optimizer.muon_tp_mode={setup.muon_tp_mode!r}", "one of " + ", ".join(MUON_TP_MODES)
         )
     qkv_ownership = planned_qkv_ownership(setup)
     if setup.ownership not in GROUPED_WEIGHT_OWNERSHIP:
@@ -189,15 +192,16 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
             "one of " + ", ".join(GROUPED_WEIGHT_OWNERSHIP),
         )
     world = par.world_size
-    if world % (par.pp * par.cp) or world % (par.ep * par.pp):
+    # megatron's initialize_model_parallel: dense DP = world / (TP PP CP), expert DP =
+    # world / (ETP EP PP); both must be whole.
+    if world % (par.tp * par.pp * par.cp) or world % (par.etp * par.ep * par.pp):
         raise UsageError(
-            f"world size {world} does not split into PP {par.pp} x CP {par.cp} x EP {par.ep}",
+            f"world size {world} does not split into TP {par.tp} x PP {par.pp} x CP {par.cp} "
+            f"and into ETP {par.etp} x EP {par.ep} x PP {par.pp}",
             "choose sizes that divide the number of GPUs",
         )
-    dp = world // (par.pp * par.cp)  # the gradient group also spans CP
-    dp_cp = dp * par.cp
-    if dp_cp % par.ep:
-        raise UsageError(f"EP {par.ep} does not divide DP x CP = {dp_cp}", "change EP")
+    dp = world // (par.tp * par.pp * par.cp)
+    dp_cp = dp * par.cp  # the gradient group also spans CP
     try:
         stages = par.stages(arch)
     except ValueError as error:
@@ -229,6 +233,9 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
                 gather_padding_tolerance=setup.gather_padding_tolerance,
                 grouped_weight_ownership=setup.ownership,
                 qkv_ownership=qkv_ownership,
+                tp=par.tp,
+                etp=par.etp,
+                muon_tp_mode=setup.muon_tp_mode,
             )
         by_rank.append(plans[signature])
 
@@ -254,7 +261,7 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
                 "etp": par.etp,
                 "cp": par.cp,
                 "dp": dp,
-                "expert_dp": dp_cp // par.ep,
+                "expert_dp": world // (par.etp * par.ep * par.pp),
             },  # fmt: skip
             "pp_rank": busiest,
             "pp_rank_peaks": [peak(r) for r in by_rank],

@@ -58,10 +58,24 @@ class ParamSpec:
     expert_index: int | None = None
     num_experts: int = 0
     qkv_split: tuple[int, ...] | None = None
+    #: Tensor-parallel degree this spec is one shard of (TP, or ETP for an expert weight) and
+    #: the dimension megatron partitions (``partition_dim``); 1 / ``None``: the whole parameter
+    #: (:func:`.tensor_parallel.tp_shard`).
+    tp: int = 1
+    tp_dim: int | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The whole parameter's shape: what Newton-Schulz sees in ``muon_tp_mode="duplicated"``."""
+        if self.tp_dim is None:
+            return self.shape
+        dims = list(self.shape)
+        dims[self.tp_dim] *= self.tp
+        return tuple(dims)
 
     def local(self, ep: int) -> ParamSpec | None:
         """This parameter as one expert-parallel rank (rank 0) holds it, or ``None`` if it is not

@@ -40,9 +40,11 @@ from .. import layout as lo
 from ..mechanics import owner_reduce
 from .owner_sync import bucket_spans
 from .ownership import Ownership, our_owners, stock_costs
-from .planner import PARAM_BYTES, _bucket_groups, _buffers, _local_specs
+from .plan_parts import bucket_groups, buffers_of, local_specs
 from .qkv_split import check_qkv_ownership, unit_costs
 from .shapes import ParamSpec
+from .tensor_parallel import StageRanks
+from .weight_bytes import PARAM_BYTES
 
 LAYOUTS = ("stock_padded", "compact_all_reduce", "compact_owner_reduce", "adam")
 LABEL = {
@@ -64,7 +66,7 @@ def _groups(members: list[tuple[bool, int]], force_single: bool) -> list[list[tu
         return []
     if force_single:
         return [[(i, b) for i, (_, n) in enumerate(members) for b in range(n)]]
-    return _bucket_groups(members)
+    return bucket_groups(members)
 
 
 def lower_bound(costs: Sequence[int], loads: Sequence[int]) -> float:
@@ -86,21 +88,26 @@ def rank_traffic(
     bucket_cap_numel: int | None = None,
     ownership: str = "whole",
     qkv_ownership: str = "split",
+    tp: int = 1,
+    etp: int | None = None,
 ) -> dict[str, Any]:
     """Traffic, padding and Newton-Schulz balance of one pipeline rank holding ``chunk_specs``
-    (one list of whole-model :class:`ParamSpec` per virtual-pipeline chunk, all experts; the EP
-    rank's share is cut here), over ``dp`` data-parallel and ``dp / ep`` expert-data-parallel
-    ranks. ``bucket_size`` ``None``: megatron's default ``max(40M, 1M * dp)``.
-    ``qkv_ownership``: as in :func:`.planner.plan` (``"whole"``: the model before Q/K/V split
-    ownership)."""
-    if dp % ep:
-        raise ValueError(f"ep={ep} must divide dp={dp}")
+    (one list of whole-model :class:`ParamSpec` per virtual-pipeline chunk, all experts; the
+    rank's TP shards and EP share are cut here), over ``dp`` data-parallel and ``tp * dp /
+    (ep * etp)`` expert-data-parallel ranks (megatron's sizes; ``etp`` defaults to ``tp``): the
+    bytes are per TP shard, the worst of the stage's ``tp * dp`` ranks. ``bucket_size``
+    ``None``: megatron's default ``max(40M, 1M * dp)``. ``qkv_ownership``: as in
+    :func:`.planner.plan` (``"whole"``: the model before Q/K/V split ownership)."""
+    etp = tp if etp is None else etp
+    if (dp * tp) % (ep * etp):
+        raise ValueError(f"ep={ep} x etp={etp} must divide tp={tp} x dp={dp}")
     check_qkv_ownership(qkv_ownership)
-    edp = dp // ep
+    stage = StageRanks(dp, ep, tp, etp)
+    edp, nranks = stage.edp, stage.n
     bucket_size = max(40_000_000, 1_000_000 * dp) if bucket_size is None else bucket_size
-    local = [_local_specs(list(specs), ep) for specs in chunk_specs]
+    local = [local_specs(list(specs), ep, tp, etp) for specs in chunk_specs]
     merged = [s for specs in local for s in specs]
-    own = our_owners(merged, dp, ep, ownership, qkv_ownership)
+    own = our_owners(merged, dp, ep, ownership, qkv_ownership, ranks=stage)
     starts = [sum(len(c) for c in local[:k]) for k in range(len(local))]
     sizes = _chunk_bucket_sizes(len(local), pp_rank, bucket_size)
 
@@ -108,21 +115,21 @@ def rank_traffic(
         return edp if expert else dp
 
     def per_global(values: list[int], expert: bool) -> list[int]:
-        return [values[r // ep] for r in range(dp)] if expert else list(values)
+        return stage.view(values, expert)
 
     acc = {
         name: {
-            "wire": [0] * dp,
-            "exact": [0] * dp,
+            "wire": [0] * nranks,
+            "exact": [0] * nranks,
             "grad_collectives": 0,
             "gather_collectives": 0,
             "transient_peak_bytes": 0,
             "padding_numel": 0,
-            "grad_reduces": [0] * dp,
+            "grad_reduces": [0] * nranks,
         }
         for name in LAYOUTS
     }
-    stock_ns = [0] * dp
+    stock_ns = [0] * nranks
 
     def ring(a: dict, w: int, numel: int, real: int, all_reduce: bool) -> None:
         """A reduce-scatter (all-reduce: twice) of ``numel`` elements holding ``real`` ones."""
@@ -130,14 +137,14 @@ def rank_traffic(
             return
         sent = (2 if all_reduce else 1) * numel * (w - 1) * grad_bytes // w
         exact = real * (w - 1) * grad_bytes // w
-        for r in range(dp):
+        for r in range(nranks):
             a["wire"][r] += sent
             a["exact"][r] += exact
 
     for c, specs in enumerate(local):
         force_single = c > 0
         for layer_wise, names in ((True, LAYOUTS[:3]), (False, ("adam",))):
-            buffers = _buffers(specs, fp8_param_gather, layer_wise=layer_wise)
+            buffers = buffers_of(specs, fp8_param_gather, layer_wise=layer_wise)
             per_kind: dict[str, dict[bool, list]] = {n: {False: [], True: []} for n in names}
             for buf in buffers:
                 w = world(buf.expert)
@@ -205,10 +212,9 @@ def rank_traffic(
                             continue
                         # every expert-data-parallel group owns its experts its own way
                         if expert:
-                            expert_groups = lo.default_expert_groups(dp, ep)
-                            tables = list(zip(own.expert_groups, expert_groups, strict=True))
+                            tables = list(zip(own.expert_groups, own.expert_ranks, strict=True))
                         else:
-                            tables = [(own.dense, list(range(dp)))]
+                            tables = [(own.dense, group) for group in stage.dense_groups()]
                         for g in groups:
                             items = [item for i, b in g for item in kind[i][2][b]]
                             n_group = sum(n for _, n in items)
@@ -240,11 +246,12 @@ def rank_traffic(
     )
     out: dict[str, Any] = {
         "dp": dp, "ep": ep, "pp_rank": pp_rank, "chunks": len(local),
+        **({"tp": tp, "etp": etp, "expert_dp": edp} if (tp, etp) != (1, 1) else {}),
         "qkv_ownership": qkv_ownership,
     }  # fmt: skip
     for name in LAYOUTS:
         a = acc[name]
-        worst = max(range(dp), key=lambda r: (a["wire"][r], -r))
+        worst = max(range(nranks), key=lambda r: (a["wire"][r], -r))
         exact = a["exact"][worst]
         entry = {
             "grad_wire_bytes": a["wire"][worst],
@@ -262,7 +269,7 @@ def rank_traffic(
             bound = lower_bound(_expert_aware_costs(merged, own, qkv_ownership), loads)
             if edp == 1 and sum(loads):
                 # a rank's own experts cannot move: it carries them plus its largest matrix
-                bound = max(bound, (expert_fixed + max(dense, default=0)) * dp / sum(loads))
+                bound = max(bound, (expert_fixed + max(dense, default=0)) * nranks / sum(loads))
             entry["newton_schulz"] = {"max_over_mean": lo.imbalance(loads), "lower_bound": bound}
         out[name] = entry
     return out
@@ -305,9 +312,10 @@ def pipeline_rows(
             chunks = [group_experts(c) for c in chunks]
         result = rank_traffic(
             chunks, dp, par.ep, pp_rank=rank, ownership=ownership, qkv_ownership=qkv_ownership,
-            **settings,
+            **({"tp": par.tp, "etp": par.etp} if (par.tp, par.etp) != (1, 1) else {}), **settings,
         )  # fmt: skip
-        config = f"{label} PP{par.pp} VP{par.vpp or 1} EP{par.ep} DP{dp} rank {rank}"
+        tp = f"TP{par.tp} ETP{par.etp} " if (par.tp, par.etp) != (1, 1) else ""
+        config = f"{label} {tp}PP{par.pp} VP{par.vpp or 1} EP{par.ep} DP{dp} rank {rank}"
         rows.append({"config": config, "key": None, **result})
     return rows
 

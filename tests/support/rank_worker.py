@@ -34,6 +34,8 @@ class ParallelSpec:
     ep: int = 1
     #: Pipeline stages (megatron's tp-cp-ep-dp-pp order: rank r is on stage r // (world / pp)).
     pp: int = 1
+    #: Expert tensor-parallel size; ``None``: megatron's default, TP.
+    etp: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ def _init_parallel_state(spec: ParallelSpec) -> None:
         tensor_model_parallel_size=spec.tp,
         expert_model_parallel_size=spec.ep,
         pipeline_model_parallel_size=spec.pp,
+        expert_tensor_parallel_size=spec.etp,
     )
     _current_spec = spec
 

@@ -319,6 +319,7 @@ def transformer_config(**overrides: Any):
         persist_layer_norm=False,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
     )
     settings.update(overrides)
     return TransformerConfig(**settings)
