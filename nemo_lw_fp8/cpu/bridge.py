@@ -193,17 +193,19 @@ def adapt_config(cfg: Any, modules: str = "te") -> Any:
     megatron's local layers with the emulated FP8 linears and single grouped experts of
     :mod:`nemo_lw_fp8.cpu.layers` when the config asks for FP8 / single grouped weights
     (decided when the model is built, after every override), the CUDA-only fusions off.
-    Pipeline (and virtual pipeline) and expert parallel run as configured; tensor parallel
-    stays 1 (issue 29).
+    Pipeline (and virtual pipeline) and expert parallel run as configured; tensor parallel too
+    with TE's modules (their TP paths and megatron's TP communication on gloo), 1 only with the
+    project's layers.
     """
     model = cfg.model
     if modules not in ("te", "project"):
         raise ValueError(f"--cpu-modules {modules!r}: one of te, project")
-    if model.tensor_model_parallel_size != 1:
+    if modules == "project" and model.tensor_model_parallel_size != 1:
         raise ValueError(
-            "--cpu runs tensor_model_parallel_size=1 only (tensor parallelism on CPU ranks is "
-            f"not built yet); got model.tensor_model_parallel_size="
-            f"{model.tensor_model_parallel_size}. Fix: model.tensor_model_parallel_size=1."
+            "--cpu-modules project runs tensor_model_parallel_size=1 only (the project's CPU "
+            "layers are not tensor parallel); got model.tensor_model_parallel_size="
+            f"{model.tensor_model_parallel_size}. Fix: --cpu-modules te (TE's own modules, "
+            "tensor parallel over gloo) or model.tensor_model_parallel_size=1."
         )
     cfg.dist.distributed_backend = "gloo"
     if modules == "te":
