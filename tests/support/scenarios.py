@@ -353,8 +353,10 @@ def boot_for(scenario: Scenario) -> BootOptions:
 
 
 def te_scope(scenario: Scenario) -> contextlib.AbstractContextManager:
-    """Where a TE-spec model is built and run: TE's device questions answered as a B200
-    (:func:`nemo_lw_fp8.cpu.te_device.target_gpu`, ``BLACKWELL``); nothing for other models.
+    """Where a TE-spec model is built and run: TE's device questions answered as the GPU of the
+    scenario's FP8 recipe (:func:`nemo_lw_fp8.cpu.te_device.target_gpu`: ``BLACKWELL``; an H100,
+    ``HOPPER``, for blockwise FP8, which TE converts to MXFP8 on SM 10.0); nothing for other
+    models.
     Refuses a rank whose pool was not booted with :data:`TE_BOOT` (megatron would otherwise
     fall back to its local modules without a word)."""
     if scenario.model not in TE_MODELS:
@@ -367,7 +369,8 @@ def te_scope(scenario: Scenario) -> contextlib.AbstractContextManager:
             f"model {scenario.model!r} is built from megatron's TE spec: run it on a pool booted "
             "with TE_BOOT (run_on_ranks(..., boot=boot_for(scenario)))"
         )
-    return te_device.target_gpu(te_device.BLACKWELL)
+    blockwise = scenario.fp8 and scenario.fp8_recipe == "blockwise"
+    return te_device.target_gpu(te_device.HOPPER if blockwise else te_device.BLACKWELL)
 
 
 def seed_all(seed: int) -> None:
