@@ -1,18 +1,22 @@
-"""Layer-wise Muon with MXFP8 param gather at tensor parallel 2 (issue 29), through TE's own
+"""Layer-wise Muon with FP8 param gather at tensor parallel 2 (issue 29), through TE's own
 modules on CPU: a tiny GPT from megatron's TE spec at TP 2 x DP 2 on 4 gloo ranks, each rank a
-TP shard of every matrix, persistent MXFP8 weights (``quantized_model_init``) whose shards the
+TP shard of every matrix, persistent FP8 weights (``quantized_model_init``) whose shards the
 DP owners update and gather.
 
-The claim: FP8 param gather ON (persistent MXFP8 TP shards, gathered over DP) = OFF (bf16 TP
+The claim: FP8 param gather ON (persistent FP8 TP shards, gathered over DP) = OFF (bf16 TP
 shards TE quantizes at each forward), bitwise, for every loss and every rank's fp32 masters,
-with the compact layout, the owner reduce and overlapped gathers, with and without sequence
-parallelism. Control: ON with each persistent weight's columnwise copy left stale after the
-gather diverges.
+with the compact layout, the owner reduce and overlapped gathers. MXFP8 (``MXFP8Tensor``, 1x32
+blocks; SP off and on, MoE at ETP 1) and blockwise FP8 (TE's ``Float8BlockScaling``,
+``Float8BlockwiseQTensor`` weights of 128x128 tiles, the plugin's blockwise gather of FP8 codes
++ tile scales; SP on, dense and MoE at ETP 1), with widths whose TP shards hold whole blocks.
+Controls: ON with each persistent weight's columnwise copy left stale after the gather
+diverges.
 
-The rule ``fp8-gather-tensor-parallel`` still refuses this combination for users: these runs
-lift it inside the ranks to check the mechanism ahead of narrowing the rule (issue 29: the
-block-boundary check at configuration time and blockwise FP8, what Bridge's TP-2 H100 recipes
-use, are not built yet). Extended tier: 4-rank runs, and no user can reach the path yet.
+The runs go through the guards as a user's would: the rules ``fp8-gather-tensor-parallel``
+(ETP > 1 and multi-latent attention stay refused) and ``fp8-gather-tp-block-boundary`` (no
+shard may split a quantization block) let these models through (docs/guards.md); a width
+whose TP shard splits a 128x128 tile is refused where the layer-wise optimizer is built, read
+from the built model's ``TransformerConfig``. Extended tier: 4-rank runs.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ DIMS = {
 
 def build_tp_gpt(
     fp8_params: bool, sequence_parallel: bool, seed: int, moe: bool = False,
-    recipe: str = "mxfp8",
+    recipe: str = "mxfp8", **dims: int,
 ):  # fmt: skip
     """A 2-layer GPT from megatron's TE spec with ``recipe``'s FP8 compute (MXFP8 or blockwise)
     at this pool's TP size; with ``fp8_params`` its linear weights are persistent quantized TP
@@ -68,7 +72,7 @@ def build_tp_gpt(
 
     seed_all(seed)
     config = transformer_config(
-        **DIMS[recipe], fp8="e4m3", fp8_recipe=recipe, fp8_param=fp8_params,
+        **(DIMS[recipe] | dims), fp8="e4m3", fp8_recipe=recipe, fp8_param=fp8_params,
         use_cpu_initialization=False, sequence_parallel=sequence_parallel,
         add_bias_linear=False, **(MOE_DIMS[recipe] if moe else {}),
     )  # fmt: skip
@@ -125,10 +129,6 @@ def tp_gather_run(
     )  # fmt: skip
     nemo_lw_fp8.apply()
     with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(te_recipe(recipe)[1]):
-        from nemo_lw_fp8 import guards
-
-        lifted = tuple(r for r in guards.RULES if r.name != "fp8-gather-tensor-parallel")
-        mp.setattr(guards, "RULES", lifted)  # the rule lifted in this rank (module docstring)
         if mutation == "stale_columnwise":
             _stale_columnwise(mp, recipe)
         elif mutation is not None:
@@ -209,3 +209,42 @@ def test_blockwise_param_gather_at_tp2_on_equals_off(moe):
                             parallel=TP2, boot=BOOT)  # fmt: skip
 
     _assert_on_equals_off_and_control_diverges(run, "blockwise")
+
+
+def refusal_at_build(ffn_hidden_size: int) -> str:
+    """Build the blockwise TP-2 GPT with persistent weights and ``ffn_hidden_size`` and its
+    layer-wise optimizer with FP8 gather; the guards' refusal ("" if none)."""
+    import nemo_lw_fp8
+    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.guards import ConfigError
+    from tests.support import training
+    from tests.support.scenarios import Scenario
+
+    scenario = Scenario(
+        model="gpt", fp8=True, fp8_recipe="blockwise", fp8_param_gather=True, plugin=True,
+        optimizer="muon", distribution="layerwise_compact", overlap=True, seed=5,
+    )  # fmt: skip
+    nemo_lw_fp8.apply()
+    with te_device.target_gpu(te_device.HOPPER):
+        module, config = build_tp_gpt(True, True, 5, recipe="blockwise",
+                                      ffn_hidden_size=ffn_hidden_size)  # fmt: skip
+        try:
+            training.wrap_and_build_optimizer(module, config, scenario)
+        except ConfigError as error:
+            return str(error)
+    return ""
+
+
+def test_a_shard_splitting_a_block_is_refused_when_the_optimizer_is_built():
+    """The block-boundary rule where every run meets it, the layer-wise optimizer's build, on
+    the widths of the built model's ``TransformerConfig``: ffn 640 gives each TP shard 320 rows
+    of linear_fc1, two and a half 128x128 tiles. Control: ffn 512 (256 per shard) builds."""
+
+    def refusal(ffn: int) -> list[str]:
+        return run_on_ranks(refusal_at_build, ffn, world_size=4, parallel=TP2, boot=BOOT)
+
+    for message in refusal(640):
+        assert "fp8-gather-tp-block-boundary" in message, message
+        assert "model.ffn_hidden_size=640 gives each shard 320" in message, message
+        assert "ffn_hidden_size=640 from TransformerConfig.ffn_hidden_size" in message, message
+    assert refusal(512) == [""] * 4
