@@ -8,7 +8,7 @@ shards TE quantizes at each forward), bitwise, for every loss and every rank's f
 with the compact layout, the owner reduce and overlapped gathers. MXFP8 (``MXFP8Tensor``, 1x32
 blocks; SP off and on, MoE at ETP 1) and blockwise FP8 (TE's ``Float8BlockScaling``,
 ``Float8BlockwiseQTensor`` weights of 128x128 tiles, the plugin's blockwise gather of FP8 codes
-+ tile scales; SP on, dense and MoE at ETP 1), with widths whose TP shards hold whole blocks.
++ tile scales; SP off and on, MoE at ETP 1), with widths whose TP shards hold whole blocks.
 Controls: ON with each persistent weight's columnwise copy left stale after the gather
 diverges.
 
@@ -196,17 +196,20 @@ def _assert_on_equals_off_and_control_diverges(run, recipe: str = "mxfp8") -> No
     assert_diverges(off, run(True, "stale_columnwise"), compare=assert_same_losses_and_masters)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["tp2-sp", "tp2-sp-moe"])
-def test_blockwise_param_gather_at_tp2_on_equals_off(moe):
+@pytest.mark.parametrize(
+    ("sequence_parallel", "moe"), [(False, False), (True, False), (True, True)],
+    ids=["tp2", "tp2-sp", "tp2-sp-moe"],
+)  # fmt: skip
+def test_blockwise_param_gather_at_tp2_on_equals_off(sequence_parallel, moe):
     """Blockwise FP8 (TE's ``Float8BlockScaling``, persistent ``Float8BlockwiseQTensor`` TP
     shards of whole 128x128 tiles, the plugin's blockwise gather: owners ship FP8 codes + tile
-    scales) at TP 2 x DP 2 with sequence parallelism: ON = OFF bitwise; with ``moe`` the experts
-    are whole per rank (ETP 1). Control: receivers that skip deriving the columnwise copy after
-    the gather diverge."""
+    scales) at TP 2 x DP 2, sequence parallelism off and on: ON = OFF bitwise; with ``moe`` the
+    experts are whole per rank (ETP 1). Control: receivers that skip deriving the columnwise
+    copy after the gather diverge."""
 
     def run(on: bool, mutation: str | None = None) -> list[dict]:
-        return run_on_ranks(tp_gather_run, on, True, mutation, moe, "blockwise", world_size=4,
-                            parallel=TP2, boot=BOOT)  # fmt: skip
+        return run_on_ranks(tp_gather_run, on, sequence_parallel, mutation, moe, "blockwise",
+                            world_size=4, parallel=TP2, boot=BOOT)  # fmt: skip
 
     _assert_on_equals_off_and_control_diverges(run, "blockwise")
 
