@@ -86,6 +86,10 @@ class Settings:
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
     multi_latent_attention: bool = False
+    #: TransformerConfig: "gated_delta_net" / "dsa" layers (hybrid models), None: none.
+    experimental_attention_variant: str | None = None
+    #: TransformerConfig: a gate on the attention output (Q rows doubled in ``linear_qkv``).
+    attention_output_gate: bool = False
     #: The DDP config's ``overlap_param_gather`` when it can differ from the optimizer's.
     ddp_overlap_param_gather: bool | None = None
     overlap_param_gather_with_optimizer_step: bool = False

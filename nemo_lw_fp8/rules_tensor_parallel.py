@@ -7,7 +7,8 @@ standard attention (fused ``linear_qkv``), dense MLPs and MoE experts whole per 
 tensor parallel 1). Two rules:
 
 * ``fp8-gather-tensor-parallel``: what is still unverified at TP / ETP > 1 is refused with its
-  reason (experts split over expert-tensor parallel, multi-latent attention's projections);
+  reason (experts split over expert-tensor parallel; at TP > 1 multi-latent attention, hybrid
+  Gated DeltaNet / DSA layers and a gated attention output);
 * ``fp8-gather-tp-block-boundary``: a TP (or ETP) shard boundary inside a quantization block,
   read from the model's dimensions at configuration time: every sharded width per rank must be
   a whole number of blocks (MXFP8: 32; blockwise: 128).
@@ -49,14 +50,22 @@ def fp8_gather_tensor_parallel(s: Settings) -> str | None:
             "sequential) have not been run. Fix: set model.expert_tensor_parallel_size=1 (use "
             "EP for memory), or drop --fp8-param-gather."
         )
-    if tp > 1 and s.multi_latent_attention:
-        return (
-            f"layer-wise Muon with --fp8-param-gather at TP={tp} is verified with standard "
-            "attention (fused linear_qkv) only: multi-latent attention's TP-sharded and "
-            "duplicated projections have not been run with FP8 gather. Fix: set "
-            "model.tensor_model_parallel_size=1 (use PP / EP for memory), or drop "
-            "--fp8-param-gather."
-        )
+    unverified = [
+        ("model.multi_latent_attention=True", s.multi_latent_attention,
+         "multi-latent attention's TP-sharded and duplicated projections"),
+        (f"model.experimental_attention_variant={s.experimental_attention_variant!r}",
+         s.experimental_attention_variant, "the hybrid layers' (Gated DeltaNet / DSA) projections"),
+        ("model.attention_output_gate=True", s.attention_output_gate,
+         "a gated attention output's linear_qkv (Q rows doubled)"),
+    ]  # fmt: skip
+    for flag, on, what in unverified:
+        if tp > 1 and on:
+            return (
+                f"layer-wise Muon with --fp8-param-gather at TP={tp} is verified with standard "
+                f"attention (fused linear_qkv) only, got {flag}: {what} have not been run with "
+                "FP8 gather. Fix: set model.tensor_model_parallel_size=1 (use PP / EP for "
+                "memory), or drop --fp8-param-gather."
+            )
     return None
 
 

@@ -47,6 +47,8 @@ GUARD_CASES = {
     # Bridge's H100 shape: blockwise gather at TP 2, experts at ETP 1 (passes: "" expected),
     # and the same with an ffn width whose TP shard (3136) splits a 128-wide block.
     "tensor-parallel-hopper": ("qwen3_30b_a3b_hopper", ["model.tensor_model_parallel_size=2"]),
+    "tensor-parallel-hybrid": ("qwen3_next_80b_a3b_hopper", [
+        "model.tensor_model_parallel_size=2"]),
     "tp-block-boundary": ("qwen3_30b_a3b_hopper", [
         "model.tensor_model_parallel_size=2", "model.ffn_hidden_size=6272"]),
     "fsdp": ("tiny_qwen3_30b_a3b", ["ddp.use_megatron_fsdp=true"]),

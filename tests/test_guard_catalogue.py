@@ -99,6 +99,9 @@ CASES: list[tuple[str, dict, str]] = [
     ("fp8 gather at TP 2 with multi-latent attention", GOOD | dict(
         tensor_model_parallel_size=2, multi_latent_attention=True),
      "fp8-gather-tensor-parallel"),
+    ("blockwise gather at TP 2 with Gated DeltaNet layers", HOPPER | dict(
+        tensor_model_parallel_size=2, experimental_attention_variant="gated_delta_net"),
+     "fp8-gather-tensor-parallel"),
     ("mxfp8 gather at TP 2, ffn shard of 48", GOOD | dict(
         tensor_model_parallel_size=2, ffn_hidden_size=96), "fp8-gather-tp-block-boundary"),
     ("blockwise gather at TP 4, ffn shard of 192", HOPPER | dict(

@@ -314,11 +314,15 @@ TP2_BLOCKWISE = dict(
              hidden_size=512),  # fmt: skip
         # Dimensions not known at the call site are judged when the optimizer is built.
         dict(TP2_BLOCKWISE, ffn_hidden_size=None, hidden_size=None, moe_ffn_hidden_size=None),
+        # What is refused at TP > 1 passes at TP 1.
+        dict(TP2_MXFP8, tensor_model_parallel_size=1, multi_latent_attention=True,
+             experimental_attention_variant="gated_delta_net", attention_output_gate=True,
+             ffn_hidden_size=96),
         # Unaligned widths without FP8 param gather: bf16 weights, FP8 compute only.
         dict(TP2_BLOCKWISE, fp8_param_gather=False, ffn_hidden_size=320),
     ],
     ids=["mxfp8", "blockwise", "mxfp8-dense", "blockwise-gqa", "blockwise-shared-experts",
-         "blockwise-tp4", "dims-unknown", "no-fp8-gather"],
+         "blockwise-tp4", "dims-unknown", "tp1", "no-fp8-gather"],
 )  # fmt: skip
 def test_fp8_gather_at_tensor_parallel_passes_with_whole_blocks_per_shard(settings):
     assert guards.violations(Settings(**settings)) == []
@@ -352,7 +356,14 @@ TP_REFUSED = [
      "fp8-gather-tensor-parallel", ["ETP=2"]),
     ("multi-latent attention at TP 2", dict(TP2_MXFP8, multi_latent_attention=True),
      "fp8-gather-tensor-parallel",
-     ["multi-latent attention", "model.tensor_model_parallel_size=1"]),
+     ["model.multi_latent_attention=True", "multi-latent attention",
+      "model.tensor_model_parallel_size=1"]),
+    ("Gated DeltaNet layers at TP 2", dict(TP2_BLOCKWISE,
+                                           experimental_attention_variant="gated_delta_net"),
+     "fp8-gather-tensor-parallel",
+     ["model.experimental_attention_variant='gated_delta_net'", "Gated DeltaNet"]),
+    ("gated attention output at TP 2", dict(TP2_BLOCKWISE, attention_output_gate=True),
+     "fp8-gather-tensor-parallel", ["model.attention_output_gate=True", "Q rows doubled"]),
 ]
 
 

@@ -143,6 +143,7 @@ EXPECTED_RULES = {
     "tensor-parallel": "fp8-gather-tensor-parallel",
     "expert-tensor-parallel": "fp8-gather-tensor-parallel",
     "tensor-parallel-hopper": "",  # passes: TP 2 with whole 128-blocks per shard, ETP 1
+    "tensor-parallel-hybrid": "fp8-gather-tensor-parallel",
     "tp-block-boundary": "fp8-gather-tp-block-boundary",
     "fsdp": "grouped-weight-fsdp",
     "no-grouped-gemm": "grouped-weight-needs-grouped-gemm",
