@@ -72,7 +72,24 @@ class Settings:
     #: FP8 format (``--fp8-format`` / Bridge ``fp8``); None when FP8 is off.
     fp8: str | None = None
     tensor_model_parallel_size: int = 1
+    #: None: megatron's default, the TP size.
     expert_tensor_parallel_size: int | None = None
+    # --- the model's widths TP / ETP shard (rule fp8-gather-tp-block-boundary); None: not
+    # known at this call site (TransformerConfig's defaults are applied when it is built) ---
+    hidden_size: int | None = None
+    ffn_hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    #: None: one group per head (multi-head attention).
+    num_query_groups: int | None = None
+    #: None: hidden_size // num_attention_heads.
+    kv_channels: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    multi_latent_attention: bool = False
+    #: TransformerConfig: "gated_delta_net" / "dsa" layers (hybrid models), None: none.
+    experimental_attention_variant: str | None = None
+    #: TransformerConfig: a gate on the attention output (Q rows doubled in ``linear_qkv``).
+    attention_output_gate: bool = False
     #: The DDP config's ``overlap_param_gather`` when it can differ from the optimizer's.
     ddp_overlap_param_gather: bool | None = None
     overlap_param_gather_with_optimizer_step: bool = False
@@ -125,6 +142,8 @@ class Settings:
             for f in fields(cls)
             if f.name != "sources" and hasattr(args, f.name)
         }
+        if not getattr(args, "group_query_attention", True):
+            values["num_query_groups"] = None  # megatron-training's meaning: one group per head
         if hasattr(args, "use_layer_wise_param_layout") and "layer_wise_layout" not in values:
             values["layer_wise_layout"] = "padded" if args.use_layer_wise_param_layout else "legacy"
         return cls(**values)

@@ -8,6 +8,7 @@ other rule (docs/guards.md).
 
 from __future__ import annotations
 
+from . import rules_tensor_parallel
 from .guard_settings import Rule, Settings
 from .layout import (
     DEFAULT_GATHER_PADDING_TOLERANCE,
@@ -47,20 +48,6 @@ def _fp8_gather_without_fp8(s: Settings) -> str | None:
             "--fp8-param-gather is set but FP8 is off (no --fp8-format): there are no FP8 "
             "parameters to gather. Fix: choose mixed_precision=bf16_with_mxfp8_mixed (Blackwell) "
             "or a blockwise FP8 preset (Hopper), or set mixed_precision.fp8_param_gather=false."
-        )
-    return None
-
-
-def _fp8_gather_tensor_parallel(s: Settings) -> str | None:
-    tp = max(s.tensor_model_parallel_size, s.expert_tensor_parallel_size or 1)
-    if s.layer_wise and s.fp8_param_gather and tp > 1:
-        return (
-            f"layer-wise Muon with --fp8-param-gather is verified with whole matrices per rank "
-            f"only (tensor / expert-tensor parallel 1), got TP={s.tensor_model_parallel_size}, "
-            f"ETP={s.expert_tensor_parallel_size}: a TP shard's FP8 scales and Muon's "
-            "orthogonalisation both need the whole matrix. Fix: set "
-            "model.tensor_model_parallel_size=1 and model.expert_tensor_parallel_size=1 (use "
-            "PP / EP for memory), or drop --fp8-param-gather."
         )
     return None
 
@@ -279,8 +266,11 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
     Rule("grouped-weight-needs-op-fuser", "0.19.2 trains grouped weights via TE's op fuser",
          _grouped_needs_op_fuser),
     Rule("fp8-gather-without-fp8", "FP8 param gather needs FP8 on", _fp8_gather_without_fp8),
-    Rule("fp8-gather-tensor-parallel", "layer-wise FP8 gather is verified with TP = ETP = 1",
-         _fp8_gather_tensor_parallel),
+    Rule("fp8-gather-tensor-parallel",
+         "layer-wise FP8 gather at TP > 1: verified with ETP 1 and standard attention",
+         rules_tensor_parallel.fp8_gather_tensor_parallel),
+    Rule("fp8-gather-tp-block-boundary", "TP / ETP shards hold whole quantization blocks",
+         rules_tensor_parallel.fp8_gather_tp_block_boundary),
     Rule("overlap-param-gather-agreement", "DDP and optimizer agree on overlapped gather",
          _overlap_agreement),
     Rule("layer-wise-fsdp", "layer-wise Muon owns whole matrices, FSDP shards them",

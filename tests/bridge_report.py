@@ -44,6 +44,13 @@ GUARD_CASES = {
     "overlap-disagree": ("tiny_deepseek_v3", ["ddp.overlap_param_gather=false"]),
     "tensor-parallel": ("deepseek_v3_mxfp8", ["model.tensor_model_parallel_size=2"]),
     "expert-tensor-parallel": ("qwen3_30b_a3b_mxfp8", ["model.expert_tensor_parallel_size=2"]),
+    # Bridge's H100 shape: blockwise gather at TP 2, experts at ETP 1 (passes: "" expected),
+    # and the same with an ffn width whose TP shard (3136) splits a 128-wide block.
+    "tensor-parallel-hopper": ("qwen3_30b_a3b_hopper", ["model.tensor_model_parallel_size=2"]),
+    "tensor-parallel-hybrid": ("qwen3_next_80b_a3b_hopper", [
+        "model.tensor_model_parallel_size=2"]),
+    "tp-block-boundary": ("qwen3_30b_a3b_hopper", [
+        "model.tensor_model_parallel_size=2", "model.ffn_hidden_size=6272"]),
     "fsdp": ("tiny_qwen3_30b_a3b", ["ddp.use_megatron_fsdp=true"]),
     "no-grouped-gemm": ("tiny_deepseek_v3", ["model.moe_grouped_gemm=false"]),
     "no-op-fuser": ("tiny_deepseek_v3", ["model.use_transformer_engine_op_fuser=false"]),

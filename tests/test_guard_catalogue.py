@@ -31,6 +31,14 @@ GOOD = dict(
 EXPERT_RUNS = GOOD | dict(grouped_weight_ownership="expert")
 HOPPER = GOOD | dict(fp8_recipe="blockwise", reuse_grad_buf_for_mxfp8_param_ag=False,
                      moe_single_grouped_weight=False)
+#: Bridge's H100 shape (issue 29): blockwise gather at TP 2 with sequence parallelism, experts
+#: whole per rank (ETP 1), every TP shard whole 128x128 tiles (DeepSeek-V3-like widths without
+#: MLA: hidden 7168, 128 heads of 128, ffn 18432, experts of 2048).
+HOPPER_TP2 = HOPPER | dict(
+    tensor_model_parallel_size=2, expert_tensor_parallel_size=1, hidden_size=7168,
+    num_attention_heads=128, kv_channels=128, ffn_hidden_size=18432, num_moe_experts=256,
+    moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+)  # fmt: skip
 
 CASES: list[tuple[str, dict, str]] = [
     ("mxfp8 gather without grad-buffer reuse", GOOD | dict(
@@ -83,12 +91,24 @@ CASES: list[tuple[str, dict, str]] = [
     ("fp8 gather with FP8 off", GOOD | dict(fp8=None, fp8_recipe=None,
                                             moe_single_grouped_weight=False),
      "fp8-gather-without-fp8"),
-    ("fp8 gather with TP 2", GOOD | dict(tensor_model_parallel_size=2),
+    ("fp8 gather with experts at ETP 2", GOOD | dict(num_moe_experts=8,
+                                                     expert_tensor_parallel_size=2),
      "fp8-gather-tensor-parallel"),
-    ("fp8 gather with ETP 2", GOOD | dict(expert_tensor_parallel_size=2),
+    ("fp8 gather at TP 2, experts' ETP unset (follows TP)", GOOD | dict(
+        num_moe_experts=8, tensor_model_parallel_size=2), "fp8-gather-tensor-parallel"),
+    ("fp8 gather at TP 2 with multi-latent attention", GOOD | dict(
+        tensor_model_parallel_size=2, multi_latent_attention=True),
      "fp8-gather-tensor-parallel"),
-    ("blockwise gather with TP 4", HOPPER | dict(tensor_model_parallel_size=4),
+    ("blockwise gather at TP 2 with Gated DeltaNet layers", HOPPER | dict(
+        tensor_model_parallel_size=2, experimental_attention_variant="gated_delta_net"),
      "fp8-gather-tensor-parallel"),
+    ("mxfp8 gather at TP 2, ffn shard of 48", GOOD | dict(
+        tensor_model_parallel_size=2, ffn_hidden_size=96), "fp8-gather-tp-block-boundary"),
+    ("blockwise gather at TP 4, ffn shard of 192", HOPPER | dict(
+        tensor_model_parallel_size=4, ffn_hidden_size=768), "fp8-gather-tp-block-boundary"),
+    ("blockwise gather at TP 2, QKV shard of 192", HOPPER | dict(
+        tensor_model_parallel_size=2, hidden_size=256, num_attention_heads=4,
+        num_query_groups=1), "fp8-gather-tp-block-boundary"),
     ("DDP overlap off, optimizer overlap on", GOOD | dict(ddp_overlap_param_gather=False),
      "overlap-param-gather-agreement"),
     ("DDP overlap on, optimizer overlap off", GOOD | dict(overlap_param_gather=False),
@@ -140,8 +160,9 @@ CASES: list[tuple[str, dict, str]] = [
 
 
 @pytest.mark.parametrize(
-    "good", [GOOD, HOPPER, EXPERT_RUNS], ids=["blackwell", "hopper", "expert-runs"]
-)
+    "good", [GOOD, HOPPER, EXPERT_RUNS, HOPPER_TP2],
+    ids=["blackwell", "hopper", "expert-runs", "hopper-tp2"],
+)  # fmt: skip
 def test_the_supported_combinations_pass(good):
     assert guards.violations(Settings(**good)) == []
     # The settings the scope rules read, at the values every test runs.
@@ -176,7 +197,8 @@ def test_rule_modules_import_neither_each_other_nor_the_list():
     import subprocess
     import sys
 
-    modules = ["rules_fp8", "rules_grouped", "rules_integration", "scope_guards"]
+    modules = ["rules_fp8", "rules_grouped", "rules_tensor_parallel", "rules_integration",
+               "scope_guards"]  # fmt: skip
     probe = (
         "import importlib, sys\n"
         f"for name in {modules!r}:\n"

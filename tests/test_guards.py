@@ -285,3 +285,108 @@ def test_layer_wise_config_refuses_compact_settings_on_the_padded_layout():
     with pytest.raises(ConfigError, match=r"compact-only-gather-padding-tolerance"):
         LayerWiseConfig(layout="legacy", gather_padding_tolerance=0.5)
     assert LayerWiseConfig(layout="padded").grad_sync == "reduce_to_owner"
+
+
+# --------------------------------------------------------------------------- FP8 gather at TP > 1
+
+#: The TP-2 models tests/test_tp_fp8_param_gather.py runs (MXFP8: hidden 64, 4 heads, ffn 128,
+#: experts of 64 at ETP 1; blockwise: hidden 256, ffn 512, experts of 128), on the compact layout.
+TP2_MXFP8 = dict(
+    GOOD_MXFP8.__dict__, layer_wise_layout="compact", fp8="e4m3", tensor_model_parallel_size=2,
+    hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_moe_experts=4,
+    moe_ffn_hidden_size=64, expert_tensor_parallel_size=1,
+)  # fmt: skip
+TP2_BLOCKWISE = dict(
+    TP2_MXFP8, fp8_recipe="blockwise", reuse_grad_buf_for_mxfp8_param_ag=False,
+    hidden_size=256, ffn_hidden_size=512, moe_ffn_hidden_size=128,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        TP2_MXFP8,
+        TP2_BLOCKWISE,
+        dict(TP2_MXFP8, num_moe_experts=None, expert_tensor_parallel_size=None),  # dense
+        dict(TP2_BLOCKWISE, num_query_groups=2),  # GQA: QKV 512 rows, 256 per shard
+        dict(TP2_BLOCKWISE, kv_channels=128, moe_shared_expert_intermediate_size=256),
+        dict(TP2_BLOCKWISE, tensor_model_parallel_size=4, ffn_hidden_size=1024,
+             hidden_size=512),  # fmt: skip
+        # Dimensions not known at the call site are judged when the optimizer is built.
+        dict(TP2_BLOCKWISE, ffn_hidden_size=None, hidden_size=None, moe_ffn_hidden_size=None),
+        # What is refused at TP > 1 passes at TP 1.
+        dict(TP2_MXFP8, tensor_model_parallel_size=1, multi_latent_attention=True,
+             experimental_attention_variant="gated_delta_net", attention_output_gate=True,
+             ffn_hidden_size=96),
+        # Unaligned widths without FP8 param gather: bf16 weights, FP8 compute only.
+        dict(TP2_BLOCKWISE, fp8_param_gather=False, ffn_hidden_size=320),
+    ],
+    ids=["mxfp8", "blockwise", "mxfp8-dense", "blockwise-gqa", "blockwise-shared-experts",
+         "blockwise-tp4", "dims-unknown", "tp1", "no-fp8-gather"],
+)  # fmt: skip
+def test_fp8_gather_at_tensor_parallel_passes_with_whole_blocks_per_shard(settings):
+    assert guards.violations(Settings(**settings)) == []
+
+
+#: (case, settings, rule, what the message names: the dimension / size, and the fix)
+TP_REFUSED = [
+    ("mxfp8 ffn shard of 48", dict(TP2_MXFP8, ffn_hidden_size=96), "fp8-gather-tp-block-boundary",
+     ["model.ffn_hidden_size=96", "each shard 48", "32-wide", "a multiple of 64"]),
+    ("blockwise ffn shard of 320", dict(TP2_BLOCKWISE, ffn_hidden_size=640),
+     "fp8-gather-tp-block-boundary",
+     ["model.ffn_hidden_size=640", "each shard 320", "128-wide", "a multiple of 256",
+      "model.tensor_model_parallel_size"]),
+    ("blockwise linear_proj shard of 64", dict(TP2_BLOCKWISE, kv_channels=32, ffn_hidden_size=512),
+     "fp8-gather-tp-block-boundary",
+     ["model.num_attention_heads x model.kv_channels=128", "each shard 64 linear_proj columns"]),
+    ("blockwise QKV shard of 192", dict(TP2_BLOCKWISE, hidden_size=128, num_query_groups=1,
+                                         kv_channels=64),
+     "fp8-gather-tp-block-boundary",
+     ["(model.num_attention_heads + 2 x model.num_query_groups) x model.kv_channels=384",
+      "each shard 192 linear_qkv rows"]),
+    ("blockwise shared experts", dict(TP2_BLOCKWISE, moe_shared_expert_intermediate_size=128),
+     "fp8-gather-tp-block-boundary",
+     ["model.moe_shared_expert_intermediate_size=128", "each shard 64"]),
+    ("experts at ETP 2", dict(TP2_MXFP8, expert_tensor_parallel_size=2),
+     "fp8-gather-tensor-parallel",
+     ["ETP=2", "experts whole per rank", "model.expert_tensor_parallel_size=1"]),
+    ("ETP unset follows TP 2", dict(TP2_BLOCKWISE, expert_tensor_parallel_size=None),
+     "fp8-gather-tensor-parallel", ["ETP=2 (unset ETP follows TP=2)"]),
+    ("ETP 2 at TP 1", dict(TP2_MXFP8, tensor_model_parallel_size=1, expert_tensor_parallel_size=2),
+     "fp8-gather-tensor-parallel", ["ETP=2"]),
+    ("multi-latent attention at TP 2", dict(TP2_MXFP8, multi_latent_attention=True),
+     "fp8-gather-tensor-parallel",
+     ["model.multi_latent_attention=True", "multi-latent attention",
+      "model.tensor_model_parallel_size=1"]),
+    ("Gated DeltaNet layers at TP 2", dict(TP2_BLOCKWISE,
+                                           experimental_attention_variant="gated_delta_net"),
+     "fp8-gather-tensor-parallel",
+     ["model.experimental_attention_variant='gated_delta_net'", "Gated DeltaNet"]),
+    ("gated attention output at TP 2", dict(TP2_BLOCKWISE, attention_output_gate=True),
+     "fp8-gather-tensor-parallel", ["model.attention_output_gate=True", "Q rows doubled"]),
+]
+
+
+@pytest.mark.parametrize(("case", "settings", "rule", "named"), TP_REFUSED,
+                         ids=[case[0] for case in TP_REFUSED])  # fmt: skip
+def test_fp8_gather_at_tensor_parallel_refuses_with_its_reason(case, settings, rule, named):
+    with pytest.raises(ConfigError) as info:
+        guards.check(Settings(**settings))
+    assert info.value.rule == rule, info.value
+    message = str(info.value)
+    for text in named:
+        assert text in message, (text, message)
+    assert "Fix:" in message and "drop --fp8-param-gather" in message
+    assert len(message.splitlines()) == 1
+
+
+def test_megatron_args_without_gqa_have_one_query_group_per_head():
+    """megatron-training keeps ``num_query_groups`` (default 1) when GQA is off; the model then
+    has one group per head, which is what the block-boundary rule must read."""
+    args = SimpleNamespace(**TP2_BLOCKWISE, group_query_attention=False)
+    args.num_query_groups = 1  # megatron-training's default, unused without GQA
+    assert Settings.from_args(args).num_query_groups is None
+    guards.check(Settings.from_args(args))
+    args.group_query_attention = True  # 1 group: QKV (4 + 2) x 64 = 384 rows, 192 per shard
+    with pytest.raises(ConfigError, match="fp8-gather-tp-block-boundary"):
+        guards.check(Settings.from_args(args))

@@ -142,6 +142,9 @@ EXPECTED_RULES = {
     "overlap-disagree": "overlap-param-gather-agreement",
     "tensor-parallel": "fp8-gather-tensor-parallel",
     "expert-tensor-parallel": "fp8-gather-tensor-parallel",
+    "tensor-parallel-hopper": "",  # passes: TP 2 with whole 128-blocks per shard, ETP 1
+    "tensor-parallel-hybrid": "fp8-gather-tensor-parallel",
+    "tp-block-boundary": "fp8-gather-tp-block-boundary",
     "fsdp": "grouped-weight-fsdp",
     "no-grouped-gemm": "grouped-weight-needs-grouped-gemm",
     "no-op-fuser": "grouped-weight-needs-op-fuser",
@@ -166,10 +169,10 @@ EXPECTED_RULES = {
 
 def test_bridge_overrides_trip_their_rule(report):
     """Each bad key=value combination on a real recipe fails in Bridge's config validation with
-    its rule, and the message names a fix."""
+    its rule, and the message names a fix; the supported ones (rule "") pass."""
     assert sorted(report["guards"]) == sorted(EXPECTED_RULES)
     for case, rule in EXPECTED_RULES.items():
         found = report["guards"][case]
         assert found.split("|", 1)[0] == rule, (case, found)
-        assert "Fix" in found, (case, found)
+        assert "Fix" in found or not rule, (case, found)
 

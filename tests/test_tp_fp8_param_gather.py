@@ -1,18 +1,22 @@
-"""Layer-wise Muon with MXFP8 param gather at tensor parallel 2 (issue 29), through TE's own
+"""Layer-wise Muon with FP8 param gather at tensor parallel 2 (issue 29), through TE's own
 modules on CPU: a tiny GPT from megatron's TE spec at TP 2 x DP 2 on 4 gloo ranks, each rank a
-TP shard of every matrix, persistent MXFP8 weights (``quantized_model_init``) whose shards the
+TP shard of every matrix, persistent FP8 weights (``quantized_model_init``) whose shards the
 DP owners update and gather.
 
-The claim: FP8 param gather ON (persistent MXFP8 TP shards, gathered over DP) = OFF (bf16 TP
+The claim: FP8 param gather ON (persistent FP8 TP shards, gathered over DP) = OFF (bf16 TP
 shards TE quantizes at each forward), bitwise, for every loss and every rank's fp32 masters,
-with the compact layout, the owner reduce and overlapped gathers, with and without sequence
-parallelism. Control: ON with each persistent weight's columnwise copy left stale after the
-gather diverges.
+with the compact layout, the owner reduce and overlapped gathers. MXFP8 (``MXFP8Tensor``, 1x32
+blocks; SP off and on, MoE at ETP 1) and blockwise FP8 (TE's ``Float8BlockScaling``,
+``Float8BlockwiseQTensor`` weights of 128x128 tiles, the plugin's blockwise gather of FP8 codes
++ tile scales; SP off and on, MoE at ETP 1), with widths whose TP shards hold whole blocks.
+Controls: ON with each persistent weight's columnwise copy left stale after the gather
+diverges.
 
-The rule ``fp8-gather-tensor-parallel`` still refuses this combination for users: these runs
-lift it inside the ranks to check the mechanism ahead of narrowing the rule (issue 29: the
-block-boundary check at configuration time and blockwise FP8, what Bridge's TP-2 H100 recipes
-use, are not built yet). Extended tier: 4-rank runs, and no user can reach the path yet.
+The runs go through the guards as a user's would: the rules ``fp8-gather-tensor-parallel``
+(ETP > 1 and multi-latent attention stay refused) and ``fp8-gather-tp-block-boundary`` (no
+shard may split a quantization block) let these models through (docs/guards.md); a width
+whose TP shard splits a 128x128 tile is refused where the layer-wise optimizer is built, read
+from the built model's ``TransformerConfig``. Extended tier: 4-rank runs.
 """
 
 from __future__ import annotations
@@ -39,66 +43,99 @@ STEPS = 3
 #: parallel 1) next to TP-2 attention, experts as megatron's ``SequentialMLP`` of TE linears.
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
            moe_token_dispatcher_type="allgather", expert_tensor_parallel_size=1)  # fmt: skip
+#: Blockwise experts of whole 128x128 tiles.
+MOE_DIMS = {"mxfp8": MOE, "blockwise": {**MOE, "moe_ffn_hidden_size": 128}}
 
 
-def build_tp_gpt(fp8_params: bool, sequence_parallel: bool, seed: int, moe: bool = False):
-    """A 2-layer GPT from megatron's TE spec with MXFP8 compute at this pool's TP size; with
-    ``fp8_params`` its linear weights are persistent MXFP8 TP shards. Built with
+#: Model sizes per recipe, chosen so every TP shard holds whole quantization blocks: MXFP8's
+#: 1x32 blocks, blockwise FP8's 128x128 weight tiles (hidden 256, 4 heads of 64: linear_qkv
+#: 768 rows, 384 per shard; linear_proj 128 input columns per shard; ffn 512, 256 per shard).
+DIMS = {
+    "mxfp8": dict(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4),
+    "blockwise": dict(hidden_size=256, ffn_hidden_size=512, num_attention_heads=4),
+}
+
+
+def build_tp_gpt(
+    fp8_params: bool, sequence_parallel: bool, seed: int, moe: bool = False,
+    recipe: str = "mxfp8", **dims: int,
+):  # fmt: skip
+    """A 2-layer GPT from megatron's TE spec with ``recipe``'s FP8 compute (MXFP8 or blockwise)
+    at this pool's TP size; with ``fp8_params`` its linear weights are persistent quantized TP
+    shards (``MXFP8Tensor`` / ``Float8BlockwiseQTensor``). Built with
     ``use_cpu_initialization=False`` (TE keeps the high-precision init value the fp32 masters
     of persistent weights start from; tests/test_te_model_training.py says why)."""
-    from transformer_engine.common.recipe import MXFP8BlockScaling
     from transformer_engine.pytorch import quantized_model_init
 
     from tests.support.scenarios import build_gpt, seed_all, transformer_config
+    from tests.support.te_helpers import te_recipe
 
     seed_all(seed)
     config = transformer_config(
-        hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, fp8="e4m3",
-        fp8_recipe="mxfp8", fp8_param=fp8_params, use_cpu_initialization=False,
-        sequence_parallel=sequence_parallel, add_bias_linear=False, **(MOE if moe else {}),
+        **(DIMS[recipe] | dims), fp8="e4m3", fp8_recipe=recipe, fp8_param=fp8_params,
+        use_cpu_initialization=False, sequence_parallel=sequence_parallel,
+        add_bias_linear=False, **(MOE_DIMS[recipe] if moe else {}),
     )  # fmt: skip
     with quantized_model_init(
-        enabled=fp8_params, recipe=MXFP8BlockScaling(), preserve_high_precision_init_val=True
+        enabled=fp8_params, recipe=te_recipe(recipe)[0], preserve_high_precision_init_val=True
     ):
         module = build_gpt(config)
-    for param in module.parameters():  # persistent MXFP8 weights are final
+    for param in module.parameters():  # persistent FP8 weights are final
         if type(param.data) is torch.Tensor:
             param.data = param.data.to(torch.bfloat16)
     return module, config
 
 
+#: The persistent weight class of each recipe.
+PERSISTENT = {"mxfp8": "MXFP8Tensor", "blockwise": "Float8BlockwiseQTensor"}
+
+
+def _stale_columnwise(mp: pytest.MonkeyPatch, recipe: str) -> None:
+    """The control: every persistent weight's columnwise copy (what the dgrad GEMM reads) left
+    stale after the gather. MXFP8: the gathers' re-quantization refreshes the rowwise copy only;
+    blockwise: the derivation of the columnwise copy from the gathered rowwise codes is skipped
+    (receivers keep the previous step's columnwise bytes)."""
+    if recipe == "mxfp8":
+        from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+
+        refresh = rowwise_only_refresh(MXFP8Quantizer.update_quantized)
+        mp.setattr(MXFP8Quantizer, "update_quantized", refresh)
+    else:
+        from nemo_lw_fp8.mechanics import blockwise
+
+        mp.setattr(blockwise, "derive_columnwise", lambda params: None)
+
+
 def tp_gather_run(
-    fp8_param_gather: bool, sequence_parallel: bool, mutation: str | None, moe: bool = False
-):
-    """Three steps of layer-wise Muon (compact layout, owner reduce, Q/K/V parts, overlapped
-    gathers) on the TP-2 GPT; losses, this rank's fp32 masters and how many persistent MXFP8
-    weights it held."""
+    fp8_param_gather: bool, sequence_parallel: bool, mutation: str | None, moe: bool = False,
+    recipe: str = "mxfp8",
+):  # fmt: skip
+    """Three steps of layer-wise Muon (compact layout, owner reduce, overlapped gathers; Q/K/V
+    parts owned apart for MXFP8, whole for blockwise) on the TP-2 GPT; losses, this rank's fp32
+    masters and how many persistent FP8 weights it held."""
     from megatron.core import parallel_state
-    from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 
     import nemo_lw_fp8
     from nemo_lw_fp8.cpu import te_device
     from tests.support import training
     from tests.support.scenarios import Scenario
+    from tests.support.te_helpers import te_recipe
 
     assert parallel_state.get_tensor_model_parallel_world_size() == 2
     scenario = Scenario(
-        model="moe_gpt" if moe else "gpt", fp8=True, fp8_param_gather=fp8_param_gather,
-        plugin=True, optimizer="muon", distribution="layerwise_compact", overlap=True, seed=5,
-        steps=STEPS,
+        model="moe_gpt" if moe else "gpt", fp8=True, fp8_recipe=recipe,
+        fp8_param_gather=fp8_param_gather, plugin=True, optimizer="muon",
+        distribution="layerwise_compact", overlap=True, seed=5, steps=STEPS,
     )  # fmt: skip
     nemo_lw_fp8.apply()
-    with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(te_device.BLACKWELL):
-        from nemo_lw_fp8 import guards
-
-        lifted = tuple(r for r in guards.RULES if r.name != "fp8-gather-tensor-parallel")
-        mp.setattr(guards, "RULES", lifted)  # the rule lifted in this rank (module docstring)
+    with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(te_recipe(recipe)[1]):
         if mutation == "stale_columnwise":
-            refresh = rowwise_only_refresh(MXFP8Quantizer.update_quantized)
-            mp.setattr(MXFP8Quantizer, "update_quantized", refresh)
+            _stale_columnwise(mp, recipe)
         elif mutation is not None:
             raise ValueError(mutation)
-        module, config = build_tp_gpt(fp8_param_gather, sequence_parallel, seed=5, moe=moe)
+        module, config = build_tp_gpt(
+            fp8_param_gather, sequence_parallel, seed=5, moe=moe, recipe=recipe
+        )
         model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
         dp_rank = parallel_state.get_data_parallel_rank()
         losses = []
@@ -113,8 +150,12 @@ def tp_gather_run(
 
                 enable_forward_pre_hook(model)
         training.final_sync(model, optimizer)
-    persistent = sum(type(p).__name__ == "MXFP8Tensor" for p in model[0].module.parameters())
+    persistent = sum(type(p).__name__ == PERSISTENT[recipe] for p in model[0].module.parameters())
+    from nemo_lw_fp8.mechanics import blockwise
+
+    groups = model[0].bucket_groups + model[0].expert_parallel_bucket_groups
     return {
+        "blockwise_gathers": sum(blockwise.plan_of(group) is not None for group in groups),
         "losses": losses,
         "masters": training.state_by_part(optimizer, model[0].module),
         "persistent_fp8": persistent,
@@ -136,10 +177,77 @@ def test_mxfp8_param_gather_at_tp2_on_equals_off(sequence_parallel, moe):
         return run_on_ranks(tp_gather_run, on, sequence_parallel, mutation, moe, world_size=4,
                             parallel=TP2, boot=BOOT)  # fmt: skip
 
+    _assert_on_equals_off_and_control_diverges(run)
+
+
+def _assert_on_equals_off_and_control_diverges(run, recipe: str = "mxfp8") -> None:
     on, off = run(True), run(False)
+    # Blockwise ON gathers through the plugin's blockwise groups (FP8 codes + tile scales);
+    # MXFP8 and OFF runs through megatron's own.
+    gathers = [r["blockwise_gathers"] for r in on + off]
+    blockwise_on = recipe == "blockwise"
+    assert all((r["blockwise_gathers"] > 0) == blockwise_on for r in on), gathers
+    assert all(r["blockwise_gathers"] == 0 for r in off), gathers
     assert all(r["layer_wise"] for r in on + off)
     assert all(r["persistent_fp8"] > 0 for r in on), [r["persistent_fp8"] for r in on]
     assert all(r["persistent_fp8"] == 0 for r in off), [r["persistent_fp8"] for r in off]
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in on)
     assert_same_losses_and_masters(off, on)
     assert_diverges(off, run(True, "stale_columnwise"), compare=assert_same_losses_and_masters)
+
+
+@pytest.mark.parametrize(
+    ("sequence_parallel", "moe"), [(False, False), (True, False), (True, True)],
+    ids=["tp2", "tp2-sp", "tp2-sp-moe"],
+)  # fmt: skip
+def test_blockwise_param_gather_at_tp2_on_equals_off(sequence_parallel, moe):
+    """Blockwise FP8 (TE's ``Float8BlockScaling``, persistent ``Float8BlockwiseQTensor`` TP
+    shards of whole 128x128 tiles, the plugin's blockwise gather: owners ship FP8 codes + tile
+    scales) at TP 2 x DP 2, sequence parallelism off and on: ON = OFF bitwise; with ``moe`` the
+    experts are whole per rank (ETP 1). Control: receivers that skip deriving the columnwise
+    copy after the gather diverge."""
+
+    def run(on: bool, mutation: str | None = None) -> list[dict]:
+        return run_on_ranks(tp_gather_run, on, sequence_parallel, mutation, moe, "blockwise",
+                            world_size=4, parallel=TP2, boot=BOOT)  # fmt: skip
+
+    _assert_on_equals_off_and_control_diverges(run, "blockwise")
+
+
+def refusal_at_build(ffn_hidden_size: int) -> str:
+    """Build the blockwise TP-2 GPT with persistent weights and ``ffn_hidden_size`` and its
+    layer-wise optimizer with FP8 gather; the guards' refusal ("" if none)."""
+    import nemo_lw_fp8
+    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.guards import ConfigError
+    from tests.support import training
+    from tests.support.scenarios import Scenario
+
+    scenario = Scenario(
+        model="gpt", fp8=True, fp8_recipe="blockwise", fp8_param_gather=True, plugin=True,
+        optimizer="muon", distribution="layerwise_compact", overlap=True, seed=5,
+    )  # fmt: skip
+    nemo_lw_fp8.apply()
+    with te_device.target_gpu(te_device.HOPPER):
+        module, config = build_tp_gpt(True, True, 5, recipe="blockwise",
+                                      ffn_hidden_size=ffn_hidden_size)  # fmt: skip
+        try:
+            training.wrap_and_build_optimizer(module, config, scenario)
+        except ConfigError as error:
+            return str(error)
+    return ""
+
+
+def test_a_shard_splitting_a_block_is_refused_when_the_optimizer_is_built():
+    """The block-boundary rule where every run meets it, the layer-wise optimizer's build, on
+    the widths of the built model's ``TransformerConfig``: ffn 640 gives each TP shard 320 rows
+    of linear_fc1, two and a half 128x128 tiles. Control: ffn 512 (256 per shard) builds."""
+
+    def refusal(ffn: int) -> list[str]:
+        return run_on_ranks(refusal_at_build, ffn, world_size=4, parallel=TP2, boot=BOOT)
+
+    for message in refusal(640):
+        assert "fp8-gather-tp-block-boundary" in message, message
+        assert "model.ffn_hidden_size=640 gives each shard 320" in message, message
+        assert "ffn_hidden_size=640 from TransformerConfig.ffn_hidden_size" in message, message
+    assert refusal(512) == [""] * 4

@@ -376,9 +376,10 @@ def boot_for(scenario: Scenario) -> BootOptions:
 
 
 def te_scope(scenario: Scenario) -> contextlib.AbstractContextManager:
-    """Where a TE-spec model is built and run: TE's device questions answered as a B200
-    (:func:`nemo_lw_fp8.cpu.te_device.target_gpu`, ``BLACKWELL``), for ``moe_grouped`` with
-    TE's grouped-linear switches set (:func:`single_param_env`, :data:`MOE_GROUPED_ENV`);
+    """Where a TE-spec model is built and run: TE's device questions answered as the GPU of the
+    scenario's FP8 recipe (:func:`nemo_lw_fp8.cpu.te_device.target_gpu`: ``BLACKWELL``; an H100,
+    ``HOPPER``, for blockwise FP8, which TE converts to MXFP8 on SM 10.0), for ``moe_grouped``
+    with TE's grouped-linear switches set (:func:`single_param_env`, :data:`MOE_GROUPED_ENV`);
     nothing for other models. Refuses a rank whose pool was not booted with :data:`TE_BOOT`
     (megatron would otherwise fall back to its local modules without a word)."""
     if scenario.model not in TE_MODELS:
@@ -391,11 +392,13 @@ def te_scope(scenario: Scenario) -> contextlib.AbstractContextManager:
             f"model {scenario.model!r} is built from megatron's TE spec: run it on a pool booted "
             "with TE_BOOT (run_on_ranks(..., boot=boot_for(scenario)))"
         )
+    blockwise = scenario.fp8 and scenario.fp8_recipe == "blockwise"
+    target = te_device.target_gpu(te_device.HOPPER if blockwise else te_device.BLACKWELL)
     if scenario.model != "moe_grouped":
-        return te_device.target_gpu(te_device.BLACKWELL)
+        return target
     # TE reads its grouped-linear switches when megatron builds the fused ops (first forward).
     stack = contextlib.ExitStack()
-    stack.enter_context(te_device.target_gpu(te_device.BLACKWELL))
+    stack.enter_context(target)
     stack.enter_context(single_param_env(scenario.single_grouped_weight))
     stack.enter_context(env_scope(MOE_GROUPED_ENV))
     return stack
