@@ -16,7 +16,9 @@ The runs go through the guards as a user's would: the rules ``fp8-gather-tensor-
 (ETP > 1 and multi-latent attention stay refused) and ``fp8-gather-tp-block-boundary`` (no
 shard may split a quantization block) let these models through (docs/guards.md); a width
 whose TP shard splits a 128x128 tile is refused where the layer-wise optimizer is built, read
-from the built model's ``TransformerConfig``. Extended tier: 4-rank runs.
+from the built model's ``TransformerConfig``. The gate runs the MXFP8 case with SP and MoE, the
+blockwise case with SP (Bridge's H100 TP-2 layout) and the refusal; the other cases, which repeat
+them with less turned on, are in the extended tier.
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ from tests.support.te_helpers import rowwise_only_refresh
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
     pytest.skip("TE's own modules need TE's Python package", allow_module_level=True)
-
-pytestmark = pytest.mark.extended
 
 BOOT = BootOptions(fp8_emulation=True)
 TP2 = ParallelSpec(tp=2)
@@ -163,9 +163,14 @@ def tp_gather_run(
     }
 
 
+EXTENDED = pytest.mark.extended
+
+
 @pytest.mark.parametrize(
-    ("sequence_parallel", "moe"), [(False, False), (True, False), (True, True)],
-    ids=["tp2", "tp2-sp", "tp2-sp-moe"],
+    ("sequence_parallel", "moe"),
+    [pytest.param(False, False, id="tp2", marks=EXTENDED),
+     pytest.param(True, False, id="tp2-sp", marks=EXTENDED),
+     pytest.param(True, True, id="tp2-sp-moe")],
 )  # fmt: skip
 def test_mxfp8_param_gather_at_tp2_on_equals_off(sequence_parallel, moe):
     """ON = OFF bitwise at TP 2 x DP 2 (the ON run held persistent MXFP8 TP shards, the OFF run
@@ -197,8 +202,10 @@ def _assert_on_equals_off_and_control_diverges(run, recipe: str = "mxfp8") -> No
 
 
 @pytest.mark.parametrize(
-    ("sequence_parallel", "moe"), [(False, False), (True, False), (True, True)],
-    ids=["tp2", "tp2-sp", "tp2-sp-moe"],
+    ("sequence_parallel", "moe"),
+    [pytest.param(False, False, id="tp2", marks=EXTENDED),
+     pytest.param(True, False, id="tp2-sp"),
+     pytest.param(True, True, id="tp2-sp-moe", marks=EXTENDED)],
 )  # fmt: skip
 def test_blockwise_param_gather_at_tp2_on_equals_off(sequence_parallel, moe):
     """Blockwise FP8 (TE's ``Float8BlockScaling``, persistent ``Float8BlockwiseQTensor`` TP

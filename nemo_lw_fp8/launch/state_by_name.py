@@ -9,7 +9,8 @@ ownership can only be compared entry by entry, in model terms.
 :func:`state_by_name` gives, for this rank, one entry per parameter it holds state for: the
 SHA-256 of its fp32 master and of each optimizer state tensor (Muon momentum; Adam moments).
 Keys are what stays fixed when DP size and ownership change: the pipeline stage, the virtual
-chunk, the model's parameter name and, for expert parameters, the expert-parallel rank; a
+chunk, the model's parameter name and, for expert parameters, the expert-parallel rank, and for
+a TP-sharded parameter at tensor (or expert tensor) parallel above 1 its TP rank; a
 grouped expert weight is split into one entry per expert, whether one rank holds the whole
 weight or several hold runs of its experts, and a fused QKV weight into its Q, K, V parts.
 The Adam state of the sibling DistributedOptimizer is put back together over its data-parallel
@@ -41,14 +42,26 @@ class _Names:
 
         pp = ps.get_pipeline_model_parallel_rank()
         ep = ps.get_expert_model_parallel_rank()
+        shard = {
+            False: (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()),
+            True: (
+                ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_rank(),
+            ),
+        }
         self.names: dict[int, str] = {}
         for index, chunk in enumerate(model_chunks):
             for name, param in chunk.named_parameters():
                 while name.startswith("module."):
                     name = name[len("module.") :]
                 expert = not getattr(param, "allreduce", True)
+                # A TP-sharded parameter's shards share its name: the (expert) TP rank tells
+                # them apart (only when that size is above 1, so TP-1 names stay as they were).
+                size, rank = shard[expert]
+                sharded = size > 1 and getattr(param, "tensor_model_parallel", False)
+                tp = f"tp{rank}/" if sharded else ""
                 self.names[id(param)] = (
-                    f"pp{pp}/chunk{index}/" + (f"ep{ep}/" if expert else "") + name
+                    f"pp{pp}/chunk{index}/" + (f"ep{ep}/" if expert else "") + tp + name
                 )
 
     def entries(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -1,0 +1,62 @@
+"""Layer-wise Muon with MXFP8 param gather at tensor parallel 2 through Megatron-Bridge's own
+``pretrain`` (issue 29): ``nemo-lw-fp8 pretrain --cpu`` on 4 CPU ranks (TP 2 x DP 2, sequence
+parallel) builds ``tiny_qwen3_30b_a3b`` as a GB200 would -- Bridge's provider, megatron's TE spec,
+TE's own TP-sharded linears, and the MoE experts as ``TEGroupedMLP`` through TE's op fuser with
+single grouped MXFP8 weights, whole on every rank (expert TP 1).
+
+The claim: FP8 param gather ON = OFF bitwise, for the training and evaluation losses, the grad
+norms and every rank's fp32 masters and optimizer state; the ON ranks held persistent MXFP8
+weights, the OFF ranks none. Control: ON with each gathered weight's columnwise copy left stale
+diverges (from step 3's gradients on). The one TP-2 run of TE's grouped experts: the harness's
+TP-2 MoE (``test_tp_fp8_param_gather.py``) runs megatron's ``SequentialMLP``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support import bridge_runs as br
+
+pytestmark = pytest.mark.usefixtures("bridge_installed")
+
+RECIPE = "tiny_qwen3_30b_a3b"
+TP2_SP = ("model.tensor_model_parallel_size=2", "model.sequence_parallel=true")
+_runs: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp-bridge")
+
+
+def _run(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
+    if tag not in _runs:
+        _runs[tag] = br.pretrain(
+            tmp, tag, RECIPE, *TP2_SP, "train.train_iters=3", "validation.eval_interval=2",
+            "train.global_batch_size=4", *extra, nproc=4, mutation=mutation, probe=True,
+        )  # fmt: skip
+    return _runs[tag]
+
+
+def test_tp2_gather_on_equals_off_through_bridge(runs):
+    on, off = _run(runs, "tp2-on"), _run(runs, "tp2-off", *br.GATHER_OFF)
+    for run in (on, off):
+        for rank in run["probe"]:
+            assert rank["te_modules"] > 0 and rank["project_layers"] == 0, rank
+    assert all(rank["fp8_weights"] > 0 for rank in on["probe"]), on["probe"]
+    assert all(rank["fp8_weights"] == 0 for rank in off["probe"]), off["probe"]
+    assert len(br.losses(on)) == 3 and len(br.eval_losses(on)) >= 1
+    assert br.losses(on) == br.losses(off)
+    assert br.grad_norms(on) == br.grad_norms(off)
+    assert br.eval_losses(on) == br.eval_losses(off)
+    assert on["ranks"] == off["ranks"]  # every rank's masters and optimizer state
+
+
+def test_control_tp2_stale_columnwise_diverges_through_bridge(runs):
+    off = _run(runs, "tp2-off", *br.GATHER_OFF)
+    stale = _run(runs, "tp2-stale", mutation="te_stale_columnwise")
+    assert br.losses(stale)[0] == br.losses(off)[0]
+    assert br.grad_norms(stale) != br.grad_norms(off)
+    assert stale["ranks"] != off["ranks"]
