@@ -9,6 +9,11 @@ norms and every rank's fp32 masters and optimizer state; the ON ranks held persi
 weights, the OFF ranks none. Control: ON with each gathered weight's columnwise copy left stale
 diverges (from step 3's gradients on). The one TP-2 run of TE's grouped experts: the harness's
 TP-2 MoE (``test_tp_fp8_param_gather.py``) runs megatron's ``SequentialMLP``.
+
+And resume at TP 2: the ON run saves at iteration 2 (``torch_dist``, each TP rank its shards);
+fresh processes at TP 2 load it and train iteration 3 = the run that went on, bitwise (loss,
+evaluation, grad norm, every rank's state). Control: each rank's first loaded master one ulp up
+diverges.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ pytestmark = pytest.mark.usefixtures("bridge_installed")
 
 RECIPE = "tiny_qwen3_30b_a3b"
 TP2_SP = ("model.tensor_model_parallel_size=2", "model.sequence_parallel=true")
+SAVED_AT = 2
 _runs: dict[str, dict] = {}
 
 
@@ -40,8 +46,21 @@ def _run(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
     return _runs[tag]
 
 
+def _on(tmp: Path) -> dict:
+    """The ON run; it also saves at iteration 2 (a save must not change what it trains)."""
+    saving = (f"checkpoint.save={tmp / 'ckpt'}", f"checkpoint.save_interval={SAVED_AT}")
+    return _run(tmp, "tp2-on", *saving)
+
+
+def _resumed(tmp: Path, mutation: str = "") -> dict:
+    """Fresh TP-2 processes load the ON run's iteration-2 checkpoint and train iteration 3."""
+    _on(tmp)
+    loading = (f"checkpoint.load={tmp / 'ckpt'}", f"checkpoint.ckpt_step={SAVED_AT}")
+    return _run(tmp, f"tp2-resumed{mutation and '-' + mutation}", *loading, mutation=mutation)
+
+
 def test_tp2_gather_on_equals_off_through_bridge(runs):
-    on, off = _run(runs, "tp2-on"), _run(runs, "tp2-off", *br.GATHER_OFF)
+    on, off = _on(runs), _run(runs, "tp2-off", *br.GATHER_OFF)
     for run in (on, off):
         for rank in run["probe"]:
             assert rank["te_modules"] > 0 and rank["project_layers"] == 0, rank
@@ -60,3 +79,16 @@ def test_control_tp2_stale_columnwise_diverges_through_bridge(runs):
     assert br.losses(stale)[0] == br.losses(off)[0]
     assert br.grad_norms(stale) != br.grad_norms(off)
     assert stale["ranks"] != off["ranks"]
+
+
+def test_tp2_resume_in_fresh_processes_is_bitwise(runs):
+    on, resumed = _on(runs), _resumed(runs)
+    assert br.losses(resumed) == br.losses(on)[SAVED_AT:]
+    assert br.grad_norms(resumed) == br.grad_norms(on)[SAVED_AT:]
+    assert br.eval_losses(resumed) == br.eval_losses(on)[-len(br.eval_losses(resumed)) :]
+    assert resumed["ranks"] == on["ranks"]
+
+
+def test_control_tp2_loaded_master_one_ulp_off_diverges(runs):
+    on, nudged = _on(runs), _resumed(runs, mutation="nudge_loaded_master")
+    assert nudged["ranks"] != on["ranks"]
