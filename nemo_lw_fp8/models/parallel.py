@@ -139,7 +139,8 @@ PARALLELISM: dict[str, dict[str, ParallelismDefaults]] = {
     "deepseek-v3": {
         "h100": ParallelismDefaults(
             recipe="perf_recipes deepseek_v3_pretrain_1024gpu_h100_fp8cs_config (TP2 PP8 VP4 EP64)",
-            muon_change="TP2 -> 1 (whole matrices), PP8 VP4 -> PP16 as DeepSeek's own H800 run",
+            muon_change="TP2 -> 1 (MLA at TP 2 with FP8 gather not yet run), PP8 VP4 -> PP16 "
+            "as DeepSeek's own H800 run",
             nodes=128,
             gpus_per_node=8,
             pp=16,
@@ -219,7 +220,8 @@ PARALLELISM: dict[str, dict[str, ParallelismDefaults]] = {
     "qwen3-235b-a22b": {
         "h100": ParallelismDefaults(
             recipe="perf_recipes qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config (TP2 SP)",
-            muon_change="TP2 -> 1 (attention is 3% of the weights; recompute pays for activations)",
+            muon_change="TP2 -> 1 (its TP-2 twin not built yet; attention is 3% of the weights, "
+            "recompute pays for activations)",
             nodes=32,
             gpus_per_node=8,
             pp=8,
