@@ -49,14 +49,13 @@ def _run(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
 
 def _on(tmp: Path) -> dict:
     """The ON run; it also saves at iteration 2 (a save must not change what it trains)."""
-    saving = (f"checkpoint.save={tmp / 'ckpt'}", f"checkpoint.save_interval={SAVED_AT}")
-    return _run(tmp, "te-on", *saving)
+    return _run(tmp, "te-on", *br.saving_at(tmp, SAVED_AT))
 
 
 def _resumed(tmp: Path, mutation: str = "") -> dict:
     """Fresh processes load the ON run's iteration-2 checkpoint and train iteration 3."""
     _on(tmp)
-    loading = (f"checkpoint.load={tmp / 'ckpt'}", f"checkpoint.ckpt_step={SAVED_AT}")
+    loading = br.loading_at(tmp, SAVED_AT)
     return _run(tmp, f"te-resumed{mutation and '-' + mutation}", *loading, mutation=mutation)
 
 
@@ -66,26 +65,13 @@ def _off(tmp: Path) -> dict:
 
 def test_te_modules_gather_on_equals_off_through_bridge(runs):
     on, off = _on(runs), _off(runs)
-    for run in (on, off):
-        for rank in run["probe"]:
-            assert rank["te_modules"] > 0 and rank["project_layers"] == 0, rank
-    assert all(rank["fp8_weights"] > 0 for rank in on["probe"]), on["probe"]
-    assert all(rank["fp8_weights"] == 0 for rank in off["probe"]), off["probe"]
-    assert len(br.losses(on)) == STEPS and len(br.eval_losses(on)) >= 1
-    assert br.losses(on) == br.losses(off)
-    assert br.grad_norms(on) == br.grad_norms(off)
-    assert br.eval_losses(on) == br.eval_losses(off)
-    assert on["ranks"] == off["ranks"]  # every rank's masters and optimizer state
+    br.assert_gather_on_equals_off(on, off, STEPS)
 
 
 def test_control_stale_columnwise_diverges_through_bridge(runs):
     off = _off(runs)
     stale = _run(runs, "te-stale", mutation="te_stale_columnwise")
-    # Steps 1 and 2 read fresh copies (the first gathers re-quantize both); step 3's dgrad reads
-    # stale columnwise copies: its gradients, so its grad norm and the masters after it, differ.
-    assert br.losses(stale)[0] == br.losses(off)[0]
-    assert br.grad_norms(stale) != br.grad_norms(off)
-    assert stale["ranks"] != off["ranks"]
+    br.assert_stale_columnwise_diverges(off, stale)
 
 
 def test_te_modules_resume_in_fresh_processes_is_bitwise(runs):
@@ -93,10 +79,7 @@ def test_te_modules_resume_in_fresh_processes_is_bitwise(runs):
     back; the resumed iteration, its evaluation and every rank's final state equal the run that
     went on."""
     on, resumed = _on(runs), _resumed(runs)
-    assert br.losses(resumed) == br.losses(on)[SAVED_AT:]
-    assert br.grad_norms(resumed) == br.grad_norms(on)[SAVED_AT:]
-    assert br.eval_losses(resumed) == br.eval_losses(on)[-len(br.eval_losses(resumed)) :]
-    assert resumed["ranks"] == on["ranks"]
+    br.assert_resumed_goes_on(on, resumed, SAVED_AT)
 
 
 def test_control_loaded_master_one_ulp_off_diverges(runs):

@@ -48,45 +48,30 @@ def _run(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
 
 def _on(tmp: Path) -> dict:
     """The ON run; it also saves at iteration 2 (a save must not change what it trains)."""
-    saving = (f"checkpoint.save={tmp / 'ckpt'}", f"checkpoint.save_interval={SAVED_AT}")
-    return _run(tmp, "tp2-on", *saving)
+    return _run(tmp, "tp2-on", *br.saving_at(tmp, SAVED_AT))
 
 
 def _resumed(tmp: Path, mutation: str = "") -> dict:
     """Fresh TP-2 processes load the ON run's iteration-2 checkpoint and train iteration 3."""
     _on(tmp)
-    loading = (f"checkpoint.load={tmp / 'ckpt'}", f"checkpoint.ckpt_step={SAVED_AT}")
+    loading = br.loading_at(tmp, SAVED_AT)
     return _run(tmp, f"tp2-resumed{mutation and '-' + mutation}", *loading, mutation=mutation)
 
 
 def test_tp2_gather_on_equals_off_through_bridge(runs):
     on, off = _on(runs), _run(runs, "tp2-off", *br.GATHER_OFF)
-    for run in (on, off):
-        for rank in run["probe"]:
-            assert rank["te_modules"] > 0 and rank["project_layers"] == 0, rank
-    assert all(rank["fp8_weights"] > 0 for rank in on["probe"]), on["probe"]
-    assert all(rank["fp8_weights"] == 0 for rank in off["probe"]), off["probe"]
-    assert len(br.losses(on)) == 3 and len(br.eval_losses(on)) >= 1
-    assert br.losses(on) == br.losses(off)
-    assert br.grad_norms(on) == br.grad_norms(off)
-    assert br.eval_losses(on) == br.eval_losses(off)
-    assert on["ranks"] == off["ranks"]  # every rank's masters and optimizer state
+    br.assert_gather_on_equals_off(on, off, 3)
 
 
 def test_control_tp2_stale_columnwise_diverges_through_bridge(runs):
     off = _run(runs, "tp2-off", *br.GATHER_OFF)
     stale = _run(runs, "tp2-stale", mutation="te_stale_columnwise")
-    assert br.losses(stale)[0] == br.losses(off)[0]
-    assert br.grad_norms(stale) != br.grad_norms(off)
-    assert stale["ranks"] != off["ranks"]
+    br.assert_stale_columnwise_diverges(off, stale)
 
 
 def test_tp2_resume_in_fresh_processes_is_bitwise(runs):
     on, resumed = _on(runs), _resumed(runs)
-    assert br.losses(resumed) == br.losses(on)[SAVED_AT:]
-    assert br.grad_norms(resumed) == br.grad_norms(on)[SAVED_AT:]
-    assert br.eval_losses(resumed) == br.eval_losses(on)[-len(br.eval_losses(resumed)) :]
-    assert resumed["ranks"] == on["ranks"]
+    br.assert_resumed_goes_on(on, resumed, SAVED_AT)
 
 
 def test_control_tp2_loaded_master_one_ulp_off_diverges(runs):

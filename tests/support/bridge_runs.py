@@ -114,3 +114,48 @@ def grad_norms(run: dict) -> list[float]:
 
 def eval_losses(run: dict) -> list[float]:
     return [row["lm loss"] for row in run["eval"]]
+
+
+def saving_at(tmp: Path, iteration: int) -> tuple[str, ...]:
+    """Overrides that save a ``torch_dist`` checkpoint into ``tmp / "ckpt"`` every ``iteration``
+    iterations."""
+    return (f"checkpoint.save={tmp / 'ckpt'}", f"checkpoint.save_interval={iteration}")
+
+
+def loading_at(tmp: Path, iteration: int) -> tuple[str, ...]:
+    """Overrides that load :func:`saving_at`'s checkpoint of ``iteration``."""
+    return (f"checkpoint.load={tmp / 'ckpt'}", f"checkpoint.ckpt_step={iteration}")
+
+
+def assert_gather_on_equals_off(on: dict, off: dict, steps: int) -> None:
+    """FP8 param gather ON = OFF through Bridge: both runs built TE's modules (no project layer),
+    only ON held persistent FP8 weights; losses, evaluations, grad norms and every rank's masters
+    and optimizer state bitwise (runs made with ``probe=True``)."""
+    for run in (on, off):
+        for rank in run["probe"]:
+            assert rank["te_modules"] > 0 and rank["project_layers"] == 0, rank
+    assert all(rank["fp8_weights"] > 0 for rank in on["probe"]), on["probe"]
+    assert all(rank["fp8_weights"] == 0 for rank in off["probe"]), off["probe"]
+    assert len(losses(on)) == steps and len(eval_losses(on)) >= 1
+    assert losses(on) == losses(off)
+    assert grad_norms(on) == grad_norms(off)
+    assert eval_losses(on) == eval_losses(off)
+    assert on["ranks"] == off["ranks"]
+
+
+def assert_stale_columnwise_diverges(off: dict, stale: dict) -> None:
+    """The control of :func:`assert_gather_on_equals_off`: steps 1 and 2 read fresh copies (the
+    first gathers re-quantize both); step 3's dgrad reads stale columnwise copies, so its grad
+    norm and every rank's state after it differ."""
+    assert losses(stale)[0] == losses(off)[0]
+    assert grad_norms(stale) != grad_norms(off)
+    assert stale["ranks"] != off["ranks"]
+
+
+def assert_resumed_goes_on(went_on: dict, resumed: dict, saved_at: int) -> None:
+    """Fresh processes that loaded ``went_on``'s checkpoint of iteration ``saved_at`` trained the
+    rest exactly as it did: losses, grad norms, evaluations, every rank's final state."""
+    assert losses(resumed) == losses(went_on)[saved_at:]
+    assert grad_norms(resumed) == grad_norms(went_on)[saved_at:]
+    assert eval_losses(resumed) == eval_losses(went_on)[-len(eval_losses(resumed)) :]
+    assert resumed["ranks"] == went_on["ranks"]
