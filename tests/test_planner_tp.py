@@ -182,9 +182,14 @@ def test_newton_schulz_work_per_owner_follows_muon_tp_mode(mode):
     tp_peer = owner ^ 1  # ranks 2k, 2k + 1 are one DP member's two TP ranks
     assert ns["tp_mode_by_rank"][owner] == ns["tp_mode_by_rank"][tp_peer] == work
     assert sum(ns["tp_mode_by_rank"]) == tp * work
-    gathers = result["layouts"]["compact"]["muon_tp_gather"]["bytes_by_rank"]
-    # duplicated: each TP rank of the owner receives the other shard of the fp32 matrix
-    expected = 4 * rows * cols // tp * (tp - 1) if mode == "duplicated" else 0
+    gathers = result["layouts"]["compact"]["muon_tp_comm"]["bytes_by_rank"]
+    # duplicated: each TP rank of the owner receives the other shard of the fp32 matrix;
+    # distributed: 5 ring all-reduces of the fp32 (H, H) Gram matrix and one of a scalar
+    expected = {
+        "duplicated": 4 * rows * cols // tp * (tp - 1),
+        "blockwise": 0,
+        "distributed": 5 * (2 * (tp - 1) * 4 * cols * cols // tp) + 2 * (tp - 1) * 4 // tp,
+    }[mode]
     assert gathers[owner] == gathers[tp_peer] == expected
     assert sum(gathers) == tp * expected
 
@@ -199,7 +204,7 @@ def test_tp_one_modes_are_the_whole_matrix():
             assert (
                 ns["tp_mode_by_rank"] == ns["by_rank"] == runs[0][name]["newton_schulz"]["by_rank"]
             )
-            assert not any(layouts[name]["muon_tp_gather"]["bytes_by_rank"])
+            assert not any(layouts[name]["muon_tp_comm"]["bytes_by_rank"])
 
 
 def test_distributed_mode_pays_for_splitting_the_short_side():
@@ -210,6 +215,56 @@ def test_distributed_mode_pays_for_splitting_the_short_side():
     wide = tp_shard(_matrix(f"{L}.mlp.linear_fc1.weight", H, 4 * H), tp=2, etp=2)
     assert ns_cost(wide.shape, wide, "distributed") == (4 * H) ** 2 * H // 2
     assert ns_cost(wide.shape, wide, "distributed") > lo.newton_schulz_cost((H, 4 * H))
+
+
+class _CountingGroup:
+    """A TP group of ``size`` ranks that only answers ``size()`` / ``rank()``: the collectives
+    are recorded, not run (each rank's payload is what matters for the byte count)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("mode", ["duplicated", "distributed"])
+@pytest.mark.parametrize("name, shape", [("linear_fc1", (2 * FFN, H)), ("linear_fc2", (H, FFN))])
+def test_tp_traffic_is_what_newton_schulz_tp_sends(monkeypatch, mode, name, shape):
+    """``tp_comm_bytes`` against the collectives ``emerging_optimizers``' ``newton_schulz_tp``
+    (megatron's TP Newton-Schulz) really issues on one rank's shard: every all-gather and
+    all-reduce payload is recorded, and a ring receives ``(tp - 1) / tp`` of a gather's output
+    and ``2 (tp - 1) / tp`` of an all-reduce. Control (``distributed``): one Newton-Schulz step
+    fewer in the planner's count no longer matches (the count is per iteration)."""
+    import torch
+    from emerging_optimizers.orthogonalized_optimizers import muon_utils
+
+    from nemo_lw_fp8.models.tensor_parallel import NS_STEPS, tp_comm_bytes
+
+    tp = 2
+    spec = tp_shard(_matrix(f"{L}.mlp.{name}.weight", *shape), tp=tp, etp=tp)
+    received: list[int] = []
+
+    def all_gather(outs, x, group=None):
+        for out in outs:
+            out.copy_(x)
+        received.append((group.size() - 1) * x.numel() * x.element_size())
+
+    def all_reduce(x, op=None, group=None):
+        received.append(2 * (group.size() - 1) * x.numel() * x.element_size() // group.size())
+
+    monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    shard = torch.randn(spec.shape, generator=torch.Generator().manual_seed(0))
+    muon_utils.newton_schulz_tp(
+        shard, NS_STEPS, "quintic", _CountingGroup(tp), partition_dim=spec.tp_dim, tp_mode=mode
+    )
+    assert sum(received) == tp_comm_bytes(spec.shape, spec, mode) > 0
+    if mode == "distributed":
+        assert tp_comm_bytes(spec.shape, spec, mode, ns_steps=NS_STEPS - 1) != sum(received)
 
 
 # ----------------------------------------------------------------------------- traffic
@@ -259,7 +314,7 @@ def test_plan_cli_model_form_at_tp_2(capsys):
     assert (result["tp"], result["stage_ranks"], result["muon_tp_mode"]) == (2, 4, "blockwise")
     ns = result["layouts"]["compact"]["newton_schulz"]
     assert ns["tp_mode_by_rank"] == ns["by_rank"]
-    assert not any(result["layouts"]["compact"]["muon_tp_gather"]["bytes_by_rank"])
+    assert not any(result["layouts"]["compact"]["muon_tp_comm"]["bytes_by_rank"])
     assert result["traffic"] and all(row["tp"] == 2 for row in result["traffic"])
     assert plan_cli.main(argv) == 0
     assert "TP 2 ETP 1, muon_tp_mode=blockwise" in capsys.readouterr().out

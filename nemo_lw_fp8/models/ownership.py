@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .. import layout as lo
 from .qkv_split import QkvParts, qkv_parts, unit_costs
 from .shapes import ParamSpec
-from .tensor_parallel import StageRanks, ns_cost, tp_gather_bytes
+from .tensor_parallel import StageRanks, ns_cost, tp_comm_bytes
 
 
 @dataclass
@@ -28,8 +28,9 @@ class Ownership:
     ``(owner, 1)`` per part, in split order. Rank vectors run over the pipeline stage's ranks
     (:class:`.tensor_parallel.StageRanks`; the data-parallel ranks at TP = 1): ``cost`` is
     what ownership balances (the local shards' work, as the compact patch measures it),
-    ``flops`` the work each rank really does under ``muon_tp_mode`` and ``tp_gather`` the
-    bytes its ``duplicated`` TP all-gathers receive; ``expert_ranks[g]`` the stage ranks of
+    ``flops`` the work each rank really does under ``muon_tp_mode`` and ``tp_comm`` the
+    bytes its Newton-Schulz receives over TP (``duplicated``'s all-gathers, ``distributed``'s
+    Gram all-reduces); ``expert_ranks[g]`` the stage ranks of
     expert group ``g`` in group-rank order."""
 
     dense: dict[int, list[tuple[int, int]]]
@@ -39,7 +40,7 @@ class Ownership:
     expert_groups: list[dict[int, list[tuple[int, int]]]] = field(default_factory=list)
     qkv: dict[int, QkvParts] = field(default_factory=dict)
     flops: list[int] = field(default_factory=list)
-    tp_gather: list[int] = field(default_factory=list)
+    tp_comm: list[int] = field(default_factory=list)
     expert_ranks: list[list[int]] = field(default_factory=list)
 
     def pieces(self, table: dict, i: int, numel: int) -> list[tuple[int, int]]:
@@ -118,7 +119,9 @@ def our_owners(
         for piece in pieces:  # parameter order, units ascending: parts in split order
             table[slots[piece.index]].append((piece.owner, piece.hi - piece.lo))
         flops = [ns_cost(shape, specs[slots[k]], muon_tp_mode) for k, shape in enumerate(shapes)]
-        gathers = [tp_gather_bytes(n, specs[slots[k]], muon_tp_mode) for k, n in enumerate(sizes)]
+        gathers = [
+            tp_comm_bytes(shape, specs[slots[k]], muon_tp_mode) for k, shape in enumerate(shapes)
+        ]
         return table, [
             lo.piece_loads(values, counts, pieces, world) for values in (costs, flops, gathers)
         ]
@@ -128,7 +131,7 @@ def our_owners(
     dense, (dense_loads, dense_flops, dense_gather) = owned(dense_members, dp, None)
     cost = ranks.view(dense_loads, expert=False)
     flops = ranks.view(dense_flops, expert=False)
-    tp_gather = ranks.view(dense_gather, expert=False)
+    tp_comm = ranks.view(dense_gather, expert=False)
     groups = []
     expert_ranks = ranks.expert_groups()
     for group in expert_ranks:
@@ -137,9 +140,9 @@ def our_owners(
         for k, r in enumerate(group):
             cost[r] += loads[0][k]
             flops[r] += loads[1][k]
-            tp_gather[r] += loads[2][k]
+            tp_comm[r] += loads[2][k]
         groups.append(table)
-    return Ownership(dense, groups[0], units, cost, groups, qkv, flops, tp_gather, expert_ranks)
+    return Ownership(dense, groups[0], units, cost, groups, qkv, flops, tp_comm, expert_ranks)
 
 
 def stock_costs(
@@ -156,13 +159,13 @@ def stock_tp_work(
     specs: Sequence[ParamSpec], padded: lo.StockLayout, world: int, qkv_ownership: str, mode: str
 ) -> tuple[list[int], list[int]]:
     """Per member of a Muon buffer's group in megatron's padded layout: the Newton-Schulz work
-    under ``muon_tp_mode`` ``mode`` and the bytes the ``duplicated`` TP all-gathers receive
-    (:func:`.tensor_parallel.ns_cost`, :func:`.tensor_parallel.tp_gather_bytes`)."""
+    under ``muon_tp_mode`` ``mode`` and the bytes its Newton-Schulz receives over TP
+    (:func:`.tensor_parallel.ns_cost`, :func:`.tensor_parallel.tp_comm_bytes`)."""
     flops, gathers = [], []
     for s in specs:
         parts = qkv_parts(s, qkv_ownership)
         shapes = parts.shapes if parts is not None else [s.shape]
         flops.append(sum(ns_cost(shape, s, mode) for shape in shapes))
-        gathers.append(tp_gather_bytes(s.numel, s, mode))
+        gathers.append(sum(tp_comm_bytes(shape, s, mode) for shape in shapes))
     owners = padded.owners or []
     return lo.rank_loads(flops, owners, world), lo.rank_loads(gathers, owners, world)

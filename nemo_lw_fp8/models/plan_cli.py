@@ -89,11 +89,11 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append("  ".join("-" * w for w in widths))
     if result.get("tp", 1) > 1 or result.get("etp", 1) > 1:
         ns = [x["newton_schulz"] for x in lays[:2]]
-        gathers = [x["muon_tp_gather"]["bytes_per_rank"] for x in lays[:2]]
+        gathers = [x["muon_tp_comm"]["bytes_per_rank"] for x in lays[:2]]
         lines.append(
             f"TP {result['tp']} ETP {result['etp']}, muon_tp_mode={result['muon_tp_mode']}: "
             f"Newton-Schulz max work / rank {ns[0]['tp_mode_max']:.3g} (stock_padded), "
-            f"{ns[1]['tp_mode_max']:.3g} (compact); TP all-gather {unit} / rank / step "
+            f"{ns[1]['tp_mode_max']:.3g} (compact); Newton-Schulz TP traffic {unit} / rank / step "
             f"{fmt(gathers[0])} (stock_padded), {fmt(gathers[1])} (compact)"
         )
     summary = result["summary"]

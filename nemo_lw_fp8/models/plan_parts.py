@@ -173,7 +173,7 @@ class Acc:
                 "tp_mode_max": max(flops),
                 "tp_mode_max_over_mean": lo.imbalance(flops),
             }
-            out["muon_tp_gather"] = {
+            out["muon_tp_comm"] = {
                 "bytes_by_rank": list(gathers),
                 "bytes_per_rank": max(gathers),
             }

@@ -185,7 +185,7 @@ def plan(
         return rank_view(loads, buf.expert, stage)
 
     stock, compact = Acc(nranks), Acc(nranks)
-    stock_ns, stock_flops, stock_tp_gather = [0] * nranks, [0] * nranks, [0] * nranks
+    stock_ns, stock_flops, stock_tp_comm = [0] * nranks, [0] * nranks, [0] * nranks
     # per process group (expert or not): (buffer, stock layout, compact layout)
     per_group: dict[bool, list[tuple[Buffer, lo.StockLayout, lo.StockLayout]]] = {
         False: [],
@@ -207,7 +207,7 @@ def plan(
             costs = stock_costs(buf.specs, padded, w, qkv_ownership)
             work = stock_tp_work(buf.specs, padded, w, qkv_ownership, muon_tp_mode)
             for totals, values in zip(
-                (stock_ns, stock_flops, stock_tp_gather), (costs, *work), strict=True
+                (stock_ns, stock_flops, stock_tp_comm), (costs, *work), strict=True
             ):
                 for r, value in enumerate(rank_view(values, buf.expert, stage)):
                     totals[r] += value
@@ -378,7 +378,7 @@ def plan(
         "stock_padded": stock.report(
             "megatron-core 0.19.2 padded layer-wise layout (Muon) + DistributedOptimizer (Adam)",
             stock_ns,
-            work=(stock_flops, stock_tp_gather),
+            work=(stock_flops, stock_tp_comm),
         ),
         "compact": compact.report(
             "compact Muon buffers, cost-balanced ownership, one even gather per gather group",
@@ -391,7 +391,7 @@ def plan(
                     "gather_padding_tolerance": gather_padding_tolerance,
                 }
             },
-            work=(own.flops, own.tp_gather),
+            work=(own.flops, own.tp_comm),
         ),
         "adam_distopt": adam_acc.report("Adam on every parameter via DistributedOptimizer", None),
     }

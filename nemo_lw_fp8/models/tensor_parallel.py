@@ -154,10 +154,44 @@ def ns_cost(shape: tuple[int, ...], spec: ParamSpec, mode: str) -> int:
     return stack * other * other * split // spec.tp
 
 
-def tp_gather_bytes(numel: int, spec: ParamSpec, mode: str) -> int:
-    """Bytes one TP rank receives when ``duplicated`` all-gathers an owned piece of ``numel``
-    local elements (fp32 momentum-updated gradient, ``torch.distributed.all_gather`` over TP):
-    ``(tp - 1)`` shards. 0 for whole parameters and the other modes."""
-    if mode != "duplicated" or spec.tp_dim is None or spec.tp == 1:
+#: megatron's ``OptimizerConfig.muon_num_ns_steps`` default: Newton-Schulz iterations per update.
+NS_STEPS = 5
+
+
+def _ring_all_reduce(world: int, nbytes: int) -> int:
+    """Bytes one rank receives in a ring all-reduce of ``nbytes`` (reduce-scatter, all-gather)."""
+    return 2 * (world - 1) * nbytes // world
+
+
+def tp_comm_bytes(
+    shape: tuple[int, ...], spec: ParamSpec, mode: str, ns_steps: int = NS_STEPS
+) -> int:
+    """Bytes one TP rank receives over the TP group while Newton-Schulz orthogonalizes an owned
+    piece of local ``shape`` cut from ``spec`` (``emerging_optimizers``' ``newton_schulz_tp``):
+
+    * ``duplicated``: one ``all_gather`` of the fp32 momentum-updated gradient, ``tp - 1``
+      shards of ``shape``;
+    * ``distributed``: each of the ``ns_steps`` iterations all-reduces the fp32 Gram matrix of
+      the unsplit side ``k`` (``k x k`` per stacked matrix), and the normalisation all-reduces
+      one fp32 sum of squares per stacked matrix first; ring all-reduces, ``2 (tp - 1) / tp`` of
+      each;
+    * ``blockwise``, whole parameters and TP 1: nothing.
+
+    fp32 because megatron runs Newton-Schulz at the default matmul precision; under
+    ``torch.set_float32_matmul_precision("medium")`` the Gram matrices would be bf16."""
+    if mode not in MUON_TP_MODES:
+        raise ValueError(f"muon_tp_mode must be one of {MUON_TP_MODES}, got {mode!r}")
+    if mode == "blockwise" or spec.tp_dim is None or spec.tp == 1:
         return 0
-    return numel * (spec.tp - 1) * 4
+    tp = spec.tp
+    if mode == "duplicated":
+        numel = 1
+        for d in shape:
+            numel *= d
+        return numel * (tp - 1) * 4
+    full = list(shape)
+    full[spec.tp_dim] *= tp
+    stack = 1 if len(full) == 2 else full[0]
+    other = full[-1] if spec.tp_dim == len(full) - 2 else full[-2]
+    gram = _ring_all_reduce(tp, stack * other * other * 4)
+    return ns_steps * gram + _ring_all_reduce(tp, stack * 4)
