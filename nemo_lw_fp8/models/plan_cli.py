@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--muon-tp-mode", choices=MUON_TP_MODES, default=None,
         help="Newton-Schulz of TP-sharded matrices (megatron's muon_tp_mode; default "
-        "duplicated): the work and TP all-gather bytes per owner at TP or ETP > 1",
+        "duplicated): the work and TP traffic per owner at TP or ETP > 1",
     )  # fmt: skip
     parser.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket")
     parser.add_argument(

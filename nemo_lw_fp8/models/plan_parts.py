@@ -134,7 +134,7 @@ class Acc:
         work: tuple[list[int], list[int]] | None = None,
     ) -> dict:
         """The layout's JSON entry; ``work``: per rank the Newton-Schulz work under
-        ``muon_tp_mode`` and the bytes its TP all-gathers receive (``duplicated``)."""
+        ``muon_tp_mode`` and the bytes its Newton-Schulz receives over TP."""
         dp = len(self.mem["params"])
         totals = [sum(self.mem[f][r] for f in MEMORY_FIELDS) for r in range(dp)]
         worst = max(range(dp), key=lambda r: (totals[r], -r))
