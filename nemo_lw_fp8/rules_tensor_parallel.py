@@ -3,11 +3,13 @@
 What is verified (``tests/test_tp_fp8_param_gather.py``, TP 2 x DP 2 on TE's own modules): each
 rank's persistent FP8 weights are its TP shards, quantized and gathered over data parallel as
 whole matrices are at TP 1, with MXFP8 (1x32 blocks) and blockwise FP8 (128x128 weight tiles);
-standard attention (fused ``linear_qkv``), dense MLPs and MoE experts whole per rank (expert
-tensor parallel 1). Two rules:
+standard attention (fused ``linear_qkv``), dense MLPs, MoE experts whole per rank (expert
+tensor parallel 1) and discrete expert linears (megatron's ``SequentialMLP``) split over expert
+tensor parallel 2. Two rules:
 
 * ``fp8-gather-tensor-parallel``: what is still unverified at TP / ETP > 1 is refused with its
-  reason (experts split over expert-tensor parallel; at TP > 1 multi-latent attention, hybrid
+  reason (grouped expert weights split over expert-tensor parallel; at TP > 1 multi-latent
+  attention, hybrid
   Gated DeltaNet / DSA layers and a gated attention output);
 * ``fp8-gather-tp-block-boundary``: a TP (or ETP) shard boundary inside a quantization block,
   read from the model's dimensions at configuration time: every sharded width per rank must be
@@ -42,13 +44,14 @@ def fp8_gather_tensor_parallel(s: Settings) -> str | None:
     if not _tp_gather(s):
         return None
     tp, etp = s.tensor_model_parallel_size, expert_tensor_parallel(s)
-    if s.num_moe_experts and etp > 1:
+    if s.num_moe_experts and etp > 1 and s.moe_grouped_gemm:
         return (
-            f"layer-wise Muon with --fp8-param-gather is verified with experts whole per rank "
-            f"only (expert tensor parallel 1), got ETP={etp} (unset ETP follows TP={tp}): "
-            "FP8 gathers of expert shards split over expert-tensor parallel (grouped or "
-            "sequential) have not been run. Fix: set model.expert_tensor_parallel_size=1 (use "
-            "EP for memory), or drop --fp8-param-gather."
+            f"layer-wise Muon with --fp8-param-gather at expert tensor parallel > 1 is verified "
+            f"with discrete expert linears only (model.moe_grouped_gemm=False, megatron's "
+            f"SequentialMLP), got ETP={etp} (unset ETP follows TP={tp}) with grouped experts: "
+            "FP8 gathers of grouped expert weights split over expert-tensor parallel have not "
+            "been run. Fix: set model.expert_tensor_parallel_size=1 (use EP for memory), or "
+            "model.moe_grouped_gemm=False, or drop --fp8-param-gather."
         )
     unverified = [
         ("model.multi_latent_attention=True", s.multi_latent_attention,

@@ -296,6 +296,9 @@ TP2_MXFP8 = dict(
     hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_moe_experts=4,
     moe_ffn_hidden_size=64, expert_tensor_parallel_size=1,
 )  # fmt: skip
+#: Experts as discrete TE linears (megatron's SequentialMLP), not one grouped weight.
+DISCRETE_EXPERTS = dict(moe_grouped_gemm=False, moe_single_grouped_weight=False,
+                        use_transformer_engine_op_fuser=False)  # fmt: skip
 TP2_BLOCKWISE = dict(
     TP2_MXFP8, fp8_recipe="blockwise", reuse_grad_buf_for_mxfp8_param_ag=False,
     hidden_size=256, ffn_hidden_size=512, moe_ffn_hidden_size=128,
@@ -320,9 +323,14 @@ TP2_BLOCKWISE = dict(
              ffn_hidden_size=96),
         # Unaligned widths without FP8 param gather: bf16 weights, FP8 compute only.
         dict(TP2_BLOCKWISE, fp8_param_gather=False, ffn_hidden_size=320),
+        # Discrete expert linears (SequentialMLP) split over ETP 2, whole blocks per shard.
+        dict(TP2_MXFP8, expert_tensor_parallel_size=2, **DISCRETE_EXPERTS),
+        dict(TP2_BLOCKWISE, expert_tensor_parallel_size=2, moe_ffn_hidden_size=256,
+             **DISCRETE_EXPERTS),
     ],
     ids=["mxfp8", "blockwise", "mxfp8-dense", "blockwise-gqa", "blockwise-shared-experts",
-         "blockwise-tp4", "dims-unknown", "tp1", "no-fp8-gather"],
+         "blockwise-tp4", "dims-unknown", "tp1", "no-fp8-gather", "mxfp8-etp2-discrete",
+         "blockwise-etp2-discrete"],
 )  # fmt: skip
 def test_fp8_gather_at_tensor_parallel_passes_with_whole_blocks_per_shard(settings):
     assert guards.violations(Settings(**settings)) == []
@@ -347,9 +355,14 @@ TP_REFUSED = [
     ("blockwise shared experts", dict(TP2_BLOCKWISE, moe_shared_expert_intermediate_size=128),
      "fp8-gather-tp-block-boundary",
      ["model.moe_shared_expert_intermediate_size=128", "each shard 64"]),
-    ("experts at ETP 2", dict(TP2_MXFP8, expert_tensor_parallel_size=2),
+    ("grouped experts at ETP 2", dict(TP2_MXFP8, expert_tensor_parallel_size=2),
      "fp8-gather-tensor-parallel",
-     ["ETP=2", "experts whole per rank", "model.expert_tensor_parallel_size=1"]),
+     ["ETP=2", "discrete expert linears only", "model.expert_tensor_parallel_size=1",
+      "model.moe_grouped_gemm=False"]),
+    ("blockwise discrete experts' ETP-2 shard of 64", dict(
+        TP2_BLOCKWISE, expert_tensor_parallel_size=2, **DISCRETE_EXPERTS),
+     "fp8-gather-tp-block-boundary",
+     ["model.moe_ffn_hidden_size=128", "each shard 64", "model.expert_tensor_parallel_size"]),
     ("ETP unset follows TP 2", dict(TP2_BLOCKWISE, expert_tensor_parallel_size=None),
      "fp8-gather-tensor-parallel", ["ETP=2 (unset ETP follows TP=2)"]),
     ("ETP 2 at TP 1", dict(TP2_MXFP8, tensor_model_parallel_size=1, expert_tensor_parallel_size=2),

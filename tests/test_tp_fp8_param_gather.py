@@ -12,13 +12,18 @@ blocks; SP off and on, MoE at ETP 1) and blockwise FP8 (TE's ``Float8BlockScalin
 Controls: ON with each persistent weight's columnwise copy left stale after the gather
 diverges.
 
+Expert tensor parallel 2 (discrete expert linears, ``SequentialMLP``; each expert's ETP shards
+owned over the 2-rank expert data-parallel group): ON = OFF bitwise with MXFP8 (extended) and
+blockwise FP8 (gate), the same controls.
+
 The runs go through the guards as a user's would: the rules ``fp8-gather-tensor-parallel``
-(ETP > 1 and multi-latent attention stay refused) and ``fp8-gather-tp-block-boundary`` (no
-shard may split a quantization block) let these models through (docs/guards.md); a width
-whose TP shard splits a 128x128 tile is refused where the layer-wise optimizer is built, read
-from the built model's ``TransformerConfig``. The gate runs the MXFP8 case with SP and MoE, the
-blockwise case with SP (Bridge's H100 TP-2 layout) and the refusal; the other cases, which repeat
-them with less turned on, are in the extended tier.
+(grouped experts at ETP > 1 and multi-latent attention stay refused) and
+``fp8-gather-tp-block-boundary`` (no shard may split a quantization block) let these models
+through (docs/guards.md); a width whose TP shard splits a 128x128 tile is refused where the
+layer-wise optimizer is built, read from the built model's ``TransformerConfig``. The gate runs
+the MXFP8 case with SP and MoE, the blockwise cases with SP (Bridge's H100 TP-2 layout) and with
+SP and MoE at ETP 2, and the refusal; the other cases, which repeat them with less turned on,
+are in the extended tier.
 """
 
 from __future__ import annotations
@@ -36,6 +41,13 @@ if te_backend.te_package_dirs() is None:  # find, never import, TE in this proce
 
 BOOT = BootOptions(fp8_emulation=True)
 TP2 = ParallelSpec(tp=2)
+
+
+def tp2(etp: int) -> ParallelSpec:
+    """TP 2 with expert tensor parallel ``etp``: the process groups must agree with the model's
+    ``expert_tensor_parallel_size`` (megatron builds the expert groups from the ranks' groups,
+    not from the config; ``ParallelSpec``'s default ETP is TP)."""
+    return ParallelSpec(tp=2, etp=etp)
 STEPS = 3
 
 
@@ -45,6 +57,16 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
            moe_token_dispatcher_type="allgather", expert_tensor_parallel_size=1)  # fmt: skip
 #: Blockwise experts of whole 128x128 tiles.
 MOE_DIMS = {"mxfp8": MOE, "blockwise": {**MOE, "moe_ffn_hidden_size": 128}}
+
+
+def _moe_dims(recipe: str, etp: int) -> dict:
+    """The MoE settings at expert tensor parallel ``etp``: expert widths scaled by ``etp`` for
+    blockwise FP8, so each ETP shard still holds whole 128x128 tiles (MXFP8's 64 gives 32 per
+    shard at ETP 2, one 1x32 block)."""
+    dims = {**MOE_DIMS[recipe], "expert_tensor_parallel_size": etp}
+    if recipe == "blockwise":
+        dims["moe_ffn_hidden_size"] *= etp
+    return dims
 
 
 #: Model sizes per recipe, chosen so every TP shard holds whole quantization blocks: MXFP8's
@@ -58,7 +80,7 @@ DIMS = {
 
 def build_tp_gpt(
     fp8_params: bool, sequence_parallel: bool, seed: int, moe: bool = False,
-    recipe: str = "mxfp8", **dims: int,
+    recipe: str = "mxfp8", etp: int = 1, **dims: int,
 ):  # fmt: skip
     """A 2-layer GPT from megatron's TE spec with ``recipe``'s FP8 compute (MXFP8 or blockwise)
     at this pool's TP size; with ``fp8_params`` its linear weights are persistent quantized TP
@@ -74,7 +96,8 @@ def build_tp_gpt(
     config = transformer_config(
         **(DIMS[recipe] | dims), fp8="e4m3", fp8_recipe=recipe, fp8_param=fp8_params,
         use_cpu_initialization=False, sequence_parallel=sequence_parallel,
-        add_bias_linear=False, **(MOE_DIMS[recipe] if moe else {}),
+        add_bias_linear=False,
+        **(_moe_dims(recipe, etp) if moe else {}),
     )  # fmt: skip
     with quantized_model_init(
         enabled=fp8_params, recipe=te_recipe(recipe)[0], preserve_high_precision_init_val=True
@@ -108,7 +131,7 @@ def _stale_columnwise(mp: pytest.MonkeyPatch, recipe: str) -> None:
 
 def tp_gather_run(
     fp8_param_gather: bool, sequence_parallel: bool, mutation: str | None, moe: bool = False,
-    recipe: str = "mxfp8",
+    recipe: str = "mxfp8", etp: int = 1,
 ):  # fmt: skip
     """Three steps of layer-wise Muon (compact layout, owner reduce, overlapped gathers; Q/K/V
     parts owned apart for MXFP8, whole for blockwise) on the TP-2 GPT; losses, this rank's fp32
@@ -134,7 +157,7 @@ def tp_gather_run(
         elif mutation is not None:
             raise ValueError(mutation)
         module, config = build_tp_gpt(
-            fp8_param_gather, sequence_parallel, seed=5, moe=moe, recipe=recipe
+            fp8_param_gather, sequence_parallel, seed=5, moe=moe, recipe=recipe, etp=etp
         )
         model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -154,7 +177,16 @@ def tp_gather_run(
     from nemo_lw_fp8.mechanics import blockwise
 
     groups = model[0].bucket_groups + model[0].expert_parallel_bucket_groups
+    fc1_rows = {
+        p.shape[0]
+        for n, p in model[0].module.named_parameters()
+        if ".experts." in n and "linear_fc1.weight" in n
+    }
+    full_rows = (config.moe_ffn_hidden_size or 0) * (2 if config.gated_linear_unit else 1)
     return {
+        # each expert's linear_fc1 rows on this rank, times ETP: the full width if sharded
+        "expert_fc1_rows_times_etp": sorted(rows * etp for rows in fc1_rows),
+        "expert_fc1_full_rows": full_rows,
         "blockwise_gathers": sum(blockwise.plan_of(group) is not None for group in groups),
         "losses": losses,
         "masters": training.state_by_part(optimizer, model[0].module),
@@ -167,26 +199,31 @@ EXTENDED = pytest.mark.extended
 
 
 @pytest.mark.parametrize(
-    ("sequence_parallel", "moe"),
-    [pytest.param(False, False, id="tp2", marks=EXTENDED),
-     pytest.param(True, False, id="tp2-sp", marks=EXTENDED),
-     pytest.param(True, True, id="tp2-sp-moe")],
+    ("sequence_parallel", "moe", "etp"),
+    [pytest.param(False, False, 1, id="tp2", marks=EXTENDED),
+     pytest.param(True, False, 1, id="tp2-sp", marks=EXTENDED),
+     pytest.param(True, True, 1, id="tp2-sp-moe"),
+     pytest.param(True, True, 2, id="tp2-sp-moe-etp2", marks=EXTENDED)],
 )  # fmt: skip
-def test_mxfp8_param_gather_at_tp2_on_equals_off(sequence_parallel, moe):
+def test_mxfp8_param_gather_at_tp2_on_equals_off(sequence_parallel, moe, etp):
     """ON = OFF bitwise at TP 2 x DP 2 (the ON run held persistent MXFP8 TP shards, the OFF run
     none); with ``moe`` the MoE layers' experts are whole on every rank (ETP 1, owned over the
-    4-rank expert data-parallel group). Control: a stale columnwise copy after the gather
-    diverges."""
+    4-rank expert data-parallel group) or, at ``etp`` 2, ETP shards of discrete expert linears
+    (``SequentialMLP``) owned over the 2-rank expert data-parallel group. Control: a stale
+    columnwise copy after the gather diverges."""
 
     def run(on: bool, mutation: str | None = None) -> list[dict]:
-        return run_on_ranks(tp_gather_run, on, sequence_parallel, mutation, moe, world_size=4,
-                            parallel=TP2, boot=BOOT)  # fmt: skip
+        return run_on_ranks(tp_gather_run, on, sequence_parallel, mutation, moe, "mxfp8", etp,
+                            world_size=4, parallel=tp2(etp), boot=BOOT)  # fmt: skip
 
     _assert_on_equals_off_and_control_diverges(run)
 
 
 def _assert_on_equals_off_and_control_diverges(run, recipe: str = "mxfp8") -> None:
     on, off = run(True), run(False)
+    for r in on + off:  # experts' linear_fc1 rows x ETP: the full width (sharded as asked)
+        full = r["expert_fc1_full_rows"]
+        assert r["expert_fc1_rows_times_etp"] == ([full] if full else []), r
     # Blockwise ON gathers through the plugin's blockwise groups (FP8 codes + tile scales);
     # MXFP8 and OFF runs through megatron's own.
     gathers = [r["blockwise_gathers"] for r in on + off]
@@ -202,21 +239,24 @@ def _assert_on_equals_off_and_control_diverges(run, recipe: str = "mxfp8") -> No
 
 
 @pytest.mark.parametrize(
-    ("sequence_parallel", "moe"),
-    [pytest.param(False, False, id="tp2", marks=EXTENDED),
-     pytest.param(True, False, id="tp2-sp"),
-     pytest.param(True, True, id="tp2-sp-moe", marks=EXTENDED)],
+    ("sequence_parallel", "moe", "etp"),
+    [pytest.param(False, False, 1, id="tp2", marks=EXTENDED),
+     pytest.param(True, False, 1, id="tp2-sp"),
+     pytest.param(True, True, 1, id="tp2-sp-moe", marks=EXTENDED),
+     pytest.param(True, True, 2, id="tp2-sp-moe-etp2")],
 )  # fmt: skip
-def test_blockwise_param_gather_at_tp2_on_equals_off(sequence_parallel, moe):
+def test_blockwise_param_gather_at_tp2_on_equals_off(sequence_parallel, moe, etp):
     """Blockwise FP8 (TE's ``Float8BlockScaling``, persistent ``Float8BlockwiseQTensor`` TP
     shards of whole 128x128 tiles, the plugin's blockwise gather: owners ship FP8 codes + tile
     scales) at TP 2 x DP 2, sequence parallelism off and on: ON = OFF bitwise; with ``moe`` the
-    experts are whole per rank (ETP 1). Control: receivers that skip deriving the columnwise
-    copy after the gather diverge."""
+    experts are whole per rank (ETP 1) or ETP-2 shards of discrete expert linears of width 256
+    (per shard: 256 rows of the gated linear_fc1, two 128-row tiles; 128 columns of
+    linear_fc2, one tile).
+    Control: receivers that skip deriving the columnwise copy after the gather diverge."""
 
     def run(on: bool, mutation: str | None = None) -> list[dict]:
         return run_on_ranks(tp_gather_run, on, sequence_parallel, mutation, moe, "blockwise",
-                            world_size=4, parallel=TP2, boot=BOOT)  # fmt: skip
+                            etp, world_size=4, parallel=tp2(etp), boot=BOOT)  # fmt: skip
 
     _assert_on_equals_off_and_control_diverges(run, "blockwise")
 
