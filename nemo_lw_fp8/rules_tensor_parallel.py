@@ -9,8 +9,7 @@ tensor parallel 2. Two rules:
 
 * ``fp8-gather-tensor-parallel``: what is still unverified at TP / ETP > 1 is refused with its
   reason (grouped expert weights split over expert-tensor parallel; at TP > 1 multi-latent
-  attention, hybrid
-  Gated DeltaNet / DSA layers and a gated attention output);
+  attention, hybrid Gated DeltaNet / DSA layers and a gated attention output);
 * ``fp8-gather-tp-block-boundary``: a TP (or ETP) shard boundary inside a quantization block,
   read from the model's dimensions at configuration time: every sharded width per rank must be
   a whole number of blocks (MXFP8: 32; blockwise: 128).
