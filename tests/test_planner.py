@@ -307,6 +307,45 @@ def test_mxfp8_weight_bytes():
     assert planner.mxfp8_weight_bytes((2, 64, 64)) == planner.mxfp8_weight_bytes((128, 64))
 
 
+#: TE's own NVFP4 weight buffers over the emulation (a subprocess: no TE in this process).
+NVFP4_BUFFERS_SCRIPT = r"""
+import json
+from nemo_lw_fp8.emulation import activate
+activate()
+import torch
+from nemo_lw_fp8.cpu import te_device
+scope = te_device.target_gpu(te_device.BLACKWELL)
+scope.__enter__()
+from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer
+out = {}
+for shape in ((128, 128), (48, 160), (2, 64, 32), (256, 7168 // 16)):
+    q = NVFP4Quantizer(rowwise=True, columnwise=True, with_2d_quantization=True)
+    t = q(torch.randn(shape).bfloat16())
+    names = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv",
+             "amax_rowwise", "amax_columnwise")
+    out[str(list(shape))] = sum(
+        getattr(t, "_" + n).numel() * getattr(t, "_" + n).element_size() for n in names
+    )
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_nvfp4_bytes():
+    """A persistent NVFP4 weight's bytes equal what TE's own ``NVFP4Quantizer`` allocates (both
+    usages, 16x16 blocks, padded scale buffers, two amaxes; read from TE's buffers over the
+    emulation), and the NVFP4 gather's wire bytes are the codes, one scale per 16x16 tile and
+    the amax. Control: the MXFP8 formula on the same shapes is another number."""
+    import json
+
+    from tests.te_test_support import run_te_script
+
+    te = {tuple(json.loads(k)): v for k, v in run_te_script(NVFP4_BUFFERS_SCRIPT).items()}
+    assert {shape: planner.nvfp4_weight_bytes(shape) for shape in te} == te
+    assert all(planner.mxfp8_weight_bytes(shape) != te[shape] for shape in te)
+    assert planner.nvfp4_wire_bytes((128, 256)) == 128 * 256 // 2 + 8 * 16 + 4
+    assert planner.nvfp4_wire_bytes((2, 64, 32)) == planner.nvfp4_wire_bytes((128, 32))
+
+
 def test_fp8_params_alias_the_grad_buffer():
     """With fp8_param_gather the Muon MXFP8 weights replace the bf16 param buffer, so stock
     padding costs only gradient bytes there."""

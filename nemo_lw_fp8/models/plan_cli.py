@@ -103,7 +103,9 @@ def format_table(result: dict[str, Any]) -> str:
             f"Muon gather payload / rank / step: bf16 {fmt(wire['bf16_bytes'])} {unit}, "
             f"blockwise FP8 {fmt(wire['blockwise_fp8_bytes'])} {unit} "
             f"({wire['bytes_per_param']['blockwise_fp8']:.4f} B/param, "
-            f"{wire['blockwise_over_bf16']:.4f} of bf16)"
+            f"{wire['blockwise_over_bf16']:.4f} of bf16), NVFP4 {fmt(wire['nvfp4_bytes'])} "
+            f"{unit} ({wire['bytes_per_param']['nvfp4']:.4f} B/param, "
+            f"{wire['nvfp4_over_bf16']:.4f} of bf16)"
         )
     lines.append(
         f"compact / stock bytes: {summary['compact_over_stock_bytes']:.3f} "

@@ -50,6 +50,8 @@ from .weight_bytes import PARAM_BYTES as PARAM_BYTES
 from .weight_bytes import blockwise_wire_bytes as blockwise_wire_bytes
 from .weight_bytes import muon_gather_wire
 from .weight_bytes import mxfp8_weight_bytes as mxfp8_weight_bytes
+from .weight_bytes import nvfp4_weight_bytes as nvfp4_weight_bytes
+from .weight_bytes import nvfp4_wire_bytes as nvfp4_wire_bytes
 
 ASSUMPTIONS = (
     "One pipeline stage (PP and CP outside; CP folded into dp). At TP = 1 the data-parallel "
