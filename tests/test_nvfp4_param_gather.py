@@ -44,9 +44,15 @@ MUTATIONS = {
 }
 
 
-def build_gpt(fp4_param: bool, seed: int):
-    """``test_nvfp4_layer_wise``'s 2-layer GPT (SwiGLU, RMSNorm), NVFP4 compute; persistent
-    NVFP4 weights with ``fp4_param``."""
+#: MoE layers with discrete experts (``test_nvfp4_layer_wise``'s: megatron's ``SequentialMLP`` of
+#: TE linears, each padding its tokens to megatron's FP4 alignment of 128 rows).
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128,
+           moe_token_dispatcher_type="allgather", moe_router_dtype="fp64")  # fmt: skip
+
+
+def build_gpt(fp4_param: bool, seed: int, moe: bool = False):
+    """``test_nvfp4_layer_wise``'s 2-layer GPT (SwiGLU, RMSNorm; MoE with ``moe``), NVFP4
+    compute; persistent NVFP4 weights with ``fp4_param``."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from tests.support.scenarios import build_gpt as build
@@ -58,7 +64,7 @@ def build_gpt(fp4_param: bool, seed: int):
         hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=4, add_bias_linear=False,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         normalization="RMSNorm", use_cpu_initialization=False, fp4="e2m1", fp4_recipe="nvfp4",
-        fp4_param=fp4_param,
+        fp4_param=fp4_param, **(MOE if moe else {}),
     )  # fmt: skip
     return build(config), config
 
@@ -75,6 +81,7 @@ def fp4_run(
     overlap: bool = False,
     mutation: str | None = None,
     steps: int = 3,
+    moe: bool = False,
 ) -> dict[str, Any]:
     """``steps`` layer-wise Muon steps with an eval forward after the first; losses, eval losses,
     this rank's masters and momenta, TE's GEMM operand kinds, and the NVFP4 weights' count."""
@@ -127,7 +134,7 @@ def fp4_run(
         if mutation is not None:
             attr, replacement = MUTATIONS[mutation]
             mp.setattr(nvfp4_gather, attr, replacement)
-        module, config = build_gpt(fp4_param, seed=5)
+        module, config = build_gpt(fp4_param, seed=5, moe=moe)
         model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
         dp_rank = parallel_state.get_data_parallel_rank()
         losses, eval_losses = [], []
@@ -167,19 +174,28 @@ def assert_same_run(reference: list[dict], results: list[dict]) -> None:
     assert not differ, f"masters / momenta differ in {differ}"
 
 
-def test_fp4_param_gather_on_equals_off_dense():
-    """Dense GPT at DP 2, megatron's padded layer-wise layout: FP4 param gather ON = OFF bitwise
-    (losses, the eval, masters, momenta); every TE GEMM read NVFP4 operands; the ON run's Muon
-    weights are NVFP4 tensors."""
-    off = run_on_ranks(fp4_run, False, world_size=2, boot=BOOT)
-    on = run_on_ranks(fp4_run, True, world_size=2, boot=BOOT)
+@pytest.mark.parametrize(
+    "layout, overlap, moe",
+    [("padded", False, False), ("compact", True, False),
+     pytest.param("padded", False, True, marks=pytest.mark.extended),
+     pytest.param("compact", True, True, marks=pytest.mark.extended)],
+    ids=["dense-padded", "dense-compact-overlap", "moe-padded", "moe-compact-overlap"],
+)  # fmt: skip
+def test_fp4_param_gather_on_equals_off(layout, overlap, moe):
+    """GPT at DP 2 (dense; discrete experts in the extended tier), megatron's padded layer-wise
+    layout without overlap or the plugin's compact layout with overlapped gathers: FP4 param
+    gather ON = OFF bitwise (losses, the eval, masters, momenta); every TE GEMM read NVFP4
+    operands; the ON run's Muon weights are NVFP4 tensors, gathered as uint8 payloads."""
+    off = run_on_ranks(fp4_run, False, layout, overlap, moe=moe, world_size=2, boot=BOOT)
+    on = run_on_ranks(fp4_run, True, layout, overlap, moe=moe, world_size=2, boot=BOOT)
     assert all(r["nvfp4_gemms"] == r["gemms"] > 0 for r in off + on), on
     assert all(r["nvfp4_weights"] == 0 for r in off)
     assert all(r["nvfp4_weights"] > 0 for r in on)
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in on)
-    # the ON run's gathers were the plugin's owner-packed uint8 collectives, the OFF run has none
+    # the ON run's gathers were the plugin's owner-packed uint8 collectives; the OFF run's (the
+    # compact layout's own owner-packed gathers) carry bf16
     assert all(r["sends"] and {s["dtype"] for s in r["sends"]} == {"torch.uint8"} for r in on)
-    assert all(not r["sends"] for r in off)
+    assert all(s["dtype"] != "torch.uint8" for r in off for s in r["sends"])
     assert_same_run(off, on)
 
 
