@@ -80,17 +80,23 @@ def fp4_run(
     layout: str = "padded",
     overlap: bool = False,
     mutation: str | None = None,
-    steps: int = 3,
+    steps: tuple[int, int] = (0, 3),
     moe: bool = False,
+    save_dir: str | None = None,
+    load_dir: str | None = None,
+    nudge_loaded_master: bool = False,
 ) -> dict[str, Any]:
-    """``steps`` layer-wise Muon steps with an eval forward after the first; losses, eval losses,
-    this rank's masters and momenta, TE's GEMM operand kinds, and the NVFP4 weights' count."""
+    """Steps ``steps[0]..steps[1]-1`` of layer-wise Muon with an eval forward after step 0; a
+    ``torch_dist`` load (into a build from another seed) before and a save after. Returns losses,
+    eval losses, this rank's masters and momenta, TE's GEMM operand kinds, the NVFP4 weights'
+    count and what each gather sent."""
     from megatron.core import parallel_state
 
     import nemo_lw_fp8
     from nemo_lw_fp8.cpu import te_device
     from nemo_lw_fp8.mechanics import nvfp4_gather, owner_gather
-    from tests.support import training
+    from tests.support import dist_checkpoints, training
+    from tests.support.resume_controls import nudge_first_layer_wise_master
     from tests.support.scenarios import Scenario
 
     scenario = Scenario(
@@ -134,15 +140,21 @@ def fp4_run(
         if mutation is not None:
             attr, replacement = MUTATIONS[mutation]
             mp.setattr(nvfp4_gather, attr, replacement)
-        module, config = build_gpt(fp4_param, seed=5, moe=moe)
+        module, config = build_gpt(fp4_param, seed=5 if load_dir is None else 17, moe=moe)
         model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
+        if load_dir is not None:
+            dist_checkpoints.load_torch_dist(model, optimizer, load_dir)
+            if nudge_loaded_master:
+                nudge_first_layer_wise_master(optimizer)
         dp_rank = parallel_state.get_data_parallel_rank()
         losses, eval_losses = [], []
-        for step in range(steps):
+        for step in range(*steps):
             losses.append(training.train_step(scenario, model, optimizer, step, dp_rank))
             if step == 0:
                 eval_losses.append(training.evaluate(scenario, model, optimizer))
         training.final_sync(model, optimizer)
+        if save_dir is not None:
+            dist_checkpoints.save_torch_dist(model, optimizer, save_dir, "dp_reshardable")
         return {
             "losses": losses,
             "eval_losses": eval_losses,
@@ -206,6 +218,30 @@ def test_fp4_param_gather_controls_diverge(mutation):
     off = run_on_ranks(fp4_run, False, world_size=2, boot=BOOT)
     mutated = run_on_ranks(fp4_run, True, mutation=mutation, world_size=2, boot=BOOT)
     assert_diverges(off, mutated, assert_same_run)
+
+
+def test_fp4_param_gather_resumes_bitwise(tmp_path):
+    """FP4 param gather ON, compact layout with overlap: save (``torch_dist``) after two steps,
+    load into a build from another seed, two more steps: the losses, masters and momenta of four
+    uninterrupted steps, bitwise. Control: one loaded master one ulp off diverges."""
+    saved = str(tmp_path)
+    args = dict(world_size=2, boot=BOOT)
+    whole = run_on_ranks(fp4_run, True, "compact", True, steps=(0, 4), **args)
+    first = run_on_ranks(fp4_run, True, "compact", True, steps=(0, 2), save_dir=saved, **args)
+    resumed = run_on_ranks(fp4_run, True, "compact", True, steps=(2, 4), load_dir=saved, **args)
+    for rank in range(2):
+        assert first[rank]["losses"] + resumed[rank]["losses"] == whole[rank]["losses"]
+    no_evals = [{**r, "losses": [], "eval_losses": []} for r in whole]
+    assert_same_run(no_evals, [{**r, "losses": [], "eval_losses": []} for r in resumed])
+    nudged = run_on_ranks(
+        fp4_run, True, "compact", True, steps=(2, 4), load_dir=saved, nudge_loaded_master=True,
+        **args,
+    )  # fmt: skip
+    assert_diverges(
+        [{**r, "eval_losses": []} for r in resumed],
+        [{**r, "eval_losses": []} for r in nudged],
+        assert_same_run,
+    )
 
 
 CODEC_SCRIPT = r"""
