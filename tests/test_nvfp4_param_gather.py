@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from nemo_lw_fp8.emulation import te_backend
-from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.harness import BootOptions, RankFailure, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.te_test_support import needs_te, run_te_script
 
@@ -85,11 +85,13 @@ def fp4_run(
     save_dir: str | None = None,
     load_dir: str | None = None,
     nudge_loaded_master: bool = False,
+    ddp_gather: bool | None = None,
 ) -> dict[str, Any]:
     """Steps ``steps[0]..steps[1]-1`` of layer-wise Muon with an eval forward after step 0; a
     ``torch_dist`` load (into a build from another seed) before and a save after. Returns losses,
     eval losses, this rank's masters and momenta, TE's GEMM operand kinds, the NVFP4 weights'
-    count and what each gather sent."""
+    count and what each gather sent. ``ddp_gather``: DDP's ``fp4_param_gather`` when it differs
+    from ``fp4_param``."""
     from megatron.core import parallel_state
 
     import nemo_lw_fp8
@@ -101,7 +103,8 @@ def fp4_run(
 
     scenario = Scenario(
         model="gpt", optimizer="muon", plugin=True, seed=5, micro_batch=4,
-        distribution=f"layerwise_{layout}", overlap=overlap, fp4_param_gather=fp4_param,
+        distribution=f"layerwise_{layout}", overlap=overlap,
+        fp4_param_gather=fp4_param if ddp_gather is None else ddp_gather,
     )  # fmt: skip
     nemo_lw_fp8.apply()
     weight_kinds: list[str] = []
@@ -220,6 +223,15 @@ def test_fp4_param_gather_controls_diverge(mutation):
     assert_diverges(off, mutated, assert_same_run)
 
 
+@pytest.mark.extended
+def test_fp4_primary_weights_without_the_gather_are_refused_at_build():
+    """NVFP4 primary weights (``fp4_param``) with DDP's ``fp4_param_gather`` off: no gather
+    would ship the owners' weights; the layer-wise optimizer's build stops with the rule."""
+    with pytest.raises(RankFailure, match=r"fp4-primary-weights-layer-wise.*fp4-param-gather"):
+        run_on_ranks(fp4_run, True, ddp_gather=False, world_size=2, boot=BOOT)
+
+
+@pytest.mark.extended
 def test_fp4_param_gather_resumes_bitwise(tmp_path):
     """FP4 param gather ON, compact layout with overlap: save (``torch_dist``) after two steps,
     load into a build from another seed, two more steps: the losses, masters and momenta of four
