@@ -256,6 +256,22 @@ def test_fp4_param_gather_resumes_bitwise(tmp_path):
     )
 
 
+def test_weights_with_1x16_blocks_are_refused():
+    """The build-time check: a weight whose quantizer casts 1x16 blocks has a columnwise copy
+    with its own blocks along the other dim, which receivers could not derive; 16x16 passes."""
+    from types import SimpleNamespace
+
+    from nemo_lw_fp8.guards import ConfigError
+    from nemo_lw_fp8.mechanics import nvfp4_gather
+
+    def weight(shape, two_d):
+        return SimpleNamespace(shape=shape, _quantizer=SimpleNamespace(with_2d_quantization=two_d))
+
+    nvfp4_gather.check([weight((128, 128), True)])
+    with pytest.raises(ConfigError, match=r"fp4-primary-weights-layer-wise.*\(256, 128\)"):
+        nvfp4_gather.check([weight((128, 128), True), weight((256, 128), False)])
+
+
 CODEC_SCRIPT = r"""
 import json, os
 os.environ["NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"] = "1"

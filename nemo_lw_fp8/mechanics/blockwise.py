@@ -354,9 +354,7 @@ def check(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
     ``blockwise-gather-no-grad-buffer-reuse`` among them): their tile shape."""
     nvfp4_gather.check([p for p in params if nvfp4_gather.is_nvfp4(p)])
     one_d = [
-        tuple(p.shape)
-        for p in params
-        if is_blockwise(p) and not getattr(p, "_is_2D_scaled", False)
+        tuple(p.shape) for p in params if is_blockwise(p) and not getattr(p, "_is_2D_scaled", False)
     ]
     if one_d:
         raise guards.ConfigError(
