@@ -116,17 +116,55 @@ def _grouped_nvfp4_layer_wise(s: Settings) -> str | None:
     return None
 
 
-def _fp4_primary_weights_layer_wise(s: Settings) -> str | None:
-    if s.layer_wise and (s.fp4_param or s.fp4_param_gather):
+def _fp4_primary_unproven(s: Settings) -> tuple[str, str] | None:
+    """Why layer-wise NVFP4 primary weights are not verified in these settings, and the fix
+    (None: they are: tests/test_nvfp4_param_gather.py, dense and discrete experts, padded and
+    compact layouts, overlapped gathers or not, resume)."""
+    if s.fp4_param and not s.fp4_param_gather:
         return (
-            "NVFP4 primary weights (--fp4-param-gather / fp4_param) with layer-wise Muon are "
-            "not built: megatron-core 0.19.2 quantizes NVFP4 parameters from fp32 masters and "
-            "gathers them only in the Adam distributed optimizer, and the plugin has no FP4 "
-            "path for layer-wise owners yet (docs/nvfp4.md), so the owners' updates would not "
-            "reach the NVFP4 weights as a run expects. Fix: drop --fp4-param-gather (NVFP4 "
-            "compute on bf16 parameters), or use --fp8-recipe mxfp8 with --fp8-param-gather."
+            "need DDP's fp4_param_gather as well: without it no gather ships the owners' NVFP4 "
+            "weights, so the other ranks would keep their old ones",
+            "set --fp4-param-gather (DistributedDataParallelConfig.fp4_param_gather) with "
+            "fp4_param",
+        )
+    if s.layer_wise_layout == "legacy" or not s.use_layer_wise_param_layout:
+        return (
+            "need a layer-wise param layout (padded or compact): the FP4 owner gather runs on "
+            "its bucket groups, the legacy path flattens params",
+            "drop --no-use-layer-wise-param-layout",
+        )
+    if s.tensor_model_parallel_size > 1 or (s.expert_tensor_parallel_size or 1) > 1:
+        return (
+            "are verified at TP 1 and ETP 1 only: at tensor parallelism an owner holds one TP "
+            "shard, whose per-tensor amax would need a reduction across the TP group that has "
+            "not been compared",
+            "--tensor-model-parallel-size 1 --expert-tensor-parallel-size 1",
+        )
+    if s.fp4_recipe not in (None, "nvfp4"):
+        return (
+            f"are verified with the nvfp4 recipe only, not {s.fp4_recipe}",
+            "--fp4-recipe nvfp4",
+        )
+    if not s.bf16 or s.num_distributed_optimizer_instances > 1:
+        return (
+            "are verified with bf16 parameters and one distributed-optimizer instance only",
+            "--bf16 --num-distributed-optimizer-instances 1",
         )
     return None
+
+
+def _fp4_primary_weights_layer_wise(s: Settings) -> str | None:
+    if not (s.layer_wise and (s.fp4_param or s.fp4_param_gather)):
+        return None
+    unproven = _fp4_primary_unproven(s)
+    if unproven is None:
+        return None
+    why, fix = unproven
+    return (
+        f"NVFP4 primary weights (--fp4-param-gather / fp4_param) with layer-wise Muon {why} "
+        "(docs/nvfp4.md, FP4 primary weights). Fix: "
+        f"{fix}, or drop --fp4-param-gather (NVFP4 compute on bf16 parameters)."
+    )
 
 
 GROUPED_WEIGHT_RULES: tuple[Rule, ...] = (
@@ -153,7 +191,7 @@ GROUPED_WEIGHT_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "fp4-primary-weights-layer-wise",
-        "NVFP4 primary weights under layer-wise Muon are not built",
+        "NVFP4 primary weights under layer-wise Muon outside what is verified",
         _fp4_primary_weights_layer_wise,
     ),
 )

@@ -29,6 +29,11 @@ GOOD = dict(
 )
 #: Expert-run ownership of grouped weights (checkpoints save each run's optimizer state).
 EXPERT_RUNS = GOOD | dict(grouped_weight_ownership="expert")
+#: Layer-wise NVFP4 primary weights with FP4 bytes on the wire (discrete experts, compact).
+NVFP4_PRIMARY = GOOD | dict(fp8=None, fp8_recipe=None, fp8_param_gather=False,
+                            reuse_grad_buf_for_mxfp8_param_ag=False,
+                            moe_single_grouped_weight=False, num_moe_experts=4,
+                            fp4_recipe="nvfp4", fp4_param=True, fp4_param_gather=True)
 HOPPER = GOOD | dict(fp8_recipe="blockwise", reuse_grad_buf_for_mxfp8_param_ag=False,
                      moe_single_grouped_weight=False)
 #: Bridge's H100 shape (issue 29): blockwise gather at TP 2 with sequence parallelism, experts
@@ -78,9 +83,10 @@ CASES: list[tuple[str, dict, str]] = [
     ("grouped NVFP4 under layer-wise Muon", dict(
         GOOD, fp8=None, fp8_recipe=None, fp8_param_gather=False, fp4_recipe="nvfp4"),
      "grouped-weight-nvfp4-layer-wise"),
-    ("NVFP4 primary weights under layer-wise Muon", dict(
+    ("NVFP4 primary weights under layer-wise Muon at TP 2", dict(
         GOOD, fp8=None, fp8_recipe=None, fp8_param_gather=False, moe_single_grouped_weight=False,
-        fp4_recipe="nvfp4", fp4_param_gather=True), "fp4-primary-weights-layer-wise"),
+        fp4_recipe="nvfp4", fp4_param_gather=True, tensor_model_parallel_size=2),
+     "fp4-primary-weights-layer-wise"),
     ("NVFP4 primary weights in the model config only", dict(
         GOOD, fp8=None, fp8_recipe=None, fp8_param_gather=False, moe_single_grouped_weight=False,
         fp4_recipe="nvfp4", fp4_param=True), "fp4-primary-weights-layer-wise"),
@@ -160,8 +166,8 @@ CASES: list[tuple[str, dict, str]] = [
 
 
 @pytest.mark.parametrize(
-    "good", [GOOD, HOPPER, EXPERT_RUNS, HOPPER_TP2],
-    ids=["blackwell", "hopper", "expert-runs", "hopper-tp2"],
+    "good", [GOOD, HOPPER, EXPERT_RUNS, HOPPER_TP2, NVFP4_PRIMARY],
+    ids=["blackwell", "hopper", "expert-runs", "hopper-tp2", "nvfp4-primary"],
 )  # fmt: skip
 def test_the_supported_combinations_pass(good):
     assert guards.violations(Settings(**good)) == []

@@ -72,10 +72,57 @@ BAD = {
         "--fp8-recipe mxfp8",
     ),
     "fp4-primary-weights-layer-wise": (
-        dict(fp8_recipe=None, fp8_param_gather=False, fp4_recipe="nvfp4", fp4_param_gather=True),
-        "drop --fp4-param-gather",
+        dict(
+            fp8_recipe=None,
+            fp8_param_gather=False,
+            fp4_recipe="nvfp4",
+            fp4_param_gather=True,
+            tensor_model_parallel_size=2,
+        ),
+        "--tensor-model-parallel-size 1",
     ),
 }
+
+#: Layer-wise NVFP4 primary weights as tests/test_nvfp4_param_gather.py runs them.
+FP4_PRIMARY_OK = dict(
+    optimizer="muon",
+    use_layer_wise_distributed_optimizer=True,
+    fp4_recipe="nvfp4",
+    fp4_param=True,
+    fp4_param_gather=True,
+)
+
+
+def test_fp4_primary_weights_pass_where_verified():
+    """The lifted part of ``fp4-primary-weights-layer-wise``: padded and compact layouts, with
+    and without overlapped gathers, discrete experts; megatron-training's args carry the gather
+    flag alone (it hands it to ``fp4_param``)."""
+    for layout in ("padded", "compact"):
+        for overlap in (False, True):
+            guards.check(
+                Settings(**FP4_PRIMARY_OK, layer_wise_layout=layout, overlap_param_gather=overlap)
+            )
+    guards.check(Settings(**FP4_PRIMARY_OK, num_moe_experts=4))
+    guards.check(Settings(**{**FP4_PRIMARY_OK, "fp4_param": False}))
+
+
+@pytest.mark.parametrize(
+    "changes, flag",
+    [
+        (dict(fp4_param_gather=False), "--fp4-param-gather"),
+        (dict(layer_wise_layout="legacy"), "--no-use-layer-wise-param-layout"),
+        (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size 1"),
+        (dict(num_moe_experts=4, expert_tensor_parallel_size=2), "--expert-tensor-parallel-size"),
+        (dict(fp4_recipe="custom"), "--fp4-recipe nvfp4"),
+        (dict(bf16=False), "--bf16"),
+        (dict(num_distributed_optimizer_instances=2), "--num-distributed-optimizer-instances 1"),
+    ],
+)
+def test_fp4_primary_weights_refused_outside_what_is_verified(changes, flag):
+    with pytest.raises(ConfigError) as info:
+        guards.check(Settings(**{**FP4_PRIMARY_OK, **changes}))
+    assert info.value.rule == "fp4-primary-weights-layer-wise"
+    assert flag in str(info.value) and "Fix:" in str(info.value)
 
 
 def test_supported_combinations_pass():

@@ -1,8 +1,8 @@
 """NVFP4 compute under layer-wise Muon on TE's own modules (issue 30): a GPT from megatron's TE
 spec with ``fp4="e2m1"`` (megatron's ``get_fp4_context``: TE's ``NVFP4BlockScaling`` around
-each layer; the RHT on inputs and gradients, 16x16-block weights), bf16 weights (no FP4 primary
-weights: rule ``fp4-primary-weights-layer-wise``), dense and with MoE layers of discrete experts
-(``SequentialMLP`` of TE linears), on two data-parallel ranks, with the devices
+each layer; the RHT on inputs and gradients, 16x16-block weights), bf16 weights (FP4 primary
+weights and their gather: ``tests/test_nvfp4_param_gather.py``), dense and with MoE layers of
+discrete experts (``SequentialMLP`` of TE linears), on two data-parallel ranks, with the devices
 answered as a B200 would. Stochastic rounding is off (megatron's ``get_fp4_recipe`` result with
 ``disable_stochastic_rounding=True``; TE reads ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING`` only
 when it is imported): the emulation refuses it by name (docs/nvfp4.md).

@@ -14,6 +14,8 @@ follow one parameter through a step without reading the wiring:
 * :mod:`.compact`       the compact layout: no padding, balanced ownership, one gather and one
                         owner reduce per group;
 * :mod:`.blockwise`     blockwise FP8 gather: owner-quantized codes + tile scales on the wire;
+* :mod:`.nvfp4_gather`  NVFP4 primary weights on that gather: FP4 codes + 16x16 tile scales +
+                        the amax on the wire, the columnwise copy derived by receivers;
 * :mod:`.grouped`       single grouped expert weights as E matrices for Muon;
 * :mod:`.expert_slices` a run of experts of a grouped weight as an optimizer parameter;
 * :mod:`.grouped_checkpoint` single grouped weights and runs of their experts in ``torch_dist``;

@@ -20,6 +20,10 @@ is staged in the grad buffer. Bitwise equal to FP8 param gather off with the sam
 compute: the owner quantizes exactly the bf16 values FP8-gather-off would hold. With blockwise
 weights present, layer-wise and DistOpt buckets never share a bucket group
 (:func:`separate_owner_kinds`), so each group has one owner kind.
+
+NVFP4 primary weights (``fp4_param`` + ``fp4_param_gather``) take the same collective: their
+per-weight wire bytes, packing, unpacking and columnwise derivation are
+:mod:`.nvfp4_gather`'s (FP4 codes + 16x16 tile scales + the amax).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from .. import config as plugin_config
 from .. import guards
 from .. import layout as layout_math
 from ..state import group_state, peek
-from . import bucket_owners, masters, owner_gather
+from . import bucket_owners, masters, nvfp4_gather, owner_gather
 
 BLOCK = 128
 
@@ -60,6 +64,12 @@ def is_blockwise(param: torch.Tensor) -> bool:
     return isinstance(param, cls) or isinstance(data, cls)
 
 
+def is_owner_quantized(param: torch.Tensor) -> bool:
+    """Whether the owner quantizes ``param`` and ships its quantized bytes (blockwise FP8 or
+    NVFP4 primary weights)."""
+    return is_blockwise(param) or nvfp4_gather.is_nvfp4(param)
+
+
 def _tiles(param: torch.Tensor) -> tuple[int, int]:
     rows = param.numel() // param.shape[-1] if param.dim() else 1
     cols = param.shape[-1] if param.dim() else 1
@@ -72,6 +82,8 @@ def param_wire_bytes(param: torch.Tensor) -> int:
     if is_blockwise(param):
         m_tiles, k_tiles = _tiles(param)
         return param.numel() + 4 * m_tiles * k_tiles
+    if nvfp4_gather.is_nvfp4(param):
+        return nvfp4_gather.param_wire_bytes(param)
     return param.numel() * param.element_size()
 
 
@@ -125,7 +137,7 @@ def attach_groups(optimizer: Any) -> int:
         for bucket_groups, owners in kinds:
             for group in bucket_groups:
                 params = [p for b in group.buckets for p in b.params_list]
-                if not any(is_blockwise(p) for p in params):
+                if not any(is_owner_quantized(p) for p in params):
                     continue
                 if not all(bucket_owners.owned_by_layer_wise(b) for b in group.buckets):
                     raise RuntimeError(
@@ -178,7 +190,11 @@ def pack_owned(state: BlockwiseGroup, rank: int, out: torch.Tensor) -> None:
     offset = 0
     for param in state.segments[rank]:
         master = _master(param)
-        if is_blockwise(param):
+        if nvfp4_gather.is_nvfp4(param):
+            n = nvfp4_gather.param_wire_bytes(param)
+            nvfp4_gather.pack_param(param, master, out[offset : offset + n])
+            offset += n
+        elif is_blockwise(param):
             if master is not None:
                 quantize_owned(param, master)
             codes = param._rowwise_data.reshape(-1).view(torch.uint8)
@@ -205,7 +221,9 @@ def write_scales(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
 
 
 def _unpack_param(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
-    if is_blockwise(param):
+    if nvfp4_gather.is_nvfp4(param):
+        nvfp4_gather.unpack_param(param, payload)
+    elif is_blockwise(param):
         n = param.numel()
         param._rowwise_data.view(-1).copy_(payload[:n])
         write_scales(param, payload[n:])
@@ -224,9 +242,13 @@ def unpack(state: BlockwiseGroup, gathered: torch.Tensor, my_rank: int) -> None:
 
 def derive_columnwise(params: list[torch.nn.Parameter]) -> None:
     """Columnwise codes and scales from the rowwise ones (128x128 tiles: the exact transpose),
-    through megatron's post-all-gather hook, i.e. TE's ``_create_columnwise``."""
+    through megatron's post-all-gather hook, i.e. TE's ``_create_columnwise``; NVFP4 weights
+    by :func:`.nvfp4_gather.derive_columnwise`."""
     from megatron.core.fp8_utils import post_all_gather_processing
 
+    for param in params:
+        if nvfp4_gather.is_nvfp4(param):
+            nvfp4_gather.derive_columnwise(param)
     blockwise = [p for p in params if is_blockwise(p)]
     if blockwise:
         post_all_gather_processing(blockwise)
@@ -291,11 +313,16 @@ def _layer_wise_buffer(buffer: Any) -> bool:
     )
 
 
+def _gathers_quantized(ddp_config: Any, param: torch.Tensor) -> bool:
+    """Whether the plugin's owner-packed gather ships ``param``'s quantized bytes."""
+    if is_blockwise(param):
+        return bool(getattr(ddp_config, "fp8_param_gather", False))
+    return nvfp4_gather.is_nvfp4(param) and nvfp4_gather.gather_on(ddp_config)
+
+
 def holds_layer_wise_blockwise(buffers: list[Any]) -> bool:
     return any(
-        _layer_wise_buffer(b)
-        and getattr(b.ddp_config, "fp8_param_gather", False)
-        and any(is_blockwise(p) for p in b.params)
+        _layer_wise_buffer(b) and any(_gathers_quantized(b.ddp_config, p) for p in b.params)
         for b in buffers
     )
 
@@ -314,10 +341,10 @@ def separate_owner_kinds(buffers: list[Any]) -> list[list[Any]]:
 def layer_wise_blockwise_params(optimizer: Any) -> list[torch.nn.Parameter]:
     params = []
     for chunk in optimizer.model_chunks:
-        if not getattr(chunk.ddp_config, "fp8_param_gather", False):
-            continue
         for param in chunk.module.parameters():
-            if getattr(param, "is_managed_by_layer_wise_optimizer", False) and is_blockwise(param):
+            if getattr(param, "is_managed_by_layer_wise_optimizer", False) and (
+                _gathers_quantized(chunk.ddp_config, param)
+            ):
                 params.append(param)
     return params
 
@@ -325,7 +352,10 @@ def layer_wise_blockwise_params(optimizer: Any) -> list[torch.nn.Parameter]:
 def check(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
     """What only the built weights can tell (the configuration rules ran before this step,
     ``blockwise-gather-no-grad-buffer-reuse`` among them): their tile shape."""
-    one_d = [tuple(p.shape) for p in params if not getattr(p, "_is_2D_scaled", False)]
+    nvfp4_gather.check([p for p in params if nvfp4_gather.is_nvfp4(p)])
+    one_d = [
+        tuple(p.shape) for p in params if is_blockwise(p) and not getattr(p, "_is_2D_scaled", False)
+    ]
     if one_d:
         raise guards.ConfigError(
             "blockwise-gather-2d-weights",

@@ -326,8 +326,9 @@ def _blockwise_fp8(model_chunks: list[Any]) -> bool:
 def _muon_splits_qkv(optimizers: list[Any]) -> frozenset[int]:
     """``id`` of every fused QKV weight a Muon among ``optimizers`` orthogonalizes as its Q, K
     and V parts (megatron's ``muon_split_qkv``, on by default, tags them ``is_qkv``). Blockwise
-    FP8 weights stay whole: their owner quantizes whole 128 x 128 tiles, which span the parts."""
-    from .blockwise import is_blockwise
+    FP8 weights stay whole: their owner quantizes whole 128 x 128 tiles, which span the parts;
+    so do NVFP4 primary weights, whose per-tensor amax spans the whole matrix."""
+    from .blockwise import is_owner_quantized
 
     found = set()
     for opt in optimizers:
@@ -340,7 +341,7 @@ def _muon_splits_qkv(optimizers: list[Any]) -> frozenset[int]:
                 if (
                     is_qkv(param)
                     and qkv_parts.split_shapes(param) is not None
-                    and not is_blockwise(param)
+                    and not is_owner_quantized(param)
                 ):
                     found.add(id(param))
     return frozenset(found)

@@ -98,7 +98,7 @@ def read(optimizer: Any) -> guards.Settings:
     take("fp8_recipe", opt_config, "fp8_recipe", "OptimizerConfig")
     take("optimizer_fp8_recipe", opt_config, "fp8_recipe", "OptimizerConfig")
     for name in ("fp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "overlap_param_gather",
-                 "use_megatron_fsdp", "num_distributed_optimizer_instances"):
+                 "use_megatron_fsdp", "num_distributed_optimizer_instances", "fp4_param_gather"):
         take(name, ddp_config, name, "DistributedDataParallelConfig")
     # DDP and the optimizer each read their own overlap and grad-buffer-reuse flags.
     values["ddp_overlap_param_gather"] = values.get("overlap_param_gather")
@@ -112,6 +112,10 @@ def read(optimizer: Any) -> guards.Settings:
                  "multi_latent_attention", "experimental_attention_variant",
                  "attention_output_gate"):
         take(name, model_config, name, "TransformerConfig")
+    if getattr(model_config, "fp4", None):
+        # NVFP4 primary weights (TE builds them under megatron's fp4_param) and their recipe
+        take("fp4_param", model_config, "fp4_param", "TransformerConfig")
+        take("fp4_recipe", model_config, "fp4_recipe", "TransformerConfig")
     if getattr(model_config, "fp8", None):
         take("fp8", model_config, "fp8", "TransformerConfig")
         take("fp8_recipe", model_config, "fp8_recipe", "TransformerConfig")

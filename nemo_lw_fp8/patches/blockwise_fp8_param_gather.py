@@ -7,7 +7,9 @@ rowwise FP8 codes plus the tiles' fp32 scales; receivers write them and derive t
 copy by the exact transpose rule. About half of bf16's bytes, bitwise equal to FP8 param gather
 off with the same blockwise FP8 compute. Works on the padded and the compact layout. Masters of
 blockwise weights start from TE's preserved init values and the inner step does not re-quantize
-them. The mechanics: :mod:`nemo_lw_fp8.mechanics.blockwise`.
+them. The mechanics: :mod:`nemo_lw_fp8.mechanics.blockwise`. NVFP4 primary weights (``fp4_param``
+with DDP's ``fp4_param_gather``) take the same gather with FP4 codes + 16x16 tile scales + the
+amax on the wire (:mod:`nemo_lw_fp8.mechanics.nvfp4_gather`, docs/nvfp4.md).
 
 Upstream: no Megatron-LM change ships FP8 bytes for layer-wise gathers. megatron-core 0.19.2
 gathers blockwise weights only through DistributedOptimizer's byte-range shards; upstream dev

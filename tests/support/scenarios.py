@@ -55,6 +55,8 @@ class Scenario:
     fp8: bool = False
     #: Persistent MXFP8 weights + ``fp8_param_gather`` + ``reuse_grad_buf_for_mxfp8_param_ag``.
     fp8_param_gather: bool = False
+    #: DDP's ``fp4_param_gather`` (NVFP4 primary weights; the model sets ``fp4_param`` itself).
+    fp4_param_gather: bool = False
     #: The FP8 recipe: "mxfp8" (MXFP8 linear layers) or "blockwise" (TE's Float8BlockScaling:
     #: 128x128 weight tiles, widths multiples of 128); other names only reach the guards.
     fp8_recipe: str = "mxfp8"

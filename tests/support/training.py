@@ -53,6 +53,7 @@ def wrap_and_build_optimizer(module: torch.nn.Module, config, scenario: Scenario
         use_distributed_optimizer=dist_mode == "distopt",
         bucket_size=scenario.bucket_size,
         fp8_param_gather=scenario.fp8_param_gather,
+        fp4_param_gather=scenario.fp4_param_gather,
         reuse_grad_buf_for_mxfp8_param_ag=_reuse_grad_buf(scenario),
     )
     if dist_mode == "layerwise_compact":
