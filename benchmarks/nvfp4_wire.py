@@ -130,6 +130,18 @@ def measure(shapes: list[tuple[tuple[int, ...], bool]]) -> list[dict[str, int]]:
     return rows
 
 
+def _planned_bytes(key: tuple[tuple[int, ...], bool]) -> int:
+    """What ``nemo-lw-fp8 plan`` counts for one matrix on the NVFP4 wire: a TE linear weight
+    as codes + tile scales + amax, any other Muon matrix (the router) as bf16."""
+    from nemo_lw_fp8.models.weight_bytes import PARAM_BYTES, nvfp4_wire_bytes
+
+    shape, quantized = key
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return nvfp4_wire_bytes(shape) if quantized else numel * PARAM_BYTES
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
         if n >= size:
@@ -148,6 +160,7 @@ def run(models: tuple[str, ...]) -> tuple[str, bool]:
         f"{'B/param bf16':>12} {'B/param FP4':>11} {'FP4/bf16':>9}",
     ]
     ok = True
+    planner_rows: list[str] = []
     try:
         for model in models:
             counts = muon_matrices(model)
@@ -164,9 +177,17 @@ def run(models: tuple[str, ...]) -> tuple[str, bool]:
                 f"{model:<17} {numel:>15,} {_fmt_bytes(bf16):>11} {_fmt_bytes(fp4):>11} "
                 f"{bf16 / numel:>12.4f} {fp4 / numel:>11.4f} {ratio:>9.4f}"
             )
+            planned = sum(_planned_bytes(s) * counts[s] for s in shapes)
+            agrees = planned == fp4
+            ok &= agrees
+            planner_rows.append(
+                f"{model}: the planner's NVFP4 payload (weight_bytes.nvfp4_wire_bytes) "
+                f"{'equals' if agrees else 'DIFFERS from'} the bytes counted ({planned:,})"
+            )
     finally:
         shutdown_pools()
     lines.append("")
+    lines += planner_rows
     lines.append(f"target: FP4/bf16 <= {TARGET}: {'met' if ok else 'NOT met'}")
     return "\n".join(lines), ok
 
