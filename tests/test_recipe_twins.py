@@ -103,6 +103,12 @@ def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
     # gather updates them), OFF none (nothing FP8 was gathered).
     for rank in on["probe"] + off["probe"]:
         assert rank["te_modules"] > 0 and rank["project_layers"] == 0, rank
+    # The recipe's TP and sequence parallelism, EP over a stage's TP x DP ranks, on every rank
+    # (Qwen3-235B on H100: TP 2 with SP, EP 4).
+    shape = twins.twin_defaults(recipe)
+    for rank in on["probe"] + off["probe"]:
+        ran = (rank["tp"], rank["ep"], rank["sequence_parallel"])
+        assert ran == (shape.tp, shape.ep, shape.sequence_parallel), rank
     assert all(rank["fp8_weights"] > 0 for rank in on["probe"]), on["probe"]
     assert all(rank["fp8_weights"] == 0 for rank in off["probe"]), off["probe"]
     if _blockwise(recipe):
