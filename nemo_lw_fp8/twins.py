@@ -1,5 +1,5 @@
-"""Recipe-faithful twins: each full recipe's parallelism *structure* on a few CPU ranks (4 for
-the TP-1 recipes with PP, 8 for the one that ships TP 2: Qwen3-235B on H100).
+"""Recipe-faithful twins: each full recipe's parallelism *structure* on a few CPU ranks (2 or 4
+for the TP-1 recipes, without or with PP; 8 for the one that ships TP 2: Qwen3-235B on H100).
 
 A tiny model (:func:`nemo_lw_fp8.models.tiny`) proves little about a recipe that ships PP 4 x
 VPP 4 x EP 64 if it runs on 2 data-parallel ranks. A twin keeps what changes the code paths a

@@ -1,7 +1,8 @@
 """Recipe-faithful twins (nemo_lw_fp8/twins.py) trained by ``nemo-lw-fp8 pretrain --cpu`` (ranks
 forked from one warmed-up process, tests/fork_run.py; the flagship resume test launches with
 torchrun too): each full recipe's parallelism structure (PP 2 with its
-layout or accounting, VPP 2, EP 2 on DP 2), FP8 recipe, single grouped weights, MTP, gradient
+layout or accounting, VPP 2, EP over TP x DP 2; TP and sequence parallelism as shipped: TP 2 + SP
+and EP 4 on 8 ranks for Qwen3-235B on H100), FP8 recipe, single grouped weights, MTP, gradient
 clipping, dropout and auxiliary loss as shipped.
 
 FP8 param gather ON = OFF bitwise: every iteration's reduced loss and global grad norm (the
