@@ -17,6 +17,7 @@ SECTIONS: dict[str, list[tuple[str, str]]] = {
     # section -> (yaml key, row key)
     "model": [
         ("tensor_model_parallel_size", "tp"),
+        ("sequence_parallel", "sequence_parallel"),
         ("pipeline_model_parallel_size", "pp"),
         ("expert_model_parallel_size", "ep"),
         ("expert_tensor_parallel_size", "etp"),
@@ -71,6 +72,7 @@ def recipe_row(cfg: Any) -> dict[str, Any]:
         "grouped_gemm": model.moe_grouped_gemm,
         "switch_env": cfg.env_vars.get(SINGLE_GROUPED_WEIGHT_ENV),
         "tp": model.tensor_model_parallel_size,
+        "sequence_parallel": model.sequence_parallel,
         "pp": model.pipeline_model_parallel_size,
         "vpp": model.virtual_pipeline_model_parallel_size,
         "pipeline_layout": _layout_text(model.pipeline_model_parallel_layout),

@@ -260,7 +260,8 @@ def _make_twin(full: str) -> Callable[..., Any]:
     from .twins import twin_world_size
 
     recipe.__doc__ = (
-        f"{full}'s parallelism structure at CPU size (PP / VPP / EP 2 where it has them): "
+        f"{full}'s parallelism structure at CPU size (PP / VPP 2 and EP over TP x DP 2 where "
+        "it has them, TP as shipped): "
         f"torchrun --nproc-per-node {twin_world_size(full)} ... --cpu."
     )
     return recipe

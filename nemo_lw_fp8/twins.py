@@ -1,4 +1,5 @@
-"""Recipe-faithful twins: each full recipe's parallelism *structure* on at most 4 CPU ranks.
+"""Recipe-faithful twins: each full recipe's parallelism *structure* on a few CPU ranks (2 or 4
+for the TP-1 recipes, without or with PP; 8 for the one that ships TP 2: Qwen3-235B on H100).
 
 A tiny model (:func:`nemo_lw_fp8.models.tiny`) proves little about a recipe that ships PP 4 x
 VPP 4 x EP 64 if it runs on 2 data-parallel ranks. A twin keeps what changes the code paths a
@@ -8,11 +9,16 @@ recipe takes, and shrinks only the sizes:
   VPP; its layout string keeps the recipe's shape (embedding with the first stage's layers, MTP
   and loss after the last stage's), one decoder layer per stage; without a layout, the
   recipe's embedding / loss accounting, two units per stage;
-* expert parallel 2 when the recipe has EP > 1, on data-parallel 2: like every shipped recipe,
-  expert-data-parallel size 1 (each expert's matrices on one rank);
-* TP, ETP, CP as shipped (all 1: Muon wants whole matrices), the FP8 recipe (MXFP8 or
-  blockwise), single grouped weights, layout, ownership, gradient clipping, MTP, dropout and the
-  MoE auxiliary loss as shipped.
+* data parallel 2; expert parallel, when the recipe has EP > 1, over all TP x DP ranks of a
+  stage: like every shipped recipe, expert-data-parallel size 1 (each expert's matrices on one
+  rank), so EP 2 at TP 1 and EP 4 at TP 2;
+* TP, sequence parallelism, ETP, CP as shipped (TP 2 with SP for Qwen3-235B on H100, 1
+  elsewhere; ETP and CP 1 everywhere), with the tiny model's TP-split widths in whole 128-wide
+  blockwise tiles per shard (:func:`nemo_lw_fp8.models.tiny`'s ``tensor_parallel``); the FP8
+  recipe (MXFP8 or blockwise), single grouped weights, layout, ownership, gradient clipping,
+  MTP, dropout and the MoE auxiliary loss as shipped.
+
+World: PP x TP x CP x DP, so a TP-2 twin with PP takes 8 ranks (PP 2 x TP 2 x DP 2).
 
 Names: ``twin_<recipe>`` (``twin_deepseek_v3_mxfp8``); ``pretrain --recipe twin_... --cpu``
 under ``torchrun --nproc-per-node`` :func:`twin_world_size`.
@@ -26,7 +32,7 @@ from typing import Any
 from . import models
 from .models import MoEArchitecture, ParallelismDefaults
 
-#: Data-parallel ranks of every twin (and the expert-parallel size where the recipe has EP).
+#: Data-parallel ranks of every twin (the expert-parallel size, times TP, where the recipe has EP).
 TWIN_DATA_PARALLEL = 2
 PREFIX = "twin_"
 
@@ -48,6 +54,8 @@ def twin_parallelism(full: ParallelismDefaults) -> ParallelismDefaults:
     :func:`twin_architecture`, which knows the layer count)."""
     pp = 2 if full.pp > 1 else 1
     world = pp * full.tp * full.cp * TWIN_DATA_PARALLEL
+    # Expert-data-parallel size 1, as shipped: EP x ETP covers a stage's TP x CP x DP ranks.
+    ep = world // (pp * full.etp) if full.ep > 1 else 1
     return replace(
         full,
         recipe=f"twin of {full.recipe}",
@@ -56,7 +64,7 @@ def twin_parallelism(full: ParallelismDefaults) -> ParallelismDefaults:
         gpus_per_node=world,
         pp=pp,
         vpp=2 if full.vpp else None,
-        ep=TWIN_DATA_PARALLEL if full.ep > 1 else 1,
+        ep=ep,
         micro_batch_size=1,
         # 4 micro-batches per data-parallel rank: a multiple of PP, as interleaving wants.
         global_batch_size=4 * TWIN_DATA_PARALLEL,
@@ -77,7 +85,7 @@ def twin_architecture(
     arch: MoEArchitecture, full: ParallelismDefaults, twin: ParallelismDefaults
 ) -> tuple[MoEArchitecture, ParallelismDefaults]:
     """The tiny model sized to the twin's stages, and the twin with its layout."""
-    small = models.tiny(arch)
+    small = models.tiny(arch, tensor_parallel=twin.tp)
     stages = twin.pp * (twin.vpp or 1)
     layers = small.num_layers
     if full.pipeline_layout is not None:
@@ -88,12 +96,18 @@ def twin_architecture(
         extra += twin.account_for_loss_in_pipeline_split
         per_stage = max(2, -(-(layers + extra) // stages))
         layers = per_stage * stages - extra
-    return models.tiny(arch, num_layers=layers), twin
+    return models.tiny(arch, num_layers=layers, tensor_parallel=twin.tp), twin
+
+
+def twin_defaults(recipe: str) -> ParallelismDefaults:
+    """The twin's parallelism (``deepseek_v3_mxfp8`` or ``twin_deepseek_v3_mxfp8``), without
+    its layout."""
+    return twin_parallelism(_full(_strip(recipe))[2])
 
 
 def twin_world_size(recipe: str) -> int:
     """The ``--nproc-per-node`` a twin needs."""
-    return twin_parallelism(_full(_strip(recipe))[2]).world_size
+    return twin_defaults(recipe).world_size
 
 
 def _strip(name: str) -> str:

@@ -51,6 +51,9 @@ GUARD_CASES = {
         "model.tensor_model_parallel_size=2"]),
     "tp-block-boundary": ("qwen3_30b_a3b_hopper", [
         "model.tensor_model_parallel_size=2", "model.ffn_hidden_size=6272"]),
+    # The TP-2 twin of Qwen3-235B on H100 with the TP-1 tiny widths (4 heads x 32 channels):
+    # 64 linear_proj columns per shard split a 128-wide tile (its own widths pass, above).
+    "twin-tp2-tp1-widths": ("twin_qwen3_235b_a22b_hopper", ["model.kv_channels=32"]),
     "fsdp": ("tiny_qwen3_30b_a3b", ["ddp.use_megatron_fsdp=true"]),
     "no-grouped-gemm": ("tiny_deepseek_v3", ["model.moe_grouped_gemm=false"]),
     "no-op-fuser": ("tiny_deepseek_v3", ["model.use_transformer_engine_op_fuser=false"]),

@@ -178,6 +178,8 @@ def install_probe(prefix: str) -> None:
       grouped), which only an FP8 param gather updates: > 0 proves the gather ON, 0 OFF;
     * ``te_modules`` / ``project_layers``: the model's modules of TE's classes / of the
       project's CPU layers (which path ``--cpu-modules`` built);
+    * ``tp``, ``ep``, ``sequence_parallel``: megatron's tensor- and expert-parallel sizes on
+      this rank and the model's sequence parallelism;
     * ``reduces``: the ``torch.distributed.reduce`` calls this rank issued (the owner reduce
       sends each Muon gradient span to its owner with one; the all-reduce sync issues none);
     * ``linears``, ``blockwise_weights``, ``blockwise_groups``: what the layer-wise optimizer of
@@ -234,6 +236,13 @@ def install_probe(prefix: str) -> None:
             for param in chunk.parameters()
             if expert_slices.uses_quantized_storage(param)
         )
+        from megatron.core import parallel_state as ps
+
+        # The parallel sizes megatron built this rank's groups with, and whether the model ran
+        # sequence parallel (a twin's TP / EP as shipped, read off the rank).
+        _seen["tp"] = ps.get_tensor_model_parallel_world_size()
+        _seen["ep"] = ps.get_expert_model_parallel_world_size()
+        _seen["sequence_parallel"] = optimizer.model_chunks[0].config.sequence_parallel
         kinds = [type(m).__module__ for c in optimizer.model_chunks for m in c.modules()]
         _seen["te_modules"] = sum(k.startswith("transformer_engine.") for k in kinds)
         _seen["project_layers"] = sum(k.startswith("nemo_lw_fp8.cpu.") for k in kinds)

@@ -301,6 +301,24 @@ def test_recipe_plans_at_tp_2():
     assert rows and all(r["tp"] == 2 and "TP2 ETP1" in r["config"] for r in rows)
 
 
+def test_shipped_tp_2_recipe_plans_at_its_tp():
+    """``plan --recipe qwen3_235b_a22b_hopper`` plans Bridge's H100 shape as shipped: 256 GPUs
+    at TP 2 x PP 8 leave dense DP 16; EP 32 x ETP 1 x PP 8 leave expert DP 1. Per rank it
+    holds less than the same recipe at TP 1 (the dense matrices are halved) but more than half
+    (the experts, at ETP 1, are not split)."""
+    from nemo_lw_fp8.models import recipe_plan
+
+    result = recipe_plan.plan_recipe(recipe_plan.recipe_setup("qwen3_235b_a22b_hopper"))
+    world, tp, pp, ep = 32 * 8, 2, 8, 32
+    par = result["parallelism"]
+    assert (par["world"], par["tp"], par["pp"], par["ep"], par["etp"]) == (world, tp, pp, ep, 1)
+    assert (par["dp"], par["expert_dp"]) == (world // (tp * pp), world // (pp * ep))
+    tp1 = recipe_plan.plan_recipe(recipe_plan.recipe_setup(
+        "qwen3_235b_a22b_hopper", ["model.tensor_model_parallel_size=1"]))  # fmt: skip
+    held, whole = (r["layouts"]["compact"]["bytes_per_rank"]["params"] for r in (result, tp1))
+    assert whole / 2 < held < whole
+
+
 def test_plan_cli_model_form_at_tp_2(capsys):
     """``plan MODEL --dp 2 --tp 2 --muon-tp-mode blockwise``: the plan of 4 ranks whose owners
     orthogonalize their shards (the work ownership balances), with its traffic rows."""

@@ -1,7 +1,8 @@
 """Recipe-faithful twins (nemo_lw_fp8/twins.py) trained by ``nemo-lw-fp8 pretrain --cpu`` (ranks
 forked from one warmed-up process, tests/fork_run.py; the flagship resume test launches with
 torchrun too): each full recipe's parallelism structure (PP 2 with its
-layout or accounting, VPP 2, EP 2 on DP 2), FP8 recipe, single grouped weights, MTP, gradient
+layout or accounting, VPP 2, EP over TP x DP 2; TP and sequence parallelism as shipped: TP 2 + SP
+and EP 4 on 8 ranks for Qwen3-235B on H100), FP8 recipe, single grouped weights, MTP, gradient
 clipping, dropout and auxiliary loss as shipped.
 
 FP8 param gather ON = OFF bitwise: every iteration's reduced loss and global grad norm (the
@@ -103,6 +104,12 @@ def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
     # gather updates them), OFF none (nothing FP8 was gathered).
     for rank in on["probe"] + off["probe"]:
         assert rank["te_modules"] > 0 and rank["project_layers"] == 0, rank
+    # The recipe's TP and sequence parallelism, EP over a stage's TP x DP ranks, on every rank
+    # (Qwen3-235B on H100: TP 2 with SP, EP 4).
+    shape = twins.twin_defaults(recipe)
+    for rank in on["probe"] + off["probe"]:
+        ran = (rank["tp"], rank["ep"], rank["sequence_parallel"])
+        assert ran == (shape.tp, shape.ep, shape.sequence_parallel), rank
     assert all(rank["fp8_weights"] > 0 for rank in on["probe"]), on["probe"]
     assert all(rank["fp8_weights"] == 0 for rank in off["probe"]), off["probe"]
     if _blockwise(recipe):

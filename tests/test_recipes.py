@@ -53,7 +53,7 @@ def test_recipe_key_settings(report, name):
         assert (row["fp8_recipe"], row["reuse_grad_buf"]) == ("blockwise", False)
     else:
         assert (row["fp8_recipe"], row["reuse_grad_buf"]) == ("mxfp8", True)
-    assert row["tp"] == 1 and row["etp"] == 1  # whole matrices for layer-wise Muon
+    assert row["etp"] == 1  # whole experts: FP8 gather at ETP > 1 is not verified
     assert row["muon_tp_mode"] == "duplicated"  # the factory's TP-invariant default
     assert row["provider"] == ("MLAModelProvider" if row["multi_latent_attention"] else
                                "GPTModelProvider")
@@ -71,6 +71,11 @@ def test_recipe_key_settings(report, name):
         gpu = recipes.VARIANT_GPU[name.rsplit("_", 1)[1]]
         parallel = models.parallelism(name.rsplit("_", 1)[0], gpu)
         assert (row["pp"], row["ep"]) == (parallel.pp, parallel.ep)
+        assert (row["tp"], row["sequence_parallel"]) == (parallel.tp, parallel.sequence_parallel)
+        # TP 1 (whole matrices for layer-wise Muon) except where Bridge's TP is kept: Qwen3-235B
+        # on H100 at Bridge's TP 2 with sequence parallelism (its TP-2 twin runs it on CPU).
+        tp2 = name == "qwen3_235b_a22b_hopper"
+        assert (row["tp"], row["sequence_parallel"]) == ((2, True) if tp2 else (1, False))
         assert row["global_batch_size"] == parallel.global_batch_size
 
 
@@ -79,13 +84,14 @@ def _check_twin(twin: dict, full: dict) -> None:
     assert twin["hidden_size"] < full["hidden_size"]
     assert twin["pp"] == (2 if full["pp"] > 1 else 1)
     assert twin["vpp"] == (2 if full["vpp"] else None)
-    assert twin["ep"] == (2 if full["ep"] > 1 else 1)
+    # Expert-data-parallel size 1 as shipped: EP covers the TP x DP 2 ranks of a stage.
+    assert twin["ep"] == (2 * full["tp"] if full["ep"] > 1 else 1)
     assert bool(twin["pipeline_layout"]) == bool(full["pipeline_layout"])
     if full["pipeline_layout"]:  # embedding first, MTP and loss last, as the recipe's
         first, *_, last = twin["pipeline_layout"].split("|")
         assert first.startswith("E") and last.endswith("mL" if full["mtp_num_layers"] else "tL")
     for key in ("fp8_recipe", "single_grouped_weight", "clip_grad", "mtp_num_layers", "tp",
-                "etp", "layout", "multi_latent_attention", "reuse_grad_buf"):
+                "sequence_parallel", "etp", "layout", "multi_latent_attention", "reuse_grad_buf"):
         assert twin[key] == full[key], key
 
 
@@ -145,6 +151,7 @@ EXPECTED_RULES = {
     "tensor-parallel-hopper": "",  # passes: TP 2 with whole 128-blocks per shard, ETP 1
     "tensor-parallel-hybrid": "fp8-gather-tensor-parallel",
     "tp-block-boundary": "fp8-gather-tp-block-boundary",
+    "twin-tp2-tp1-widths": "fp8-gather-tp-block-boundary",
     "fsdp": "grouped-weight-fsdp",
     "no-grouped-gemm": "grouped-weight-needs-grouped-gemm",
     "no-op-fuser": "grouped-weight-needs-op-fuser",

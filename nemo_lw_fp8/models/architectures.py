@@ -405,7 +405,9 @@ def get_architecture(name: str) -> MoEArchitecture:
 # ----------------------------------------------------------------------------- tiny twins
 
 
-def tiny(arch: MoEArchitecture, *, num_layers: int | None = None) -> MoEArchitecture:
+def tiny(
+    arch: MoEArchitecture, *, num_layers: int | None = None, tensor_parallel: int = 1
+) -> MoEArchitecture:
     """A same-structure model small enough for 2 CPU ranks (seconds per step).
 
     Kept: attention kind (MLA with / without q LoRA, gated GQA, hybrid Gated DeltaNet pattern),
@@ -415,7 +417,15 @@ def tiny(arch: MoEArchitecture, *, num_layers: int | None = None) -> MoEArchitec
     Python only for multiples of 128, docs/te-modules.md);
     8 experts split over EP 1, 2, 4 or 8; top-2. ``num_layers``: another depth (recipe twins
     give each pipeline stage its layers).
+
+    ``tensor_parallel``: the TP size the model will be sharded at (a twin of a TP > 1 recipe).
+    Above 1, every width TP splits (attention heads x kv channels, the fused QKV rows, the dense
+    and shared-expert FFN) gives each shard whole 128-wide blockwise tiles (so whole 32-wide
+    MXFP8 blocks too; rule ``fp8-gather-tp-block-boundary``) and the query groups divide by TP.
+    At 1 the widths are the ones every tiny recipe has always had. MLA and hybrid layers keep
+    their widths: FP8 gather refuses them at TP > 1 (``fp8-gather-tensor-parallel``).
     """
+    tp = tensor_parallel
     hidden, experts, vocab = 128, 8, 512
     dense = min(arch.first_k_dense, 1)  # one leading dense layer keeps the structure
     layers = 4 if arch.experimental_attention_variant else dense + 2
@@ -431,7 +441,7 @@ def tiny(arch: MoEArchitecture, *, num_layers: int | None = None) -> MoEArchitec
         "max_position_embeddings": 64,
         "make_vocab_size_divisible_by": 128,
         "num_attention_heads": 4,
-        "ffn_hidden_size": 256 if dense else None,
+        "ffn_hidden_size": 128 * max(2, tp) if dense else None,
         "num_moe_experts": experts,
         "moe_ffn_hidden_size": 128,
         "moe_router_topk": 2,
@@ -440,7 +450,7 @@ def tiny(arch: MoEArchitecture, *, num_layers: int | None = None) -> MoEArchitec
     if arch.moe_shared_expert_intermediate_size:
         # keep the ratio of shared to routed width (2 for DeepSeek-V2-Lite's two shared experts)
         ratio = arch.moe_shared_expert_intermediate_size // arch.moe_ffn_hidden_size
-        changes["moe_shared_expert_intermediate_size"] = 128 * max(ratio, 1)
+        changes["moe_shared_expert_intermediate_size"] = 128 * max(ratio, 1) * tp
     if arch.moe_router_num_groups:
         changes |= {"moe_router_num_groups": 4, "moe_router_group_topk": 2}
     if arch.multi_latent_attention:
@@ -453,7 +463,15 @@ def tiny(arch: MoEArchitecture, *, num_layers: int | None = None) -> MoEArchitec
             "original_max_position_embeddings": 64,
         }
     else:
-        changes |= {"num_query_groups": 2, "kv_channels": 32}
+        # 2 heads per query group; heads x kv channels = 128 x TP (4 heads of 32 at TP 1, as
+        # ever): each TP shard holds 128 linear_proj columns and 256 linear_qkv rows.
+        groups = max(2, tp)
+        heads = 2 * groups
+        changes |= {
+            "num_attention_heads": heads,
+            "num_query_groups": groups,
+            "kv_channels": 128 * tp // heads,
+        }
     if arch.experimental_attention_variant:
         # in_proj rows 2*qk + 2*v + 2*value_heads = 1568 (megatron asserts a multiple of 32)
         changes |= {

@@ -132,9 +132,13 @@ _DSV3_16_STAGES = "Et*4|(t*4|)*14tmL"
 GPU_FAMILIES = ("h100", "b200", "gb200")
 
 # Why layer-wise Muon changes what Adam recipes do: Muon orthogonalises whole matrices, one owner
-# rank each. TP > 1 splits every dense matrix, so Newton-Schulz needs the shards gathered (or
-# runs on pieces, which is not Muon); ETP > 1 does the same to experts. Hence TP = ETP = 1, with
-# PP / EP taking over the memory TP saved. Everything else follows the cited recipe.
+# rank each. TP > 1 splits every dense matrix, so Newton-Schulz needs the shards gathered (the
+# recipes' muon_tp_mode "duplicated") or runs on pieces, which is not Muon; ETP > 1 does the same
+# to experts, and its FP8 gather is not verified. Hence ETP = 1 everywhere, and TP = 1 where
+# FP8 gather at the shipped TP has not been run (PP / EP take over the memory TP saved). Qwen3-
+# 235B on H100 keeps Bridge's TP 2 with sequence parallelism: standard attention, widths in
+# whole 128-wide blockwise tiles per shard (rules_tensor_parallel.py), a TP-2 twin (twins.py).
+# Everything else follows the cited recipe.
 PARALLELISM: dict[str, dict[str, ParallelismDefaults]] = {
     "deepseek-v3": {
         "h100": ParallelismDefaults(
@@ -220,10 +224,10 @@ PARALLELISM: dict[str, dict[str, ParallelismDefaults]] = {
     "qwen3-235b-a22b": {
         "h100": ParallelismDefaults(
             recipe="perf_recipes qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config (TP2 SP)",
-            muon_change="TP2 -> 1 (its TP-2 twin not built yet; attention is 3% of the weights, "
-            "recompute pays for activations)",
             nodes=32,
             gpus_per_node=8,
+            tp=2,
+            sequence_parallel=True,
             pp=8,
             vpp=4,
             ep=32,
