@@ -91,6 +91,13 @@ def loading_into(cfg: Any) -> Iterator[None]:
         _LOADING_INTO.reset(token)
 
 
+def loading_dir() -> str | None:
+    """The iteration directory of the Bridge load in progress (known once Bridge has read its
+    ``run_config.yaml``), else None."""
+    load = _LOADING_INTO.get()
+    return None if load is None else load.iteration_dir
+
+
 def _current_fields(cfg: Any) -> dict[str, dict[str, Any]]:
     from ..guards import CHECKPOINT_FIXED_FIELDS
 

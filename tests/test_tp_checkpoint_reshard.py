@@ -1,0 +1,121 @@
+"""A checkpoint saved at tensor parallel 2 resumes at TP 1 with the same fp32 masters, Muon
+momentum and Adam moments, bit for bit (issue 29), through Megatron-Bridge's own ``pretrain`` as
+a user launches it (``nemo-lw-fp8 pretrain --cpu``, TE's own modules).
+
+``tiny_qwen3_30b_a3b`` (GQA with two query groups, QK norms, MoE with single grouped MXFP8
+experts, untied output layer, layer-wise Muon, MXFP8 param gather, ``muon_tp_mode`` as shipped:
+``duplicated``): A (TP 2 x DP 2 with sequence parallelism, 4 ranks, as
+tests/test_tp_bridge_training.py runs it) trains 2 iterations and saves (``torch_dist``); B
+(TP 1 x DP 2, 2 ranks) loads it and trains iteration 3. TP 1 x DP 2 rather than DP 4: the
+data-parallel size stays what A saved with, so the one thing that changes is TP (another DP size
+is proven in tests/test_twin_resharding.py), and two ranks cost half of four on this machine.
+
+Compared: every entry of B's per-parameter state right after the load (tensors behind
+:mod:`nemo_lw_fp8.launch.state_by_name`) with A's final state (= what it saved) merged over its
+TP ranks as megatron's ``sharded_state_dict`` lays the shards out (tests/support/tp_merge.py):
+the same names, kinds, shapes, dtypes and bits. B then trains iteration 3 (a finite loss, its
+state moves). Not claimed: that iteration equals a TP-1 run that never stopped, or TP 2 going on
+(the gradients' reductions run in another order at TP 1).
+
+Control: B again with each rank's first layer-wise master moved by one ulp after the load
+(mutation ``nudge_loaded_master``): exactly those masters differ.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.support import bridge_runs as br
+from tests.support.tp_merge import bitwise_differences, merge_over_tp, without_expert_rank
+
+pytestmark = pytest.mark.usefixtures("bridge_installed")
+
+RECIPE = "tiny_qwen3_30b_a3b"
+SAVED_AT = 2
+#: Model-space optimizer state (``fully_reshardable``): Bridge's default ``dp_reshardable`` writes
+#: the sibling Adam's buckets flat, in a layout that follows the TP shards (megatron reshards it
+#: across DP only).
+COMMON = ("train.global_batch_size=4", "validation.eval_interval=100", "validation.eval_iters=1",
+          "checkpoint.dist_ckpt_optim_fully_reshardable=true")  # fmt: skip
+TP2_SP = ("model.tensor_model_parallel_size=2", "model.sequence_parallel=true")
+_runs: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp-reshard")
+
+
+def _saved_at_tp2(tmp: Path) -> dict:
+    """A: TP 2 x DP 2 trains to iteration 2 and saves there; its end state is what it saved."""
+    if "a" not in _runs:
+        _runs["a"] = br.pretrain(
+            tmp, "a-tp2", RECIPE, *TP2_SP, *COMMON, f"train.train_iters={SAVED_AT}",
+            *br.saving_at(tmp, SAVED_AT), nproc=4, probe=True, state_tensors=True,
+        )  # fmt: skip
+    return _runs["a"]
+
+
+def _loaded_at_tp1(tmp: Path, mutation: str = "") -> dict:
+    """B: TP 1 x DP 2 loads A's checkpoint and trains iteration 3."""
+    _saved_at_tp2(tmp)
+    tag = f"b-tp1{mutation and '-' + mutation}"
+    if tag not in _runs:
+        _runs[tag] = br.pretrain(
+            tmp, tag, RECIPE, *COMMON, f"train.train_iters={SAVED_AT + 1}",
+            *br.loading_at(tmp, SAVED_AT), nproc=2, mutation=mutation, probe=True,
+            state_tensors=True,
+        )  # fmt: skip
+    return _runs[tag]
+
+
+def _merged_saved_state(a: dict) -> dict:
+    """A's saved state merged over TP ranks into TP-1 entries."""
+    ranks = a["tensors"]["end"]
+    dims = {name: dim for rank in ranks for name, dim in rank["partition_dim"].items()}
+    return without_expert_rank(merge_over_tp([rank["state"] for rank in ranks], dims, gated=True))
+
+
+def _loaded_state(b: dict) -> dict:
+    """B's state right after the load (TP 1: no shard to merge; ranks holding an entry
+    agree)."""
+    ranks = b["tensors"]["start"]
+    return without_expert_rank(merge_over_tp([rank["state"] for rank in ranks], {}, gated=True))
+
+
+def test_tp2_checkpoint_resumes_at_tp1_with_the_same_state(runs):
+    a, b = _saved_at_tp2(runs), _loaded_at_tp1(runs)
+    for rank in a["probe"] + b["probe"]:
+        assert rank["te_modules"] > 0 and rank["project_layers"] == 0, rank
+    # A really held TP shards of every kind the merge handles: rows (QKV parts, vocabulary)
+    # and columns (linear_proj).
+    dims = {n: d for r in a["tensors"]["end"] for n, d in r["partition_dim"].items()}
+    assert {n.split("/", 2)[-1] for n in dims} >= {
+        "tp0/embedding.word_embeddings.weight", "tp1/output_layer.weight",
+        "tp0/decoder.layers.0.self_attention.linear_qkv.weight",
+        "tp1/decoder.layers.1.self_attention.linear_proj.weight",
+    }, sorted(dims)  # fmt: skip
+    assert set(dims.values()) == {0, 1}
+    saved = _merged_saved_state(a)
+    kinds = {kind for entry in saved.values() for kind in entry}
+    assert {"master", "momentum_buffer", "exp_avg", "exp_avg_sq"} <= kinds, kinds
+    loaded = _loaded_state(b)
+    assert bitwise_differences(saved, loaded) == []
+    # The same through the runs' digests (what the record of every other resharding test
+    # compares): B's record at the start has no TP-rank name left.
+    assert not any("/tp" in name for name in b["state"]["start"])
+    # B trains on from there.
+    assert len(br.losses(b)) == 1 and all(math.isfinite(x) for x in br.losses(b))
+    assert b["state"]["end"] != b["state"]["start"]
+
+
+@pytest.mark.extended  # a third run; the gate keeps the resharding parity itself
+def test_control_tp1_load_with_a_master_one_ulp_off_differs_there_only(runs):
+    saved = _merged_saved_state(_saved_at_tp2(runs))
+    nudged = _loaded_state(_loaded_at_tp1(runs, mutation="nudge_loaded_master"))
+    moved = bitwise_differences(saved, nudged)
+    assert len(moved) == 2, moved  # each of the 2 ranks owns Muon matrices: one master each
+    assert all(name.endswith("/master") for name in moved), moved
