@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import bridge_runs as br
+from tests.support.harness import run_on_ranks
 from tests.support.tp_merge import bitwise_differences, merge_over_tp, without_expert_rank
 
 pytestmark = pytest.mark.usefixtures("bridge_installed")
@@ -84,6 +85,58 @@ def _loaded_state(b: dict) -> dict:
     agree)."""
     ranks = b["tensors"]["start"]
     return without_expert_rank(merge_over_tp([rank["state"] for rank in ranks], {}, gated=True))
+
+
+def megatron_global_tensors(tp: int) -> tuple[dict, dict]:
+    """Each of ``tp`` ranks' shard of a gated ``linear_fc1`` (``apply_swiglu_sharded_factory``
+    over the rank's ``(0, r, tp)`` entry, as megatron's ``MLP.sharded_state_dict`` makes it), a
+    row-parallel weight (axis 1) and a vocabulary-parallel one (axis 0), placed in their global
+    tensors at the offsets megatron's entries give: ``(shards by rank, global tensors)``."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    shapes = {"fc1": ((8, 4), 0), "proj": ((4, 6), 1), "vocab": ((5, 4), 0)}
+    shards: dict = {name: [] for name in shapes}
+    whole: dict = {}
+    generator = torch.Generator().manual_seed(0)
+    for name, (shape, axis) in shapes.items():
+        global_shape = list(shape)
+        global_shape[axis] *= tp
+        whole[name] = torch.full(global_shape, float("nan"))
+        for rank in range(tp):
+            local = torch.randn(shape, generator=generator)
+            shards[name].append(local)
+            entry = ShardedTensor.from_rank_offsets(name, local, (axis, rank, tp), replica_id=0)
+            built = [entry]
+            if name == "fc1":
+                built = apply_swiglu_sharded_factory(entry, ()).build()
+            for piece in built:
+                where = tuple(
+                    slice(offset, offset + size)
+                    for offset, size in zip(piece.global_offset, piece.local_shape, strict=True)
+                )
+                whole[name][where] = piece.data
+    return shards, whole
+
+
+def test_tp_merge_places_shards_where_megatrons_entries_do():
+    """tests/support/tp_merge.py against megatron's own entries at TP 2 (the gated ``fc1``
+    rule is not exercised by the Bridge runs: Qwen3-30B-A3B has no dense MLP or shared
+    expert). Control: the gated ``fc1`` merged as plain rows differs."""
+    [(shards, whole)] = run_on_ranks(megatron_global_tensors, 2, world_size=1)
+    names = {"fc1": "decoder.layers.0.mlp.linear_fc1.weight",
+             "proj": "decoder.layers.0.self_attention.linear_proj.weight",
+             "vocab": "output_layer.weight"}  # fmt: skip
+    ranks = [
+        {f"pp0/chunk0/tp{r}/{names[k]}": {"master": shards[k][r]} for k in names} for r in range(2)
+    ]
+    dims = {f"pp0/chunk0/tp{r}/{names[k]}": int(k == "proj") for k in names for r in range(2)}
+    merged = merge_over_tp(ranks, dims, gated=True)
+    expected = {f"pp0/chunk0/{names[k]}": {"master": whole[k]} for k in names}
+    assert bitwise_differences(merged, expected) == []
+    as_rows = merge_over_tp(ranks, dims, gated=False)
+    assert bitwise_differences(as_rows, expected) == [f"pp0/chunk0/{names['fc1']}/master"]
 
 
 def test_tp2_checkpoint_resumes_at_tp1_with_the_same_state(runs):
