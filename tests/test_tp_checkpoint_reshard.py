@@ -172,3 +172,59 @@ def test_control_tp1_load_with_a_master_one_ulp_off_differs_there_only(runs):
     moved = bitwise_differences(saved, nudged)
     assert len(moved) == 2, moved  # each of the 2 ranks owns Muon matrices: one master each
     assert all(name.endswith("/master") for name in moved), moved
+
+
+WHERE = "/ckpt/iter_0000002"
+#: The sibling Adam's one dp_reshardable bucket as the TP-2 run of this file writes it.
+BUCKETS = {"chained_1.optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_x": [66_432]}
+
+
+def test_dp_reshardable_checkpoint_of_another_tp_is_refused_naming_the_fix():
+    """Rule ``checkpoint-tp-resplit``: Bridge's default ``dp_reshardable`` writes the sibling
+    Adam's buckets flat over this TP rank's shards; loaded at TP 1, megatron stopped inside the
+    load (``Global shape mismatch for loaded (torch.Size([66432])) and expected ((131968,))``,
+    measured with this file's TP-2 run saved ``dp_reshardable``)."""
+    from nemo_lw_fp8 import guards
+
+    message = guards.checkpoint_tp_resplit(False, 2, 1, BUCKETS, WHERE)
+    assert message is not None and len(message.splitlines()) == 1 and WHERE in message
+    assert "Fix: set model.tensor_model_parallel_size=2" in message
+    assert "checkpoint.dist_ckpt_optim_fully_reshardable=true" in message
+    assert "checkpoint-tp-resplit" in {name for name, _ in guards.CHECKPOINT_RULES}
+    # Controls: the same TP, a fully_reshardable checkpoint, no sibling Adam buckets.
+    assert guards.checkpoint_tp_resplit(False, 2, 2, BUCKETS, WHERE) is None
+    assert guards.checkpoint_tp_resplit(True, 2, 1, BUCKETS, WHERE) is None
+    assert guards.checkpoint_tp_resplit(False, 2, 1, {}, WHERE) is None
+
+
+def test_bridge_load_check_refuses_a_dp_reshardable_checkpoint_of_another_tp(tmp_path):
+    """The wiring: ``check_loadable`` (when Bridge reads ``run_config.yaml``) reads the saved
+    TP size and buckets and this run's TP size; control: the saved TP size passes."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from nemo_lw_fp8 import guards
+    from nemo_lw_fp8.mechanics import checkpointing
+
+    buffer = "chained_1.optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16)"
+    state = {f"{buffer}.bucket_idx_0.param": torch.zeros(100)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    saved = {"checkpoint": {"dist_ckpt_optim_fully_reshardable": False},
+             "model": {"tensor_model_parallel_size": 2}}  # fmt: skip
+
+    def cfg(tp: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            model=SimpleNamespace(tensor_model_parallel_size=tp), optimizer=SimpleNamespace(),
+            checkpoint=SimpleNamespace(ckpt_format="torch_dist"),
+            ddp=SimpleNamespace(bucket_size=None),
+        )  # fmt: skip
+
+    run_config = str(tmp_path / "run_config.yaml")
+    with checkpointing.loading_into(cfg(2)):
+        checkpointing.check_loadable(saved, run_config)  # control: the saved TP size
+    with checkpointing.loading_into(cfg(1)), pytest.raises(guards.ConfigError) as caught:
+        checkpointing.check_loadable(saved, run_config)
+    assert caught.value.rule == "checkpoint-tp-resplit"
+    assert "Fix: set model.tensor_model_parallel_size=2" in str(caught.value)
