@@ -139,6 +139,84 @@ def test_tp_merge_places_shards_where_megatrons_entries_do():
     assert bitwise_differences(as_rows, expected) == [f"pp0/chunk0/{names['fc1']}/master"]
 
 
+def _group(expert: bool, lr: float, params: list | None = None) -> dict:
+    group = {"is_expert_parallel": expert, "default_config": True, "wd_mult": 1.0,
+             "lr_mult": 1.0, "is_decoupled_lr": False, "max_lr": 3e-3, "min_lr": 3e-4,
+             "lr": lr, "weight_decay": 0.033}  # fmt: skip
+    return group if params is None else {**group, "params": params}
+
+
+def param_groups_through_a_load(
+    directory: str, saved: list[bool], live: list[bool], saved_lrs: list[float], shaped: bool
+) -> list[dict] | str:
+    """A layer-wise optimizer's param groups through ``dist_checkpointing``'s load path:
+    ``saved`` / ``live``: each group's ``is_expert_parallel``, the live groups holding params
+    ``[0, 1]``, ``[2]``... and live lr 1.0 (not the saved lrs). ``shaped``: the plugin's
+    :func:`shape_like_checkpoint` runs (else the loading list is the live one, as unpatched).
+    Returns the groups :func:`fold_to_live` gives, or the error of the merge or fold."""
+    from unittest import mock
+
+    from megatron.core.dist_checkpointing.dict_utils import merge
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+    from megatron.core.dist_checkpointing.utils import extract_nonpersistent
+
+    from nemo_lw_fp8.mechanics import param_groups_load
+
+    common = {
+        "optimizer": {
+            "param_groups": [_group(e, lr) for e, lr in zip(saved, saved_lrs, strict=True)]
+        }
+    }
+    params = [[0, 1], [2], [3]]
+    loading = {"optimizer": {"param_groups": [
+        _group(e, 1.0, LocalNonpersistentObject(params[i])) for i, e in enumerate(live)
+    ]}}  # fmt: skip
+    saved_lists = lambda _: [common["optimizer"]["param_groups"]]  # noqa: E731
+    with mock.patch.object(param_groups_load, "_saved_group_lists", saved_lists):
+        if shaped:
+            param_groups_load.shape_like_checkpoint(loading, directory)
+    nonpersistent, _ = extract_nonpersistent(loading)
+    nonpersistent = {k: v for k, v in nonpersistent.items()}
+
+    def unwrap(node):
+        if isinstance(node, dict):
+            return {k: unwrap(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [unwrap(v) for v in node]
+        return node.unwrap() if isinstance(node, LocalNonpersistentObject) else node
+
+    try:
+        loaded = merge(common, unwrap(nonpersistent))
+        param_groups_load.fold_to_live(loaded)
+    except ValueError as error:
+        return str(error)
+    return loaded["optimizer"]["param_groups"]
+
+
+def test_param_groups_split_at_another_tp_load_as_the_live_ones(tmp_path):
+    """:mod:`nemo_lw_fp8.mechanics.param_groups_load` (the fix the TP 2 -> TP 1 load needed):
+    a checkpoint's dense and expert groups load into one live group and the reverse, each live
+    group with its own params and ``is_expert_parallel`` and the saved hyperparameters (lr
+    0.5, not the live 1.0). Controls: unshaped, megatron's merge stops as the TP-1 load did;
+    saved groups with different lrs merged into one are refused, naming ``lr``."""
+    d = str(tmp_path)
+    runs = run_on_ranks(param_groups_through_a_load, d, [False, True], [False], [0.5, 0.5], True,
+                        world_size=1)  # fmt: skip
+    assert runs == [[_group(False, 0.5, [0, 1])]]
+    [grown] = run_on_ranks(param_groups_through_a_load, d, [False], [False, True], [0.5], True,
+                           world_size=1)  # fmt: skip
+    assert grown == [_group(False, 0.5, [0, 1]), _group(True, 0.5, [2])]
+    [same] = run_on_ranks(param_groups_through_a_load, d, [False, True], [False, True],
+                          [0.5, 0.5], True, world_size=1)  # fmt: skip
+    assert same == [_group(False, 0.5, [0, 1]), _group(True, 0.5, [2])]
+    [unshaped] = run_on_ranks(param_groups_through_a_load, d, [False, True], [False],
+                              [0.5, 0.5], False, world_size=1)  # fmt: skip
+    assert "Cannot merge two lists with different lengths (2 and 1" in unshaped
+    [differ] = run_on_ranks(param_groups_through_a_load, d, [False, True], [False], [0.5, 0.7],
+                            True, world_size=1)  # fmt: skip
+    assert isinstance(differ, str) and "hyperparameters (lr)" in differ
+
+
 def test_tp2_checkpoint_resumes_at_tp1_with_the_same_state(runs):
     a, b = _saved_at_tp2(runs), _loaded_at_tp1(runs)
     for rank in a["probe"] + b["probe"]:
