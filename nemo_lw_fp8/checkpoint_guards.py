@@ -3,8 +3,9 @@
 A checkpoint another run wrote (read from its Bridge ``run_config.yaml`` and its DCP metadata) is
 refused before anything of it is loaded into the model or the optimizer: ``checkpoint-mismatch``
 (:func:`checkpoint_mismatch`), ``checkpoint-missing-shard`` (:func:`checkpoint_missing_files`),
-``checkpoint-truncated-shard`` and ``checkpoint-bucket-resplit``
-(:func:`checkpoint_bucket_resplit`), checked by :mod:`nemo_lw_fp8.mechanics.checkpointing`.
+``checkpoint-truncated-shard``, ``checkpoint-bucket-resplit``
+(:func:`checkpoint_bucket_resplit`) and ``checkpoint-tp-resplit`` (:func:`checkpoint_tp_resplit`),
+checked by :mod:`nemo_lw_fp8.mechanics.checkpointing`.
 They read a saved config and files, not the :class:`~nemo_lw_fp8.guards.Settings` the other
 rules read, hence a module of their own.
 """
@@ -107,9 +108,38 @@ def checkpoint_bucket_resplit(
     )
 
 
+def checkpoint_tp_resplit(
+    fully_reshardable: bool,
+    saved_tp: int | None,
+    tp: int | None,
+    saved_buckets: dict[str, list[int]],
+    where: str,
+) -> str | None:
+    """Rule ``checkpoint-tp-resplit``: a ``dp_reshardable`` checkpoint of another
+    tensor-parallel size.
+
+    ``dp_reshardable`` writes the sibling Adam's state as one flat tensor per DDP bucket of
+    this TP rank's shards, so its length follows the TP size: megatron-core 0.19.2 then stops
+    inside the load on a global shape mismatch of ``...bucket_idx_0.param`` (measured: a TP-2
+    bucket of 66432 elements against 131968 at TP 1, ``tiny_qwen3_30b_a3b``). A
+    ``fully_reshardable`` checkpoint holds that state per parameter in model space and loads
+    at another TP (docs/checkpointing.md, "Another tensor-parallel size")."""
+    if fully_reshardable or saved_tp is None or saved_tp == tp or not saved_buckets:
+        return None
+    return (
+        f"the checkpoint {where} holds the distributed optimizer's state as dp_reshardable "
+        f"buckets of model.tensor_model_parallel_size={saved_tp} shards, but this run has "
+        f"model.tensor_model_parallel_size={tp}, and those buckets do not reshard across TP. "
+        f"Fix: set model.tensor_model_parallel_size={saved_tp} for this run, or resume from a "
+        "checkpoint saved with checkpoint.dist_ckpt_optim_fully_reshardable=true. Nothing was "
+        "loaded."
+    )
+
+
 CHECKPOINT_RULES: tuple[tuple[str, str], ...] = (
     ("checkpoint-mismatch", "a resume keeps the model's shapes, FP8 recipe and optimizer"),
     ("checkpoint-missing-shard", "every file the checkpoint's metadata lists is there"),
     ("checkpoint-truncated-shard", "every file is as long as the checkpoint's metadata says"),
     ("checkpoint-bucket-resplit", "a dp_reshardable resume keeps the saved optimizer buckets"),
+    ("checkpoint-tp-resplit", "a dp_reshardable resume keeps the saved tensor-parallel size"),
 )

@@ -30,6 +30,7 @@ from .checkpoint_guards import CHECKPOINT_RULES as CHECKPOINT_RULES
 from .checkpoint_guards import checkpoint_bucket_resplit as checkpoint_bucket_resplit
 from .checkpoint_guards import checkpoint_mismatch as checkpoint_mismatch
 from .checkpoint_guards import checkpoint_missing_files as checkpoint_missing_files
+from .checkpoint_guards import checkpoint_tp_resplit as checkpoint_tp_resplit
 from .checkpoint_guards import checkpoint_truncated_files as checkpoint_truncated_files
 from .guard_settings import ConfigError as ConfigError
 from .guard_settings import Rule as Rule

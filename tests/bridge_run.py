@@ -256,8 +256,55 @@ def install_probe(prefix: str) -> None:
     launch_pretrain.optimizer_state_digest = _probing_digest
 
 
+def install_state_tensors(prefix: str) -> None:
+    """Each rank also writes the tensors behind its per-parameter state record
+    (:func:`nemo_lw_fp8.launch.state_by_name.state_by_name`, taken at the start and the end of
+    training) to ``{prefix}.{start|end}.rank<N>.pt``: ``{"state": {name: {kind: tensor}},
+    "partition_dim": {name: dim}}``, the second for every TP-sharded parameter (megatron's
+    ``partition_dim`` attribute, names as the record gives them, TP rank included).
+
+    Why: the record holds SHA-256 digests, which can be compared only where two runs hold the
+    same tensors; the state of another TP size must first be put together from its shards
+    (tests/support/tp_merge.py)."""
+    if not prefix:
+        return
+    import torch
+
+    import nemo_lw_fp8.launch.state_by_name as by_name
+
+    _sha, _record = by_name._sha, by_name.state_by_name
+    seen: dict = {}
+    taken: list[str] = []
+
+    def _keeping_sha(tensor):
+        digest = _sha(tensor)
+        seen[digest] = tensor.detach().cpu().clone()
+        return digest
+
+    def _recording(optimizer, model_chunks):
+        seen.clear()
+        record = _record(optimizer, model_chunks)
+        names = by_name._Names(model_chunks).names
+        dims = {
+            names[id(param)]: int(param.partition_dim)
+            for chunk in model_chunks
+            for param in chunk.parameters()
+            if getattr(param, "tensor_model_parallel", False) and "/tp" in names[id(param)]
+        }
+        state = {name: {k: seen[d] for k, d in kinds.items()} for name, kinds in record.items()}
+        when = ("start", "end")[len(taken)]
+        taken.append(when)
+        rank = os.environ.get("RANK", "0")
+        torch.save({"state": state, "partition_dim": dims}, f"{prefix}.{when}.rank{rank}.pt")
+        return record
+
+    by_name._sha = _keeping_sha
+    by_name.state_by_name = _recording
+
+
 install_mutation(os.environ.get("NEMO_LW_FP8_TEST_MUTATION", ""))
 install_probe(os.environ.get("NEMO_LW_FP8_TEST_PROBE", ""))
+install_state_tensors(os.environ.get("NEMO_LW_FP8_TEST_STATE_TENSORS", ""))
 
 from nemo_lw_fp8 import cli  # noqa: E402
 

@@ -193,6 +193,7 @@ def _launch(request: dict, bridge_run) -> int:  # noqa: ANN001 - the module
             return _run_script(request["script"], request["argv"], request.get("file"))
         bridge_run.install_mutation(os.environ.get("NEMO_LW_FP8_TEST_MUTATION", ""))
         bridge_run.install_probe(os.environ.get("NEMO_LW_FP8_TEST_PROBE", ""))
+        bridge_run.install_state_tensors(os.environ.get("NEMO_LW_FP8_TEST_STATE_TENSORS", ""))
         return run_ranks(int(request["nproc"]), str(request["port"]), list(request["words"]))
     except BaseException:  # noqa: BLE001 - reported in the run's output
         import traceback

@@ -91,6 +91,13 @@ def loading_into(cfg: Any) -> Iterator[None]:
         _LOADING_INTO.reset(token)
 
 
+def loading_dir() -> str | None:
+    """The iteration directory of the Bridge load in progress (known once Bridge has read its
+    ``run_config.yaml``), else None."""
+    load = _LOADING_INTO.get()
+    return None if load is None else load.iteration_dir
+
+
 def _current_fields(cfg: Any) -> dict[str, dict[str, Any]]:
     from ..guards import CHECKPOINT_FIXED_FIELDS
 
@@ -148,6 +155,7 @@ def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
         checkpoint_bucket_resplit,
         checkpoint_mismatch,
         checkpoint_missing_files,
+        checkpoint_tp_resplit,
         checkpoint_truncated_files,
     )
 
@@ -168,15 +176,25 @@ def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
         if message:
             raise ConfigError("checkpoint-truncated-shard", message)
         saved = run_config.get("checkpoint") or {}
+        buckets = saved_optimizer_buckets(iteration_dir)
         message = checkpoint_bucket_resplit(
             bool(saved.get("dist_ckpt_optim_fully_reshardable")),
             (run_config.get("ddp") or {}).get("bucket_size"),
             getattr(cfg.ddp, "bucket_size", None),  # megatron's default is set at wrap time
-            saved_optimizer_buckets(iteration_dir),
+            buckets,
             iteration_dir,
         )
         if message:
             raise ConfigError("checkpoint-bucket-resplit", message)
+        message = checkpoint_tp_resplit(
+            bool(saved.get("dist_ckpt_optim_fully_reshardable")),
+            (run_config.get("model") or {}).get("tensor_model_parallel_size"),
+            getattr(cfg.model, "tensor_model_parallel_size", None),
+            buckets,
+            iteration_dir,
+        )
+        if message:
+            raise ConfigError("checkpoint-tp-resplit", message)
 
 
 #: A dp_reshardable distributed-optimizer entry: ``<buffer>.bucket_idx_<n>.param``.

@@ -17,7 +17,9 @@ collective per group instead of #3524's uneven all_gather per bucket, and MXFP8 
 supported (upstream rejected that combination).
 
 Patches: ``LayerWiseDistributedOptimizer.compute_full_param_layout``, ``.shard_params`` and
-``.sharded_state_dict`` (entries for the expert runs and QKV parts this rank owns), and a step
+``.sharded_state_dict`` (entries for the expert runs and QKV parts this rank owns; at a Bridge
+load, the param groups in the checkpoint's split, :mod:`nemo_lw_fp8.mechanics.param_groups_load`),
+and a step
 after its ``__init__`` (``reload_model_params`` reads QKV parts from their fused weight);
 ``_ParamAndGradBuffer.__init__`` (effective config), ``partition_buckets`` as DDP calls it,
 ``_ParamAndGradBucketGroup.start_param_sync`` / ``.finish_param_sync`` and ``.start_grad_sync``
@@ -35,7 +37,16 @@ from __future__ import annotations
 
 from .. import config as plugin_config
 from .. import symbols
-from ..mechanics import compact, grouped_checkpoint, lifecycle, masters, owner_reduce, qkv_parts
+from ..mechanics import (
+    checkpointing,
+    compact,
+    grouped_checkpoint,
+    lifecycle,
+    masters,
+    owner_reduce,
+    param_groups_load,
+    qkv_parts,
+)
 from ..state import optimizer_state
 from .framework import Override, Patch, register
 
@@ -143,7 +154,10 @@ def _make_sharded_state_dict(original):
         }
         if runs:
             model_sharded_state_dict = {**model_sharded_state_dict, RUNS_KEY: runs}
-        return original(self, model_sharded_state_dict, is_loading, **kwargs)
+        sharded = original(self, model_sharded_state_dict, is_loading, **kwargs)
+        if is_loading:  # a checkpoint whose param groups were split at another TP / EP
+            param_groups_load.shape_like_checkpoint(sharded, checkpointing.loading_dir())
+        return sharded
 
     sharded_state_dict.__wrapped__ = original
     return sharded_state_dict

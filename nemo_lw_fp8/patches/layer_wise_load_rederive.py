@@ -13,7 +13,8 @@ since all of them end in the optimizer's ``load_state_dict`` after the model's.
 Mirrors no upstream change (``upstream_pr=0``): megatron-core 0.19.2 trusts the model's own
 checkpoint entries for the weights.
 
-Patches: ``LayerWiseDistributedOptimizer.load_state_dict``.
+Patches: ``LayerWiseDistributedOptimizer.load_state_dict`` (which first puts back param groups
+that a load shaped like the checkpoint's, :mod:`nemo_lw_fp8.mechanics.param_groups_load`).
 
 Detection: native when megatron's own ``load_state_dict`` already runs a param sync (its source
 mentions ``param_sync`` or ``_copy_main_params_to_model_params``).
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..mechanics import checkpointing
+from ..mechanics import checkpointing, param_groups_load
 from .framework import Override, Patch, register
 
 FEATURE = "layer_wise_load_rederive"
@@ -44,6 +45,9 @@ def _detect_native() -> tuple[bool, str]:
 
 def _make_load_state_dict(original):
     def load_state_dict(self, state_dict):
+        # Param groups a Bridge load shaped like the checkpoint's (another TP / EP split)
+        # go back to this optimizer's own (:mod:`nemo_lw_fp8.mechanics.param_groups_load`).
+        param_groups_load.fold_to_live(state_dict)
         original(self, state_dict)
         checkpointing.rederive_weights_from_masters(self)
 

@@ -44,8 +44,10 @@ def _launch(
     launcher: str = "torchrun",
     probe: str = "",
     cpu_modules: str = "te",
+    state_tensors: str = "",
 ) -> subprocess.CompletedProcess:
     env = dict(os.environ, NEMO_LW_FP8_TEST_MUTATION=mutation, NEMO_LW_FP8_TEST_PROBE=probe)
+    env["NEMO_LW_FP8_TEST_STATE_TENSORS"] = state_tensors
     port = str(29500 + (os.getpid() * 7 + sum(map(ord, tag))) % 400)
     words = ["pretrain", "--recipe", recipe, "--cpu", "--cpu-modules", cpu_modules,
              "--losses-json", str(tmp / f"{tag}.json"), *overrides]  # fmt: skip
@@ -70,15 +72,19 @@ def pretrain(
     launcher: str = "fork",
     probe: bool = False,
     cpu_modules: str = "te",
+    state_tensors: bool = False,
 ) -> dict:
     """Train ``recipe`` on ``nproc`` CPU ranks; a failing run fails the test with its log tail
     (a control that crashes is a failure, not a divergence). ``probe``: also record, per rank,
     what the layer-wise optimizer of a blockwise run was built over (``run["probe"]``, see
     tests/bridge_run.py). ``cpu_modules``: ``pretrain --cpu-modules``: TE's own modules as the
-    GPU builds them (``te``) unless a test asks for the project's CPU layers."""
+    GPU builds them (``te``) unless a test asks for the project's CPU layers.
+    ``state_tensors``: also keep the tensors behind ``state`` (``run["tensors"]``: per moment,
+    per rank, what tests/bridge_run.py's ``install_state_tensors`` wrote)."""
     prefix = str(tmp / f"{tag}-probe") if probe else ""
+    kept = str(tmp / f"{tag}-state") if state_tensors else ""
     done = _launch(
-        tmp, tag, recipe, overrides, nproc, mutation, timeout, launcher, prefix, cpu_modules
+        tmp, tag, recipe, overrides, nproc, mutation, timeout, launcher, prefix, cpu_modules, kept
     )
     assert done.returncode == 0, f"{tag} failed:\n" + (done.stdout + done.stderr)[-4000:]
     run = json.loads((tmp / f"{tag}.json").read_text())
@@ -90,6 +96,13 @@ def pretrain(
         when: union([record["state_by_name"][when] for record in per_rank])
         for when in ("start", "end")
     }
+    if state_tensors:
+        import torch
+
+        run["tensors"] = {
+            when: [torch.load(f"{kept}.{when}.rank{rank}.pt") for rank in range(nproc)]
+            for when in ("start", "end")
+        }
     if probe:
         run["probe"] = [
             json.loads(Path(f"{prefix}.rank{rank}.json").read_text()) for rank in range(nproc)

@@ -20,7 +20,9 @@ from pathlib import Path
 
 FORK_RUN = Path(__file__).parent.parent / "fork_run.py"
 #: Read per request by tests/bridge_run.py; kept out of the server's own environment.
-PER_RUN_VARIABLES = ("NEMO_LW_FP8_TEST_MUTATION", "NEMO_LW_FP8_TEST_PROBE")
+PER_RUN_VARIABLES = (
+    "NEMO_LW_FP8_TEST_MUTATION", "NEMO_LW_FP8_TEST_PROBE", "NEMO_LW_FP8_TEST_STATE_TENSORS"
+)
 START_TIMEOUT_S = 600.0
 
 
