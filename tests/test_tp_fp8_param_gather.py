@@ -13,7 +13,7 @@ Controls: ON with each persistent weight's columnwise copy left stale after the 
 diverges.
 
 The runs go through the guards as a user's would: the rules ``fp8-gather-tensor-parallel``
-(ETP > 1 and multi-latent attention stay refused) and ``fp8-gather-tp-block-boundary`` (no
+(ETP > 1 stays refused) and ``fp8-gather-tp-block-boundary`` (no
 shard may split a quantization block) let these models through (docs/guards.md); a width
 whose TP shard splits a 128x128 tile is refused where the layer-wise optimizer is built, read
 from the built model's ``TransformerConfig``. The gate runs the MXFP8 case with SP and MoE, the
