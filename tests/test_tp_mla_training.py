@@ -14,10 +14,21 @@ record). The Hopper recipe runs with 8 heads and shared experts of 256: its tiny
 of 32: ``linear_proj`` 64 columns per shard; shared experts 64 rows per shard) are refused at
 TP 2 by ``fp8-gather-tp-block-boundary`` (blockwise tiles are 128 wide).
 
+Found: upstream, Muon gathered each down projection's two identical TP copies and
+orthogonalized the stack (TE tags every linear weight ``partition_dim=0``; megatron clears only
+``tensor_model_parallel`` on a duplicated one). ON and OFF did it alike, so ON = OFF could not
+see it; the harness step below does: one layer-wise Muon step of a tiny MLA GPT from the same
+full gradient gives TP 2 = TP 1 bitwise, every parameter, now that the optimizer build clears
+those masters' partition dimension (``nemo_lw_fp8/mechanics/tp_duplicated.py``); control:
+without the clearing exactly the down projections differ. The Bridge runs' probe counts the
+cleared masters (2 per MLA layer, 4 MLA layers with MTP, owned once per TP slice).
+
 Controls: each gathered weight's columnwise copy left stale diverges (MXFP8: TE's quantizer
 refreshes the rowwise copy only; blockwise: receivers skip the columnwise derivation). Resume at
 TP 2 (MXFP8): the ON run saves at iteration 2, fresh processes load it and train iteration 3 =
 the run that went on, bitwise; control: each rank's first loaded master one ulp up diverges.
+
+Gate: the MXFP8 ON = OFF and the harness step with its control; the rest is ``extended``.
 """
 
 from __future__ import annotations
@@ -112,10 +123,12 @@ def test_mla_tp2_mxfp8_gather_on_equals_off_through_bridge(runs):
     _orthogonalized_whole(off)
 
 
+@pytest.mark.extended
 def test_control_mla_tp2_duplicated_weights_gathered_over_tp_diverge(runs):
     """Without :mod:`nemo_lw_fp8.mechanics.tp_duplicated`, Muon all-gathers the two identical
     copies of each down projection over TP and orthogonalizes the stack: the first step's loss
-    and grad norm (before any update) are the same, the later ones and every rank's state not."""
+    and grad norm (before any update) are the same, the later ones and every rank's state not.
+    (The gate's control of the clearing is the harness step's below.)"""
     on = _on(runs, MXFP8)
     stacked = _run(runs, MXFP8, "partitioned", mutation="tp_duplicated_partitioned")
     assert _duplicated_masters(stacked, "tp_duplicated_partitioned") == DUPLICATED_MASTERS
