@@ -86,6 +86,12 @@ class Settings:
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
     multi_latent_attention: bool = False
+    #: Multi-latent attention's head widths (MLATransformerConfig; None: not known here): the
+    #: up projections' rows per head are ``qk_head_dim + qk_pos_emb_head_dim`` (queries) and
+    #: ``qk_head_dim + v_head_dim`` (keys and values), ``linear_proj`` reads ``v_head_dim``.
+    qk_head_dim: int | None = None
+    qk_pos_emb_head_dim: int | None = None
+    v_head_dim: int | None = None
     #: TransformerConfig: "gated_delta_net" / "dsa" layers (hybrid models), None: none.
     experimental_attention_variant: str | None = None
     #: TransformerConfig: a gate on the attention output (Q rows doubled in ``linear_qkv``).

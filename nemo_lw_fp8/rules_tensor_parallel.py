@@ -5,11 +5,13 @@ rank's persistent FP8 weights are its TP shards, quantized and gathered over dat
 whole matrices are at TP 1, with MXFP8 (1x32 blocks) and blockwise FP8 (128x128 weight tiles);
 standard attention (fused ``linear_qkv``), dense MLPs, MoE experts whole per rank (expert
 tensor parallel 1) and discrete expert linears (megatron's ``SequentialMLP``) split over expert
-tensor parallel 2. Two rules:
+tensor parallel 2; multi-latent attention through Bridge (``tests/test_tp_mla_training.py``:
+the column-parallel q / kv up projections, the row-parallel ``linear_proj`` and the down
+projections duplicated on every TP rank, MXFP8 and blockwise). Two rules:
 
 * ``fp8-gather-tensor-parallel``: what is still unverified at TP / ETP > 1 is refused with its
-  reason (grouped expert weights split over expert-tensor parallel; at TP > 1 multi-latent
-  attention, hybrid Gated DeltaNet / DSA layers and a gated attention output);
+  reason (grouped expert weights split over expert-tensor parallel; at TP > 1 hybrid Gated
+  DeltaNet / DSA layers and a gated attention output);
 * ``fp8-gather-tp-block-boundary``: a TP (or ETP) shard boundary inside a quantization block,
   read from the model's dimensions at configuration time: every sharded width per rank must be
   a whole number of blocks (MXFP8: 32; blockwise: 128).
@@ -53,8 +55,6 @@ def fp8_gather_tensor_parallel(s: Settings) -> str | None:
             "model.moe_grouped_gemm=False, or drop --fp8-param-gather."
         )
     unverified = [
-        ("model.multi_latent_attention=True", s.multi_latent_attention,
-         "multi-latent attention's TP-sharded and duplicated projections"),
         (f"model.experimental_attention_variant={s.experimental_attention_variant!r}",
          s.experimental_attention_variant, "the hybrid layers' (Gated DeltaNet / DSA) projections"),
         ("model.attention_output_gate=True", s.attention_output_gate,
@@ -64,9 +64,10 @@ def fp8_gather_tensor_parallel(s: Settings) -> str | None:
         if tp > 1 and on:
             return (
                 f"layer-wise Muon with --fp8-param-gather at TP={tp} is verified with standard "
-                f"attention (fused linear_qkv) only, got {flag}: {what} have not been run with "
-                "FP8 gather. Fix: set model.tensor_model_parallel_size=1 (use PP / EP for "
-                "memory), or drop --fp8-param-gather."
+                f"attention (fused linear_qkv) and multi-latent attention only, got {flag}: "
+                f"{what} have not been run with FP8 gather. Fix: set "
+                "model.tensor_model_parallel_size=1 (use PP / EP for memory), or drop "
+                "--fp8-param-gather."
             )
     return None
 
@@ -90,6 +91,8 @@ def _sharded_widths(s: Settings) -> list[tuple[str, int, int, str]]:
         out.append(("(model.num_attention_heads + 2 x model.num_query_groups) x "
                     "model.kv_channels", (heads + 2 * groups) * kv, tp,
                     "linear_qkv rows"))  # fmt: skip
+    if heads and s.multi_latent_attention:
+        out.extend(_mla_widths(s, heads, tp))
     if s.num_moe_experts:
         if s.moe_ffn_hidden_size is not None:
             out.append(("model.moe_ffn_hidden_size", s.moe_ffn_hidden_size, etp,
@@ -98,6 +101,28 @@ def _sharded_widths(s: Settings) -> list[tuple[str, int, int, str]]:
             out.append(("model.moe_shared_expert_intermediate_size",
                         s.moe_shared_expert_intermediate_size, tp,
                         "shared-expert linear_fc1 rows / linear_fc2 columns"))  # fmt: skip
+    return out
+
+
+def _mla_widths(s: Settings, heads: int, tp: int) -> list[tuple[str, int, int, str]]:
+    """Multi-latent attention's TP-sharded widths: the query up projection's rows
+    (``linear_q_up_proj``, or ``linear_q_proj`` without q LoRA), the key / value up projection's
+    rows and ``linear_proj``'s columns, each ``heads x`` a per-head width. The down projections
+    (``linear_q_down_proj``, ``linear_kv_down_proj``) are duplicated on every TP rank, whole
+    matrices as at TP 1, so no TP shard cuts their blocks; their input width is
+    ``hidden_size``."""
+    qk, rope, v = s.qk_head_dim, s.qk_pos_emb_head_dim, s.v_head_dim
+    out: list[tuple[str, int, int, str]] = []
+    if qk is not None and rope is not None:
+        out.append(("model.num_attention_heads x (model.qk_head_dim + "
+                    "model.qk_pos_emb_head_dim)", heads * (qk + rope), tp,
+                    "linear_q_up_proj rows"))  # fmt: skip
+    if qk is not None and v is not None:
+        out.append(("model.num_attention_heads x (model.qk_head_dim + model.v_head_dim)",
+                    heads * (qk + v), tp, "linear_kv_up_proj rows"))  # fmt: skip
+    if v is not None:
+        out.append(("model.num_attention_heads x model.v_head_dim", heads * v, tp,
+                    "linear_proj columns"))  # fmt: skip
     return out
 
 

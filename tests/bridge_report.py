@@ -42,6 +42,8 @@ GUARD_CASES = {
         "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false"]),
     "legacy-layout-fp8": ("tiny_deepseek_v3", ["optimizer.layer_wise_layout=legacy"]),
     "overlap-disagree": ("tiny_deepseek_v3", ["ddp.overlap_param_gather=false"]),
+    # DeepSeek-V3 (multi-latent attention) at TP 2, experts at ETP 1: passes ("" expected;
+    # tests/test_tp_mla_training.py), every MLA width's TP shard whole 32-wide blocks.
     "tensor-parallel": ("deepseek_v3_mxfp8", ["model.tensor_model_parallel_size=2"]),
     "expert-tensor-parallel": ("qwen3_30b_a3b_mxfp8", ["model.expert_tensor_parallel_size=2"]),
     # Bridge's H100 shape: blockwise gather at TP 2, experts at ETP 1 (passes: "" expected),

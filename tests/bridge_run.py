@@ -166,6 +166,13 @@ def install_mutation(mutation: str) -> None:
             _unpack(group, plan, gathered)
 
         compact.unpack = _unpack_keeping_own_runs
+    elif mutation == "tp_duplicated_partitioned":
+        # The masters of TP-duplicated weights (MLA's down projections) keep the partition
+        # dimension TE tagged them with: Muon gathers the identical copies over TP and
+        # orthogonalizes the stack (megatron-core 0.19.2's behaviour).
+        import nemo_lw_fp8.mechanics.tp_duplicated as tp_duplicated
+
+        tp_duplicated.unpartition_duplicated_masters = lambda optimizer: []
     elif mutation:
         raise SystemExit(f"unknown mutation {mutation!r}")
 
@@ -186,7 +193,11 @@ def install_probe(prefix: str) -> None:
       a blockwise run was built over (the emulated FP8 linears, persistent blockwise weights,
       blockwise gather plans); ``columnwise_derived``: the gathered blockwise weights whose
       columnwise copy a receiver derived (with the stale-columnwise mutation: the ones it
-      would have).
+      would have);
+    * ``tp_duplicated``: the layer-wise masters of weights duplicated over TP (MLA's down
+      projections) whose TE partition dimension the optimizer build cleared;
+      ``tp_duplicated_partitioned``: layer-wise masters not TP-sharded that still carry one at
+      the end (Muon gathers those over TP).
     """
     if not prefix:
         return
@@ -196,6 +207,7 @@ def install_probe(prefix: str) -> None:
 
     import nemo_lw_fp8.launch.pretrain as launch_pretrain
     import nemo_lw_fp8.mechanics.blockwise as blockwise
+    import nemo_lw_fp8.mechanics.tp_duplicated as tp_duplicated
     from nemo_lw_fp8.mechanics import expert_slices
 
     _set_up, _attach = blockwise.set_up, blockwise.attach_groups
@@ -227,6 +239,13 @@ def install_probe(prefix: str) -> None:
         _seen["blockwise_weights"] = len(blockwise.layer_wise_blockwise_params(optimizer))
         _set_up(optimizer)
 
+    _unpartition = tp_duplicated.unpartition_duplicated_masters  # after any mutation of it
+
+    def _counting_unpartition(optimizer):
+        changed = _unpartition(optimizer)
+        _seen["tp_duplicated"] = _seen.get("tp_duplicated", 0) + len(changed)
+        return changed
+
     _digest = launch_pretrain.optimizer_state_digest
 
     def _probing_digest(optimizer):  # on_train_end, every rank
@@ -243,6 +262,20 @@ def install_probe(prefix: str) -> None:
         _seen["tp"] = ps.get_tensor_model_parallel_world_size()
         _seen["ep"] = ps.get_expert_model_parallel_world_size()
         _seen["sequence_parallel"] = optimizer.model_chunks[0].config.sequence_parallel
+        from nemo_lw_fp8.mechanics import masters
+
+        def _layer_wise(opt):  # the layer-wise optimizers under Bridge's chain
+            if type(opt).__name__ == "LayerWiseDistributedOptimizer":
+                yield opt
+            for child in getattr(opt, "chained_optimizers", None) or ():
+                yield from _layer_wise(child)
+
+        _seen["tp_duplicated_partitioned"] = sum(
+            tp_duplicated.is_mislabelled(main)
+            for layer_wise in _layer_wise(optimizer)
+            for child in masters.float16_children(layer_wise)
+            for _, main in masters.model_main_pairs(child)
+        )
         kinds = [type(m).__module__ for c in optimizer.model_chunks for m in c.modules()]
         _seen["te_modules"] = sum(k.startswith("transformer_engine.") for k in kinds)
         _seen["project_layers"] = sum(k.startswith("nemo_lw_fp8.cpu.") for k in kinds)
@@ -253,6 +286,7 @@ def install_probe(prefix: str) -> None:
     dist.reduce = _counting_reduce
     blockwise.set_up, blockwise.attach_groups = _probe_set_up, _probe_attach
     blockwise.derive_columnwise = _counting_derive
+    tp_duplicated.unpartition_duplicated_masters = _counting_unpartition
     launch_pretrain.optimizer_state_digest = _probing_digest
 
 

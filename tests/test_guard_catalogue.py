@@ -44,6 +44,13 @@ HOPPER_TP2 = HOPPER | dict(
     num_attention_heads=128, kv_channels=128, ffn_hidden_size=18432, num_moe_experts=256,
     moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
 )  # fmt: skip
+#: Bridge's DeepSeek-V3 H100 shape: the same with multi-latent attention (heads of 128 + 64
+#: rope, values of 128): q / kv up projections 24576 / 32768 rows and linear_proj 16384
+#: columns, each half a whole number of 128x128 tiles per TP rank.
+HOPPER_TP2_MLA = HOPPER_TP2 | dict(
+    multi_latent_attention=True, kv_channels=None, qk_head_dim=128, qk_pos_emb_head_dim=64,
+    v_head_dim=128,
+)  # fmt: skip
 
 CASES: list[tuple[str, dict, str]] = [
     ("mxfp8 gather without grad-buffer reuse", GOOD | dict(
@@ -102,9 +109,9 @@ CASES: list[tuple[str, dict, str]] = [
      "fp8-gather-tensor-parallel"),
     ("fp8 gather at TP 2, experts' ETP unset (follows TP)", GOOD | dict(
         num_moe_experts=8, tensor_model_parallel_size=2), "fp8-gather-tensor-parallel"),
-    ("fp8 gather at TP 2 with multi-latent attention", GOOD | dict(
-        tensor_model_parallel_size=2, multi_latent_attention=True),
-     "fp8-gather-tensor-parallel"),
+    ("blockwise gather at TP 2, MLA linear_proj shard of 64", HOPPER_TP2_MLA | dict(
+        num_attention_heads=4, qk_head_dim=32, qk_pos_emb_head_dim=32, v_head_dim=32),
+     "fp8-gather-tp-block-boundary"),
     ("blockwise gather at TP 2 with Gated DeltaNet layers", HOPPER | dict(
         tensor_model_parallel_size=2, experimental_attention_variant="gated_delta_net"),
      "fp8-gather-tensor-parallel"),
@@ -166,8 +173,8 @@ CASES: list[tuple[str, dict, str]] = [
 
 
 @pytest.mark.parametrize(
-    "good", [GOOD, HOPPER, EXPERT_RUNS, HOPPER_TP2, NVFP4_PRIMARY],
-    ids=["blackwell", "hopper", "expert-runs", "hopper-tp2", "nvfp4-primary"],
+    "good", [GOOD, HOPPER, EXPERT_RUNS, HOPPER_TP2, HOPPER_TP2_MLA, NVFP4_PRIMARY],
+    ids=["blackwell", "hopper", "expert-runs", "hopper-tp2", "hopper-tp2-mla", "nvfp4-primary"],
 )  # fmt: skip
 def test_the_supported_combinations_pass(good):
     assert guards.violations(Settings(**good)) == []

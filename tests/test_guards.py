@@ -362,6 +362,17 @@ TP2_BLOCKWISE = dict(
         dict(TP2_BLOCKWISE, kv_channels=128, moe_shared_expert_intermediate_size=256),
         dict(TP2_BLOCKWISE, tensor_model_parallel_size=4, ffn_hidden_size=1024,
              hidden_size=512),  # fmt: skip
+        # Multi-latent attention at TP 2 (tests/test_tp_mla_training.py): tiny DeepSeek-V3's
+        # widths with MXFP8 (q / kv up 256 rows, linear_proj 128 columns: shards of 128 / 64),
+        # and with blockwise FP8 at the 8 heads and shared experts of 256 that test runs.
+        dict(TP2_MXFP8, multi_latent_attention=True, qk_head_dim=32, qk_pos_emb_head_dim=32,
+             v_head_dim=32, hidden_size=128, ffn_hidden_size=256, moe_ffn_hidden_size=128,
+             moe_shared_expert_intermediate_size=128),
+        dict(TP2_BLOCKWISE, multi_latent_attention=True, num_attention_heads=8, qk_head_dim=32,
+             qk_pos_emb_head_dim=32, v_head_dim=32, hidden_size=128, ffn_hidden_size=256,
+             moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=256),
+        # MLA's head widths not known yet: judged when the optimizer is built.
+        dict(TP2_BLOCKWISE, multi_latent_attention=True),
         # Dimensions not known at the call site are judged when the optimizer is built.
         dict(TP2_BLOCKWISE, ffn_hidden_size=None, hidden_size=None, moe_ffn_hidden_size=None),
         # What is refused at TP > 1 passes at TP 1.
@@ -376,12 +387,16 @@ TP2_BLOCKWISE = dict(
              **DISCRETE_EXPERTS),
     ],
     ids=["mxfp8", "blockwise", "mxfp8-dense", "blockwise-gqa", "blockwise-shared-experts",
-         "blockwise-tp4", "dims-unknown", "tp1", "no-fp8-gather", "mxfp8-etp2-discrete",
-         "blockwise-etp2-discrete"],
+         "blockwise-tp4", "mxfp8-mla", "blockwise-mla", "mla-dims-unknown", "dims-unknown",
+         "tp1", "no-fp8-gather", "mxfp8-etp2-discrete", "blockwise-etp2-discrete"],
 )  # fmt: skip
 def test_fp8_gather_at_tensor_parallel_passes_with_whole_blocks_per_shard(settings):
     assert guards.violations(Settings(**settings)) == []
 
+
+#: Blockwise MLA at TP 2, 4 heads: the tests below change one head width each.
+MLA_TP2_BLOCKWISE = dict(TP2_BLOCKWISE, multi_latent_attention=True, qk_head_dim=32,
+                         qk_pos_emb_head_dim=32, v_head_dim=32)  # fmt: skip
 
 #: (case, settings, rule, what the message names: the dimension / size, and the fix)
 TP_REFUSED = [
@@ -414,10 +429,24 @@ TP_REFUSED = [
      "fp8-gather-tensor-parallel", ["ETP=2 (unset ETP follows TP=2)"]),
     ("ETP 2 at TP 1", dict(TP2_MXFP8, tensor_model_parallel_size=1, expert_tensor_parallel_size=2),
      "fp8-gather-tensor-parallel", ["ETP=2"]),
-    ("multi-latent attention at TP 2", dict(TP2_MXFP8, multi_latent_attention=True),
-     "fp8-gather-tensor-parallel",
-     ["model.multi_latent_attention=True", "multi-latent attention",
-      "model.tensor_model_parallel_size=1"]),
+    ("blockwise MLA linear_proj shard of 64", dict(MLA_TP2_BLOCKWISE, qk_head_dim=96),
+     "fp8-gather-tp-block-boundary",
+     ["model.num_attention_heads x model.v_head_dim=128", "each shard 64 linear_proj columns"]),
+    ("blockwise MLA kv_up shard of 192", dict(MLA_TP2_BLOCKWISE, num_attention_heads=8,
+                                               v_head_dim=16),
+     "fp8-gather-tp-block-boundary",
+     ["model.num_attention_heads x (model.qk_head_dim + model.v_head_dim)=384",
+      "each shard 192 linear_kv_up_proj rows"]),
+    ("blockwise MLA q_up shard of 96", dict(MLA_TP2_BLOCKWISE, qk_pos_emb_head_dim=16,
+                                            v_head_dim=96),
+     "fp8-gather-tp-block-boundary",
+     ["model.num_attention_heads x (model.qk_head_dim + model.qk_pos_emb_head_dim)=192",
+      "each shard 96 linear_q_up_proj rows"]),
+    ("mxfp8 MLA linear_proj shard of 48", dict(TP2_MXFP8, multi_latent_attention=True,
+                                               qk_head_dim=40, qk_pos_emb_head_dim=24,
+                                               v_head_dim=24),
+     "fp8-gather-tp-block-boundary",
+     ["model.num_attention_heads x model.v_head_dim=96", "each shard 48", "32-wide"]),
     ("Gated DeltaNet layers at TP 2", dict(TP2_BLOCKWISE,
                                            experimental_attention_variant="gated_delta_net"),
      "fp8-gather-tensor-parallel",

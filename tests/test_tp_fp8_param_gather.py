@@ -17,13 +17,12 @@ owned over the 2-rank expert data-parallel group): ON = OFF bitwise with MXFP8 (
 blockwise FP8 (gate), the same controls.
 
 The runs go through the guards as a user's would: the rules ``fp8-gather-tensor-parallel``
-(grouped experts at ETP > 1 and multi-latent attention stay refused) and
-``fp8-gather-tp-block-boundary`` (no shard may split a quantization block) let these models
-through (docs/guards.md); a width whose TP shard splits a 128x128 tile is refused where the
-layer-wise optimizer is built, read from the built model's ``TransformerConfig``. The gate runs
-the MXFP8 case with SP and MoE, the blockwise cases with SP (Bridge's H100 TP-2 layout) and with
-SP and MoE at ETP 2, and the refusal; the other cases, which repeat them with less turned on,
-are in the extended tier.
+(grouped experts at ETP > 1 stay refused) and ``fp8-gather-tp-block-boundary`` (no shard may
+split a quantization block) let these models through (docs/guards.md); a width whose TP shard
+splits a 128x128 tile is refused where the layer-wise optimizer is built, read from the built
+model's ``TransformerConfig``. The gate runs the MXFP8 case with SP and MoE, the blockwise cases
+with SP (Bridge's H100 TP-2 layout) and with SP and MoE at ETP 2, and the refusal; the other
+cases, which repeat them with less turned on, are in the extended tier.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ configuration, MXFP8 gather builds masters from TE's init values and registers r
 blockwise gather plans its collectives. Rather than each wrapping ``__init__`` in turn, one
 wrapper (``patches/layer_wise_init.py``) runs the steps that the applied features put into
 :data:`AFTER_INIT` (each feature's patch adds its step as an ``Override`` on that table, so
-reverting the feature takes its step away). Steps run in the order of :data:`ORDER`.
+reverting the feature takes its step away). Steps run in the order of :data:`ORDER`, after the
+masters of TP-duplicated weights lose the partition dimension TE tagged them with
+(:mod:`.tp_duplicated`: Muon orthogonalizes them whole, as at TP 1).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from ..state import optimizer_state
+from . import tp_duplicated
 
 
 class StepTable:
@@ -43,5 +46,8 @@ def build(original_init: Callable, optimizer: Any, *args: Any, model_chunks: Any
     optimizer_state(optimizer).model_chunks = model_chunks
     with torch.no_grad():
         original_init(optimizer, *args, model_chunks)
+    # Before any step derives stand-ins from the masters: a TP-duplicated weight's master must
+    # not carry the partition dimension TE tagged it with (mechanics/tp_duplicated.py).
+    tp_duplicated.unpartition_duplicated_masters(optimizer)
     for step in AFTER_INIT.steps(ORDER):
         step(optimizer)

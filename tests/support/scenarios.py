@@ -39,7 +39,7 @@ class Scenario:
     optimizer: str = "adam"  # "adam" or "muon"
     distribution: str = "ddp"
     overlap: bool = False  # overlap_grad_reduce + overlap_param_gather
-    model: str = "mlp"  # "mlp", "fp8mlp", "gpt", "moe_gpt" or "moe_grouped"
+    model: str = "mlp"  # "mlp", "fp8mlp", "gpt", "mla_gpt", "moe_gpt" or "moe_grouped"
     steps: int = 5
     seed: int = 1234
     lr: float = 1e-2
@@ -361,8 +361,48 @@ def build_gpt(config) -> torch.nn.Module:
     )
 
 
+def build_mla_gpt():
+    """The tiny GPT with multi-latent attention on megatron's TE spec: the q / kv down
+    projections TE linears duplicated on every TP rank (``parallel_mode="duplicated"``), the up
+    projections column-parallel with the q / kv norms fused, ``linear_proj`` row-parallel.
+    Returns (module, config)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    base = transformer_config()  # the small model's settings, as a plain config
+    fields = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "bf16",
+              "params_dtype", "pipeline_dtype", "use_cpu_initialization", "hidden_dropout",
+              "attention_dropout", "gradient_accumulation_fusion", "bias_dropout_fusion",
+              "apply_rope_fusion", "masked_softmax_fusion", "persist_layer_norm",
+              "pipeline_model_parallel_size", "tensor_model_parallel_size",
+              "expert_tensor_parallel_size")  # fmt: skip
+    config = MLATransformerConfig(
+        **{name: getattr(base, name) for name in fields},
+        q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=16, v_head_dim=16,
+        qk_layernorm=True, rope_type="rope", normalization="RMSNorm",
+    )  # fmt: skip
+    spec = get_gpt_layer_with_transformer_engine_spec(
+        multi_latent_attention=True, qk_layernorm=True
+    )
+    module = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=GPT_VOCAB,
+        max_sequence_length=GPT_SEQ,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="none",
+    )
+    return module, config
+
+
 #: Models built from megatron's TE spec (TE's own modules over the emulated extension).
-TE_MODELS = ("gpt", "moe_gpt", "moe_grouped")
+TE_MODELS = ("gpt", "mla_gpt", "moe_gpt", "moe_grouped")
 
 #: The rank pools that run :data:`TE_MODELS`: TE's Python package over the emulated
 #: ``transformer_engine_torch``, activated before megatron is imported (megatron then picks its
@@ -446,6 +486,9 @@ def build_model(scenario: Scenario):
         config = transformer_config()
         with te_scope(scenario):
             module = build_gpt(config)
+    elif scenario.model == "mla_gpt":
+        with te_scope(scenario):
+            module, config = build_mla_gpt()
     elif scenario.model == "moe_gpt":
         # Experts without biases: megatron 0.19.2's layer-wise + DistOpt path cannot hold
         # expert-parallel parameters that Muon does not manage.
