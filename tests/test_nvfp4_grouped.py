@@ -20,6 +20,8 @@ Linear reference.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.te_test_support import needs_te, run_te_script
@@ -295,3 +297,174 @@ def test_grouped_linear_nvfp4_equals_linears(te_results, case):
         no_rht = r["control_no_rht"]
         assert no_rht[0] is True and no_rht[1] is True, no_rht  # fprop / dgrad do not read it
         assert not all(no_rht[2]), no_rht
+
+
+# ---- megatron's TEGroupedMLP (discrete expert weights) under layer-wise Muon --------------------
+
+
+def _build_gpt_grouped_experts(config, grouped: bool):
+    """``tests.support.scenarios.build_gpt`` with megatron's grouped experts (``TEGroupedMLP``:
+    ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``, TE's ``GroupedLinear``
+    with discrete weights ``weight0..weightN``, no op fuser) when ``grouped``."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    from tests.support.scenarios import GPT_SEQ, GPT_VOCAB
+
+    spec = get_gpt_layer_with_transformer_engine_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=grouped
+    )
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=GPT_VOCAB,
+        max_sequence_length=GPT_SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False, position_embedding_type="rope",
+    )  # fmt: skip
+
+
+def _sequential_build(config):
+    return _build_gpt_grouped_experts(config, grouped=False)
+
+
+def _copy_sequential_weights(reference, module) -> None:
+    """Every parameter of ``module`` (grouped experts) from ``reference`` (SequentialMLP): the
+    same names outside the experts; expert ``i``'s ``linear_fc{1,2}.weight`` to the grouped
+    linear's ``weight{i}``."""
+    import re
+
+    import torch
+
+    source = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            match = re.match(r"(.*\.experts)\.(linear_fc[12])\.weight(\d+)$", name)
+            if match:
+                prefix, fc, index = match.groups()
+                name = f"{prefix}.local_experts.{index}.{fc}.weight"
+            param.copy_(source[name])
+
+
+class _SharedAmaxCast:
+    """The control's mutation of the emulation's plain-torch cast (:mod:`nemo_lw_fp8.emulation.
+    nvfp4`): the rowwise copy of each split cast with the whole tensor's amax, as if TE's
+    grouped kernels shared one amax across the experts."""
+
+    def __init__(self) -> None:
+        from nemo_lw_fp8.emulation import nvfp4
+
+        self.fp4, self.whole = nvfp4, None
+
+    def __getattr__(self, name: str):
+        return getattr(self.fp4, name)
+
+    def quantize(self, part, rowwise=True, columnwise=True, rht_sign_mask=None, **kwargs):
+        data = self.fp4.quantize(
+            part, rowwise=rowwise, columnwise=columnwise, rht_sign_mask=rht_sign_mask, **kwargs
+        )
+        if rowwise:
+            plain = self.fp4.quantize(part, rowwise=True, columnwise=False, amax=self.whole)
+            data.rowwise_data, data.rowwise_scale_inv = plain.rowwise_data, plain.rowwise_scale_inv
+            data.amax_rowwise = plain.amax_rowwise
+        return data
+
+
+def grouped_moe_run(
+    layout: str, experts: str = "grouped", fp4: bool = True, shared_amax: bool = False
+) -> dict:
+    """``tests/test_nvfp4_layer_wise.py``'s MoE run (2-layer TE-spec GPT, NVFP4 compute with SR
+    off, layer-wise Muon in ``layout``, three steps and an eval) with the experts as megatron's
+    ``TEGroupedMLP`` (``experts="grouped"``, starting from the weights the ``SequentialMLP``
+    model of the same seed has) or ``SequentialMLP`` of TE linears; also counts the grouped
+    GEMMs and how many took NVFP4 operands. ``shared_amax``: the control's mutated cast."""
+    import functools
+
+    import transformer_engine_torch as tex
+
+    import tests.test_nvfp4_layer_wise as base
+    from nemo_lw_fp8.emulation import te_kernels_grouped_nvfp4 as grouped_cast
+    from tests.support import scenarios
+
+    grouped = experts == "grouped"
+    seen: list[bool] = []
+    real = tex.te_general_grouped_gemm
+
+    def counting(A, transa, B, transb, *args, **kwargs):  # noqa: N803 - TE's names
+        seen.append(all(type(t).__name__.startswith("NVFP4") for t in (*A, *B)))
+        return real(A, transa, B, transb, *args, **kwargs)
+
+    build, sequential_moe = base.build_nvfp4_gpt, base.MOE
+
+    def build_with_sequential_weights(fp4_: bool, seed: int, moe: bool = False):
+        # the grouped model with the weights the SequentialMLP model of this seed starts from
+        with pytest.MonkeyPatch.context() as inner:
+            inner.setattr(base, "MOE", sequential_moe)
+            inner.setattr(scenarios, "build_gpt", _sequential_build)
+            reference, _ = build(fp4_, seed, moe)
+        module, config = build(fp4_, seed, moe)
+        _copy_sequential_weights(reference, module)
+        return module, config
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(base, "MOE", {**base.MOE, "moe_grouped_gemm": grouped})
+        mp.setattr(
+            scenarios, "build_gpt", functools.partial(_build_gpt_grouped_experts, grouped=grouped)
+        )
+        if grouped:
+            mp.setattr(base, "build_nvfp4_gpt", build_with_sequential_weights)
+        mp.setattr(tex, "te_general_grouped_gemm", counting)
+        if shared_amax:
+            shim, real_split = _SharedAmaxCast(), grouped_cast.split_quantize_nvfp4
+
+            def split(tensor, *args, **kwargs):
+                shim.whole = tensor.detach().float().abs().max().reshape(1)
+                return real_split(tensor, *args, **kwargs)
+
+            mp.setattr(grouped_cast, "_fp4", shim)
+            mp.setattr(grouped_cast, "split_quantize_nvfp4", split)
+        result = base.nvfp4_run(layout, fp4, moe=True)
+    return {**result, "grouped_gemms": len(seen), "nvfp4_grouped_gemms": sum(seen)}
+
+
+def _sequential_names(results: list[dict]) -> list[dict]:
+    """Grouped-expert runs with their state keyed as the SequentialMLP model names it
+    (``experts.linear_fc1.weight3`` -> ``experts.local_experts.3.linear_fc1.weight``)."""
+    import re
+
+    pattern = re.compile(r"\.experts\.(linear_fc[12])\.weight(\d+)")
+    rename = lambda key: pattern.sub(r".experts.local_experts.\2.\1.weight", key)  # noqa: E731
+    return [{**r, "state": {rename(k): v for k, v in r["state"].items()}} for r in results]
+
+
+@pytest.mark.extended
+@needs_te
+def test_te_grouped_mlp_nvfp4_layer_wise_equals_sequential():
+    """megatron's ``TEGroupedMLP`` (TE's ``GroupedLinear`` with discrete expert weights, no op
+    fuser) under NVFP4 compute (RHT on, SR off) trains under layer-wise Muon, every grouped GEMM
+    on NVFP4 operands: the plugin's compact layout equals megatron's layer-wise layout without
+    overlap, and both equal the same model with ``SequentialMLP`` of TE linears from the same
+    weights, bitwise in losses, eval losses, every master and Muon momentum (both pad each
+    expert to 128 rows; TE's grouped cast keeps one amax per expert, so each expert's GEMMs
+    are the Linear's). Control: the grouped cast mutated to one amax shared by the experts
+    diverges from the SequentialMLP run."""
+    from tests.support.harness import BootOptions, run_on_ranks
+    from tests.support.parity import assert_diverges
+    from tests.test_nvfp4_layer_wise import assert_same_run
+
+    boot = BootOptions(fp8_emulation=True)
+    compact = run_on_ranks(grouped_moe_run, "compact", world_size=2, boot=boot)
+    stock = run_on_ranks(grouped_moe_run, "stock", world_size=2, boot=boot)
+    for r in compact + stock:
+        assert r["nvfp4_grouped_gemms"] == r["grouped_gemms"] > 0, r["grouped_gemms"]
+        assert r["nvfp4_gemms"] == r["gemms"] > 0
+        assert all(math.isfinite(v) for v in r["losses"])
+    assert_same_run(stock, compact)
+    sequential = run_on_ranks(grouped_moe_run, "compact", "sequential", world_size=2, boot=boot)
+    assert all(r["grouped_gemms"] == 0 for r in sequential)
+    assert_same_run(sequential, _sequential_names(compact))
+    shared = run_on_ranks(
+        grouped_moe_run, "compact", "grouped", True, True, world_size=2, boot=boot
+    )
+    assert_diverges(sequential, _sequential_names(shared), assert_same_run)
