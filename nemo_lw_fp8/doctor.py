@@ -147,7 +147,8 @@ def nvfp4_support(accelerator_report: dict[str, object]) -> dict[str, object]:
         "gpu_kernels": capability is not None and int(str(capability).split(".")[0]) >= 10,
         "cpu_emulation": list(te_extension_nvfp4.EMULATED),
         "refused_on_cpu": list(te_extension_nvfp4.REFUSED),
-        "layer_wise_muon": "NVFP4 compute with bf16 weights trains (TE-spec GPT, stochastic "
+        "layer_wise_muon": "NVFP4 compute with bf16 weights trains (TE-spec GPT, experts as "
+        "SequentialMLP or TEGroupedMLP with discrete weights, stochastic "
         "rounding off); single grouped NVFP4 expert weights refused (rule "
         "grouped-weight-nvfp4-layer-wise); NVFP4 primary weights (fp4_param + "
         "fp4_param_gather) train with FP4 bytes on the data-parallel wire (owner-quantized codes "

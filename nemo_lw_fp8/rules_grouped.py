@@ -106,8 +106,9 @@ def _grouped_nvfp4_layer_wise(s: Settings) -> str | None:
         return (
             f"--moe-single-grouped-weight with layer-wise Muon and --fp4-recipe {s.fp4_recipe} is "
             "not verified: the plugin's per-expert Muon is tested bitwise on CPU for bf16 and "
-            "MXFP8 only, and the CPU emulation of Transformer Engine runs NVFP4 only through "
-            "TE's Linear (no grouped NVFP4 GEMM, no stochastic rounding; docs/nvfp4.md), so "
+            "MXFP8 only, and the CPU emulation of Transformer Engine runs NVFP4 GroupedLinear "
+            "only on its discrete-weight path (split_quantize and one GEMM per expert; not the "
+            "grouped-tensor path single grouped weights need; docs/nvfp4.md), so "
             "the NVFP4 grouped path (packed rowwise bytes in "
             "DDP's param buffer) has never run under layer-wise Muon. Fix: use --fp8-recipe "
             "mxfp8 or bf16 for the experts, or --moe-single-grouped-weight off (discrete expert "

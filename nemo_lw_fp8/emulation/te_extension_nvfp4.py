@@ -49,13 +49,18 @@ EMULATED = (
     "bgrad_quantize with an NVFP4 quantizer",
     "NVFP4 outputs of rmsnorm_fwd / layernorm_fwd (TE LayerNormLinear's input): the norm cast "
     "to its out_dtype, then the cast above, as TE's normalization.cpp does",
+    "split_quantize with NVFP4 quantizers (TE GroupedLinear's input and gradient): one amax per "
+    "split, the grouped RHT path and its group-wide scale layout, TE-exact as the casts above",
+    "te_general_grouped_gemm on NVFP4 operands: one generic_gemm per expert, each with its own "
+    "operands' alpha",
 )
 #: What is refused by name (:func:`check_supported`, the GEMM and the output-quantizing kernels).
 REFUSED = (
     "stochastic rounding (set NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1 on CPU)",
     "RHT with 16x16 blocks, non-finite input, a set noop flag or a changed rht_matrix",
     "row-scaled NVFP4, 4over6, amax reduction across ranks, fast-math casts",
-    "grouped NVFP4 GEMMs and NVFP4 outputs of split_quantize and SwiGLU",
+    "NVFP4 outputs of SwiGLU and of GEMMs; grouped split_quantize of non-finite input; "
+    "GroupedLinear's grouped-tensor path (single grouped weights)",
 )
 
 
@@ -158,9 +163,20 @@ def _swizzle(data: _fp4.NVFP4Data) -> _fp4.NVFP4Data:
     return data
 
 
-def _wrap(quantizer: Any, data: _fp4.NVFP4Data, fake_dtype: torch.dtype, device: Any) -> Any:
-    """``NVFP4Quantizer::create_tensor``'s Python object around ``data``'s buffers."""
+def _wrap(
+    quantizer: Any,
+    data: _fp4.NVFP4Data,
+    fake_dtype: torch.dtype,
+    device: Any,
+    swizzled: bool | None = None,
+    storage: bool | None = None,
+) -> Any:
+    """``NVFP4Quantizer::create_tensor``'s Python object around ``data``'s buffers; ``swizzled``
+    and ``storage`` override the quantizer's answers (``bulk_allocate_nvfp4_tensors`` decides
+    them for a whole group)."""
     _, tensor_cls, storage_cls = nvfp4_classes()
+    if swizzled is None:
+        swizzled = emits_swizzled_scales(quantizer, data.shape)
     kwargs = {
         "rowwise_data": data.rowwise_data,
         "rowwise_scale_inv": data.rowwise_scale_inv,
@@ -170,12 +186,12 @@ def _wrap(quantizer: Any, data: _fp4.NVFP4Data, fake_dtype: torch.dtype, device:
         "amax_columnwise": data.amax_columnwise,
         "fp4_dtype": quantizer.dtype,
         "quantizer": quantizer,
-        "with_gemm_swizzled_scales": emits_swizzled_scales(quantizer, data.shape),
+        "with_gemm_swizzled_scales": swizzled,
         "row_scaled_nvfp4": False,
         "nvfp4_use_4over6": False,
         "nvfp4_e4m3_max": 448,
     }
-    if quantizer.internal:
+    if quantizer.internal if storage is None else storage:
         return storage_cls(fake_dtype=fake_dtype, **kwargs)
     return tensor_cls(shape=data.shape, dtype=fake_dtype, device=device, **kwargs)
 

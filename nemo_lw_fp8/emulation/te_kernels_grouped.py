@@ -9,12 +9,15 @@ megatron's FP8 padding modules (``module/fp8_padding.py``, ``fp8_unpadding.py``)
 expert's rows with ``fused_multi_row_padding`` / ``fused_multi_row_unpadding``.
 
 * ``split_quantize``: exact; each split quantized by its own quantizer with the project's exact
-  quantizers (what TE's bulk kernel writes per split).
+  quantizers (what TE's bulk kernel writes per split). NVFP4 quantizers go to TE's grouped NVFP4
+  path, :mod:`.te_kernels_grouped_nvfp4` (one amax per split, the group's scale layout).
 * ``fused_multi_row_padding`` / ``_unpadding``: exact data movement (padding rows are zero).
 * ``te_general_grouped_gemm``: per expert, exactly the computation of
   :func:`.te_kernels_gemm.generic_gemm` (the documented fp32 stand-in), into the expert's output
   (its rows of the single output when ``single_output``); empty experts zero their output unless
-  accumulating, and their bias gradient.
+  accumulating, and their bias gradient. NVFP4 operands too: TE's ``nvte_multi_tensor_gemm``
+  runs ``multi_stream_cublas_gemm``, one ``nvte_cublas_gemm_v2`` per expert with alpha 1, so
+  each expert's NVFP4 alpha comes from its own two operands' amaxes, as in ``generic_gemm``.
 
 The grouped-tensor path's kernels (``group_quantize``, ``splits_to_offsets_multi``,
 ``te_general_grouped_gemm_for_grouped_tensor`` and its discrete variants), which TE takes on an
@@ -56,6 +59,11 @@ def split_quantize(
         raise ValueError(f"{len(sizes)} splits but {len(quantizer_list)} quantizers")
     if sum(sizes) != tensor.shape[0]:
         raise ValueError(f"split sizes {sizes} do not add up to {tensor.shape[0]} rows")
+    from .te_kernels_grouped_nvfp4 import is_nvfp4_list, split_quantize_nvfp4
+
+    if is_nvfp4_list(quantizer_list):
+        # TE's grouped NVFP4 kernels: one amax per split, the group's scale layout
+        return split_quantize_nvfp4(tensor, sizes, quantizer_list, disable_bulk_allocation)
     parts = torch.split(tensor.detach().contiguous(), sizes)
     pairs = zip(parts, quantizer_list, strict=True)
     return [te_extension.kernel_quantize("split_quantize", p.contiguous(), q) for p, q in pairs]
@@ -102,14 +110,6 @@ def fused_multi_row_unpadding(
             src, dst = src + rows, dst + kept
 
 
-def _is_nvfp4(tensor: Any) -> bool:
-    if isinstance(tensor, torch.Tensor) and not hasattr(tensor, "_quantizer"):
-        return False
-    from .te_extension_nvfp4 import nvfp4_classes
-
-    return isinstance(tensor, nvfp4_classes()[2])
-
-
 def te_general_grouped_gemm(
     A: Sequence[Any],  # noqa: N803 - TE's argument names
     transa: bool,
@@ -137,12 +137,6 @@ def te_general_grouped_gemm(
         )
     if single_output and D is None:
         raise ValueError("not implemented, D should be allocated for single output case.")
-    if any(_is_nvfp4(t) for t in (*A, *B)):
-        # generic_gemm takes NVFP4 operands, but TE's NVFP4 GroupedLinear path (its multi-tensor
-        # casts, the grouped alpha) has not been compared yet
-        raise NotImplementedError(
-            f"tex.te_general_grouped_gemm with NVFP4 operands is not emulated yet by {BACKEND}"
-        )
     dtype = torch_dtype(D_type)
     flat = D[0].view(-1) if single_output else None
     offset = 0
