@@ -153,6 +153,7 @@ EXPECTED_RULES = {
     "tensor-parallel-hybrid": "fp8-gather-tensor-parallel",
     "tp-block-boundary": "fp8-gather-tp-block-boundary",
     "twin-tp2-tp1-widths": "fp8-gather-tp-block-boundary",
+    "twin-mla-tp2-tp1-widths": "fp8-gather-tp-block-boundary",
     "fsdp": "grouped-weight-fsdp",
     "no-grouped-gemm": "grouped-weight-needs-grouped-gemm",
     "no-op-fuser": "grouped-weight-needs-op-fuser",
