@@ -1,5 +1,6 @@
 """Recipe-faithful twins: each full recipe's parallelism *structure* on a few CPU ranks (2 or 4
-for the TP-1 recipes, without or with PP; 8 for the one that ships TP 2: Qwen3-235B on H100).
+for the TP-1 recipes, without or with PP; 8 for the two that ship TP 2: DeepSeek-V3 and
+Qwen3-235B on H100).
 
 A tiny model (:func:`nemo_lw_fp8.models.tiny`) proves little about a recipe that ships PP 4 x
 VPP 4 x EP 64 if it runs on 2 data-parallel ranks. A twin keeps what changes the code paths a
@@ -10,13 +11,15 @@ recipe takes, and shrinks only the sizes:
   and loss after the last stage's), one decoder layer per stage; without a layout, the
   recipe's embedding / loss accounting, two units per stage;
 * data parallel 2; expert parallel, when the recipe has EP > 1, over all TP x DP ranks of a
-  stage: like every shipped recipe, expert-data-parallel size 1 (each expert's matrices on one
-  rank), so EP 2 at TP 1 and EP 4 at TP 2;
-* TP, sequence parallelism, ETP, CP as shipped (TP 2 with SP for Qwen3-235B on H100, 1
-  elsewhere; ETP and CP 1 everywhere), with the tiny model's TP-split widths in whole 128-wide
-  blockwise tiles per shard (:func:`nemo_lw_fp8.models.tiny`'s ``tensor_parallel``); the FP8
-  recipe (MXFP8 or blockwise), single grouped weights, layout, ownership, gradient clipping,
-  MTP, dropout and the MoE auxiliary loss as shipped.
+  stage: expert-data-parallel size 1 (each expert's matrices on one rank), so EP 2 at TP 1 and
+  EP 4 at TP 2. Every recipe ships expert DP 1 except ``deepseek_v3_hopper`` (EP 64 over a
+  stage's 128 TP x DP ranks: expert DP 2), whose twin keeps expert DP 1; expert DP > 1 is
+  what the twins' DP-4 resumes exercise (tests/test_recipe_twins.py);
+* TP, sequence parallelism, ETP, CP as shipped (TP 2 with SP for DeepSeek-V3 and Qwen3-235B
+  on H100, 1 elsewhere; ETP and CP 1 everywhere), with the tiny model's TP-split widths in
+  whole 128-wide blockwise tiles per shard (:func:`nemo_lw_fp8.models.tiny`'s
+  ``tensor_parallel``); the FP8 recipe (MXFP8 or blockwise), single grouped weights, layout,
+  ownership, gradient clipping, MTP, dropout and the MoE auxiliary loss as shipped.
 
 World: PP x TP x CP x DP, so a TP-2 twin with PP takes 8 ranks (PP 2 x TP 2 x DP 2).
 

@@ -56,6 +56,9 @@ GUARD_CASES = {
     # The TP-2 twin of Qwen3-235B on H100 with the TP-1 tiny widths (4 heads x 32 channels):
     # 64 linear_proj columns per shard split a 128-wide tile (its own widths pass, above).
     "twin-tp2-tp1-widths": ("twin_qwen3_235b_a22b_hopper", ["model.kv_channels=32"]),
+    # The TP-2 twin of DeepSeek-V3 on H100 with the TP-1 tiny MLA widths (4 heads: linear_proj
+    # 4 x 32 = 128 columns, 64 per shard) splits a 128-wide tile too.
+    "twin-mla-tp2-tp1-widths": ("twin_deepseek_v3_hopper", ["model.num_attention_heads=4"]),
     "fsdp": ("tiny_qwen3_30b_a3b", ["ddp.use_megatron_fsdp=true"]),
     "no-grouped-gemm": ("tiny_deepseek_v3", ["model.moe_grouped_gemm=false"]),
     "no-op-fuser": ("tiny_deepseek_v3", ["model.use_transformer_engine_op_fuser=false"]),

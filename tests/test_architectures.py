@@ -266,8 +266,9 @@ def test_parallelism_is_consistent(arch, gpu):
     world = p.world_size
     assert p.gpus_per_node in (4, 8) and world == p.nodes * p.gpus_per_node
     assert p.etp == 1  # whole experts per rank (FP8 gather at ETP > 1 is not verified)
-    # Whole matrices for layer-wise Muon, except Bridge's TP 2 + SP kept on Qwen3-235B H100.
-    kept_tp2 = (arch.name, gpu) == ("qwen3-235b-a22b", "h100")
+    # Whole matrices for layer-wise Muon, except Bridge's TP 2 + SP kept on the two H100 recipes
+    # that ship it (Qwen3-235B, DeepSeek-V3).
+    kept_tp2 = gpu == "h100" and arch.name in ("qwen3-235b-a22b", "deepseek-v3")
     assert (p.tp, p.sequence_parallel) == ((2, True) if kept_tp2 else (1, False))
     assert world % (p.tp * p.pp * p.cp) == 0 and world % (p.etp * p.ep * p.pp) == 0
     assert arch.num_moe_experts % p.ep == 0
@@ -314,22 +315,33 @@ def test_unknown_gpu_family():
 @pytest.mark.parametrize("arch", ARCHS, ids=IDS)
 def test_tiny_at_tensor_parallel_keeps_whole_blockwise_tiles_per_shard(arch):
     """``tiny(arch, tensor_parallel=tp)``: at TP 1 the widths every tiny recipe has; at TP 2 and
-    4 (standard attention: MLA and hybrid layers are refused at TP > 1) each TP shard of every
+    4 (standard attention and MLA: hybrid layers are refused at TP > 1) each TP shard of every
     width TP splits is whole 128-wide blockwise tiles, and the query groups divide by TP. The
     TP-1 widths at TP 2 split a tile (``test_recipes.py``'s ``twin-tp2-tp1-widths``)."""
     assert A.tiny(arch, tensor_parallel=1) == A.tiny(arch)
-    if arch.multi_latent_attention or arch.experimental_attention_variant:
+    if arch.experimental_attention_variant:
         return
     for tp in (2, 4):
         t = A.tiny(arch, tensor_parallel=tp)
         assert (t.hidden_size, t.moe_ffn_hidden_size) == (128, 128)  # not split (ETP 1)
-        assert t.num_query_groups % tp == 0 and t.num_attention_heads % t.num_query_groups == 0
-        widths = [t.num_attention_heads * t.kv_channels,
-                  (t.num_attention_heads + 2 * t.num_query_groups) * t.kv_channels]
+        if arch.multi_latent_attention:
+            heads = t.num_attention_heads
+            assert heads % tp == 0
+            # linear_proj columns, q up projection rows, kv up projection rows
+            widths = [heads * t.v_head_dim, heads * (t.qk_head_dim + t.qk_pos_emb_head_dim),
+                      heads * (t.qk_head_dim + t.v_head_dim)]
+        else:
+            assert t.num_query_groups % tp == 0
+            assert t.num_attention_heads % t.num_query_groups == 0
+            widths = [t.num_attention_heads * t.kv_channels,
+                      (t.num_attention_heads + 2 * t.num_query_groups) * t.kv_channels]
         widths += [w for w in (t.ffn_hidden_size, t.moe_shared_expert_intermediate_size) if w]
         assert all(w % (tp * 128) == 0 for w in widths), (tp, widths)
     base = A.tiny(arch)
-    assert base.num_attention_heads * base.kv_channels // 2 == 64  # the TP-1 widths at TP 2
+    if arch.multi_latent_attention:  # 4 heads of 32 value channels: 64 columns per TP-2 shard
+        assert base.num_attention_heads * base.v_head_dim // 2 == 64
+    else:
+        assert base.num_attention_heads * base.kv_channels // 2 == 64  # the TP-1 widths at TP 2
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=IDS)

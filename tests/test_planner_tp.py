@@ -319,6 +319,27 @@ def test_shipped_tp_2_recipe_plans_at_its_tp():
     assert whole / 2 < held < whole
 
 
+def test_deepseek_v3_hopper_plans_at_bridges_tp_2_and_fits():
+    """``plan --recipe deepseek_v3_hopper`` plans Bridge's H100 shape as shipped: 1024 GPUs at
+    TP 2 x PP 8 (VPP 4, its 32-stage layout) leave dense DP 64; EP 64 x ETP 1 x PP 8 leave
+    expert DP 2. Per rank less than the same recipe at TP 1 (MLA's up projections, linear_proj
+    and the dense / shared FFN are halved) but more than half (the experts, at ETP 1, and the
+    duplicated down projections are not split); the compact peak fits an 80 GB H100."""
+    from nemo_lw_fp8.models import recipe_plan
+
+    result = recipe_plan.plan_recipe(recipe_plan.recipe_setup("deepseek_v3_hopper"))
+    world, tp, pp, ep = 128 * 8, 2, 8, 64
+    par = result["parallelism"]
+    assert (par["world"], par["tp"], par["pp"], par["ep"], par["etp"]) == (world, tp, pp, ep, 1)
+    assert (par["dp"], par["expert_dp"]) == (world // (tp * pp), world // (pp * ep))
+    tp1 = recipe_plan.plan_recipe(recipe_plan.recipe_setup(
+        "deepseek_v3_hopper", ["model.tensor_model_parallel_size=1"]))  # fmt: skip
+    held, whole = (r["layouts"]["compact"]["bytes_per_rank"]["params"] for r in (result, tp1))
+    assert whole / 2 < held < whole
+    verdict = result["verdict"]
+    assert verdict["fits"] and verdict["peak_bytes"] < verdict["gpu_bytes"], verdict
+
+
 def test_plan_cli_model_form_at_tp_2(capsys):
     """``plan MODEL --dp 2 --tp 2 --muon-tp-mode blockwise``: the plan of 4 ranks whose owners
     orthogonalize their shards (the work ownership balances), with its traffic rows."""

@@ -2,15 +2,18 @@
 forked from one warmed-up process, tests/fork_run.py; the flagship resume test launches with
 torchrun too): each full recipe's parallelism structure (PP 2 with its
 layout or accounting, VPP 2, EP over TP x DP 2; TP and sequence parallelism as shipped: TP 2 + SP
-and EP 4 on 8 ranks for Qwen3-235B on H100), FP8 recipe, single grouped weights, MTP, gradient
-clipping, dropout and auxiliary loss as shipped.
+and EP 4 on 8 ranks for DeepSeek-V3 and Qwen3-235B on H100), FP8 recipe, single grouped weights,
+MTP, gradient clipping, dropout and auxiliary loss as shipped.
 
 FP8 param gather ON = OFF bitwise: every iteration's reduced loss and global grad norm (the
 clipping input), every evaluation, and every rank's fp32 masters and optimizer state at the end.
 The flagship twins resume bitwise in fresh processes (the DeepSeek-V3 MXFP8 twin from a run of
-its own, the Hopper and Qwen3-235B MXFP8 twins from their parity ON run), and the Hopper and
-Qwen3-235B MXFP8 twins at twice the data-parallel size from the ON run's checkpoint (the
-DeepSeek-V3 MXFP8 twin's resharding with its control: tests/test_twin_resharding.py).
+its own, the Hopper and Qwen3-235B MXFP8 twins from their parity ON run), and the DeepSeek-V2-Lite
+Hopper and Qwen3-235B MXFP8 twins at twice the data-parallel size from the ON run's checkpoint
+(the DeepSeek-V3 MXFP8 twin's resharding with its control: tests/test_twin_resharding.py). The
+DeepSeek-V3 Hopper twin runs TP 2 on 8 ranks: its DP-4 resume would take 16 ranks, and the
+project's CPU layers run TP 1 only, so those two checks of a Hopper twin run on the
+DeepSeek-V2-Lite one (MLA, blockwise FP8, discrete experts, TP 1).
 """
 
 from __future__ import annotations
@@ -37,14 +40,15 @@ SHORT = ("train.train_iters=2", "validation.eval_interval=1", "validation.eval_i
 
 #: The twins whose runs are in the gate (``make test``): the flagship MXFP8 twin (PP 2 x VPP 2 x
 #: EP 2, MTP, single grouped weights), the flagship Hopper twin (blockwise FP8, discrete
-#: experts) and the hybrid Qwen3.5 twin (Gated DeltaNet). The other nine, the DP-4 resumes, the
+#: experts, MLA at TP 2 + SP: PP 2 x VPP 2 x TP 2 x DP 2, EP 4, 8 ranks) and the hybrid Qwen3.5
+#: twin (Gated DeltaNet). The other nine, the DP-4 resumes, the
 #: owner-reduce twin comparison and the torchrun resume are the extended tier (``make
 #: test-all``; docs/testing.md, "Two tiers").
 GATE = ("deepseek_v3_mxfp8", "deepseek_v3_hopper", "qwen3_5_35b_a3b_mxfp8")
 
 
-def _tiered(recipes_: tuple[str, ...]) -> list:
-    return [r if r in GATE else pytest.param(r, marks=pytest.mark.extended) for r in recipes_]
+def _tiered(recipes_: tuple[str, ...], gate: tuple[str, ...] = GATE) -> list:
+    return [r if r in gate else pytest.param(r, marks=pytest.mark.extended) for r in recipes_]
 
 
 def _blockwise(recipe: str) -> bool:
@@ -54,6 +58,10 @@ def _blockwise(recipe: str) -> bool:
 #: Flagship twins whose parity ON run also saves at iteration 1, and which fresh processes
 #: resume from there (the DeepSeek-V3 MXFP8 twin has a resume test of its own, below).
 RESUMED = ("deepseek_v3_hopper", "qwen3_235b_a22b_mxfp8", "qwen3_5_35b_a3b_mxfp8")
+#: Of those, the gate resumes the hybrid Qwen3.5 twin (Gated DeltaNet's split checkpoint); the
+#: Hopper twin's resume (8 ranks at TP 2, about 100 s more) is extended, as docs/testing.md
+#: tiers it (resume at TP 2 through Bridge: tests/test_tp_bridge_training.py).
+RESUMED_IN_GATE = ("qwen3_5_35b_a3b_mxfp8",)
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +128,10 @@ def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
 
 
 #: The project's CPU layers (``--cpu-modules project``: cpu/layers.py, the earlier CPU path, kept
-#: as a cross-check of TE's modules) under the same parity, extended tier.
-PROJECT_TWINS = ("deepseek_v3_mxfp8", "deepseek_v3_hopper")
+#: as a cross-check of TE's modules) under the same parity, extended tier. The project's layers run
+#: TP 1 only: the Hopper check uses the DeepSeek-V2-Lite twin (MLA, blockwise, discrete experts),
+#: the DeepSeek-V3 Hopper twin ships TP 2.
+PROJECT_TWINS = ("deepseek_v3_mxfp8", "deepseek_v2_lite_hopper")
 
 
 @pytest.mark.extended
@@ -176,7 +186,7 @@ def test_flagship_twin_owner_reduce_equals_all_reduce(twin_run):
     assert wrong["ranks"] != reduced["ranks"]
 
 
-@pytest.mark.parametrize("recipe", _tiered(RESUMED))
+@pytest.mark.parametrize("recipe", _tiered(RESUMED, RESUMED_IN_GATE))
 def test_flagship_twin_resumes_from_the_parity_run(twin_run, tmp_path, recipe):
     """The Hopper (blockwise FP8, PP 2 x EP 2), Qwen3-235B MXFP8 (PP 2 x VPP 2 x EP 2) and hybrid
     Qwen3.5 MXFP8 twins (Gated DeltaNet layers, whose checkpoint megatron splits by name:
@@ -195,7 +205,7 @@ def test_flagship_twin_resumes_from_the_parity_run(twin_run, tmp_path, recipe):
     assert resumed["state"]["end"] == on["state"]["end"]
 
 
-@pytest.mark.parametrize("recipe", _tiered(RESUMED))
+@pytest.mark.parametrize("recipe", _tiered(RESUMED, RESUMED_IN_GATE))
 def test_control_resume_from_the_parity_run_with_a_master_one_ulp_off(twin_run, tmp_path, recipe):
     """Control of ``test_flagship_twin_resumes_from_the_parity_run``: the same resume from the
     same checkpoint with each rank's first layer-wise fp32 master one ulp up right after the
@@ -211,24 +221,26 @@ def test_control_resume_from_the_parity_run_with_a_master_one_ulp_off(twin_run, 
     assert nudged["state"]["end"] != on["state"]["end"]
 
 
-#: Flagship twins whose parity ON run's iteration-2 checkpoint (written as Bridge writes it by
-#: default: the sibling Adam ``dp_reshardable``) is loaded at DP 4, and the grouped-weight
-#: ownership there: the Qwen3-235B MXFP8 twin splits each single grouped weight's experts over
-#: two owners; the Hopper twins keep megatron's discrete expert weights (rule
-#: ``grouped-weight-blockwise-gather``), which have no grouped weight to split.
-RESHARDED = {"deepseek_v3_hopper": "whole", "qwen3_235b_a22b_mxfp8": "expert"}
+#: Twins whose parity ON run's iteration-2 checkpoint (written as Bridge writes it by default:
+#: the sibling Adam ``dp_reshardable``) is loaded at DP 4, and the grouped-weight ownership
+#: there: the Qwen3-235B MXFP8 twin splits each single grouped weight's experts over two owners;
+#: the Hopper twins keep megatron's discrete expert weights (rule
+#: ``grouped-weight-blockwise-gather``), which have no grouped weight to split. The Hopper one is
+#: DeepSeek-V2-Lite's (TP 1, 2 ranks -> 4): the DeepSeek-V3 Hopper twin's TP 2 x PP 2 would need
+#: 16 ranks at DP 4, too many for 2 CPU cores.
+RESHARDED = {"deepseek_v2_lite_hopper": "whole", "qwen3_235b_a22b_mxfp8": "expert"}
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("recipe", sorted(RESHARDED))
 def test_flagship_twin_resumes_at_dp4(twin_run, tmp_path, recipe):
-    """The Hopper (blockwise FP8, PP 2 x EP 2) and Qwen3-235B MXFP8 (PP 2 x VPP 2 x EP 2) twins'
-    parity ON run (DP 2, expert-data-parallel size 1, each grouped weight owned whole) saved at
-    iteration 2; twice the ranks (DP 4, expert-data-parallel size 2: the Muon matrices, dense
-    and expert, over twice the owners; Qwen3: each grouped weight's experts split over two)
-    load it and train iteration 3 (no evaluation). Right after the load, the fp32 masters,
-    Muon momentum and Adam moments, per parameter and expert, equal the ON run's end state,
-    bit for bit (the comparison's control: tests/test_twin_resharding.py)."""
+    """The DeepSeek-V2-Lite Hopper (blockwise FP8, MLA, EP 2) and Qwen3-235B MXFP8 (PP 2 x VPP 2
+    x EP 2) twins' parity ON run (DP 2, expert-data-parallel size 1, each grouped weight owned
+    whole) saved at iteration 2; twice the ranks (DP 4, expert-data-parallel size 2: the Muon
+    matrices, dense and expert, over twice the owners; Qwen3: each grouped weight's experts
+    split over two) load it and train iteration 3 (no evaluation). Right after the load, the
+    fp32 masters, Muon momentum and Adam moments, per parameter and expert, equal the ON run's
+    end state, bit for bit (the comparison's control: tests/test_twin_resharding.py)."""
     on = twin_run(recipe, "on", save=True)
     ownership = RESHARDED[recipe]
     grown = br.pretrain(tmp_path, "dp4", f"twin_{recipe}", "train.train_iters=3", NO_WARMUP,

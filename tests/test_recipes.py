@@ -73,8 +73,9 @@ def test_recipe_key_settings(report, name):
         assert (row["pp"], row["ep"]) == (parallel.pp, parallel.ep)
         assert (row["tp"], row["sequence_parallel"]) == (parallel.tp, parallel.sequence_parallel)
         # TP 1 (whole matrices for layer-wise Muon) except where Bridge's TP is kept: Qwen3-235B
-        # on H100 at Bridge's TP 2 with sequence parallelism (its TP-2 twin runs it on CPU).
-        tp2 = name == "qwen3_235b_a22b_hopper"
+        # and DeepSeek-V3 on H100 at Bridge's TP 2 with sequence parallelism (their TP-2 twins
+        # run it on CPU).
+        tp2 = name in ("qwen3_235b_a22b_hopper", "deepseek_v3_hopper")
         assert (row["tp"], row["sequence_parallel"]) == ((2, True) if tp2 else (1, False))
         assert row["global_batch_size"] == parallel.global_batch_size
 
@@ -152,6 +153,7 @@ EXPECTED_RULES = {
     "tensor-parallel-hybrid": "fp8-gather-tensor-parallel",
     "tp-block-boundary": "fp8-gather-tp-block-boundary",
     "twin-tp2-tp1-widths": "fp8-gather-tp-block-boundary",
+    "twin-mla-tp2-tp1-widths": "fp8-gather-tp-block-boundary",
     "fsdp": "grouped-weight-fsdp",
     "no-grouped-gemm": "grouped-weight-needs-grouped-gemm",
     "no-op-fuser": "grouped-weight-needs-op-fuser",

@@ -422,8 +422,11 @@ def tiny(
     Above 1, every width TP splits (attention heads x kv channels, the fused QKV rows, the dense
     and shared-expert FFN) gives each shard whole 128-wide blockwise tiles (so whole 32-wide
     MXFP8 blocks too; rule ``fp8-gather-tp-block-boundary``) and the query groups divide by TP.
-    At 1 the widths are the ones every tiny recipe has always had. MLA and hybrid layers keep
-    their widths: FP8 gather refuses them at TP > 1 (``fp8-gather-tensor-parallel``).
+    For MLA, 4 x TP heads of 32 (+ 32 rotary) channels: each shard holds 128 ``linear_proj``
+    columns (heads x v_head_dim) and 256 rows of the q and kv up projections (heads x (qk +
+    rotary), heads x (qk + v)); the q / kv down projections are not split (TP-duplicated). At 1
+    the widths are the ones every tiny recipe has always had. Hybrid layers keep their widths:
+    FP8 gather refuses Gated DeltaNet at TP > 1 (``fp8-gather-tensor-parallel``).
     """
     tp = tensor_parallel
     hidden, experts, vocab = 128, 8, 512
@@ -455,6 +458,7 @@ def tiny(
         changes |= {"moe_router_num_groups": 4, "moe_router_group_topk": 2}
     if arch.multi_latent_attention:
         changes |= {
+            "num_attention_heads": 4 * tp,
             "q_lora_rank": None if arch.q_lora_rank is None else 64,
             "kv_lora_rank": 64,
             "qk_head_dim": 32,

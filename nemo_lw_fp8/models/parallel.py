@@ -128,29 +128,34 @@ def _unroll_layout(layout: str) -> list[list[str]]:
 # DeepSeek-V3's 16-stage layout from Bridge's set_deepseek_v3_pipeline_model_parallel_layout
 # ((16,1), (8,2), (4,4) share it): embedding + 4 layers, 14 x 4 layers, 1 layer + MTP + loss.
 _DSV3_16_STAGES = "Et*4|(t*4|)*14tmL"
+# The 32-stage layout Bridge's H100 recipe passes (PP 8 x VP 4): embedding + 1 layer, 30 x 2
+# layers, then MTP + loss on a stage of their own.
+_DSV3_H100_32_STAGES = "Et|(tt|)*30mL"
 
 GPU_FAMILIES = ("h100", "b200", "gb200")
 
 # Why layer-wise Muon changes what Adam recipes do: Muon orthogonalises whole matrices, one owner
 # rank each. TP > 1 splits every dense matrix, so Newton-Schulz needs the shards gathered (the
 # recipes' muon_tp_mode "duplicated") or runs on pieces, which is not Muon; ETP > 1 does the same
-# to experts, and its FP8 gather is not verified. Hence ETP = 1 everywhere, and TP = 1 where
-# FP8 gather at the shipped TP has not been run (PP / EP take over the memory TP saved). Qwen3-
-# 235B on H100 keeps Bridge's TP 2 with sequence parallelism: standard attention, widths in
-# whole 128-wide blockwise tiles per shard (rules_tensor_parallel.py), a TP-2 twin (twins.py).
-# Everything else follows the cited recipe.
+# to experts, and its FP8 gather is not verified. Hence ETP = 1 everywhere (every cited recipe
+# ships it). The two H100 recipes Bridge ships at TP 2 with sequence parallelism keep it:
+# Qwen3-235B (standard attention) and DeepSeek-V3 (multi-latent attention, run at TP 2 with FP8
+# gather in tests/test_tp_mla_training.py), widths in whole 128-wide blockwise tiles per shard
+# (rules_tensor_parallel.py), each with a TP-2 twin (twins.py). Everything else follows the
+# cited recipe; activation recompute is left to the user, as in every recipe here.
 PARALLELISM: dict[str, dict[str, ParallelismDefaults]] = {
     "deepseek-v3": {
         "h100": ParallelismDefaults(
-            recipe="perf_recipes deepseek_v3_pretrain_1024gpu_h100_fp8cs_config (TP2 PP8 VP4 EP64)",
-            muon_change="TP2 -> 1 (MLA at TP 2 with FP8 gather not yet run), PP8 VP4 -> PP16 "
-            "as DeepSeek's own H800 run",
+            recipe="perf_recipes deepseek_v3_pretrain_1024gpu_h100_fp8cs_config (TP2 SP)",
             nodes=128,
             gpus_per_node=8,
-            pp=16,
+            tp=2,
+            sequence_parallel=True,
+            pp=8,
+            vpp=4,
             ep=64,
             global_batch_size=16384,
-            pipeline_layout=_DSV3_16_STAGES,
+            pipeline_layout=_DSV3_H100_32_STAGES,
         ),
         "b200": ParallelismDefaults(
             recipe="perf_recipes deepseek_v3_pretrain_256gpu_b200_fp8mx_config",
