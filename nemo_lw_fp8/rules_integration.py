@@ -42,6 +42,23 @@ def _grouped_needs_op_fuser(s: Settings) -> str | None:
     return None
 
 
+def _op_fuser_experts_expert_tensor_parallel(s: Settings) -> str | None:
+    etp = rules_tensor_parallel.expert_tensor_parallel(s)
+    fused = s.num_moe_experts and s.moe_grouped_gemm and s.use_transformer_engine_op_fuser
+    if not fused or etp <= 1:
+        return None
+    return (
+        f"grouped MoE experts through TE's op fuser (model.use_transformer_engine_op_fuser=True)"
+        f" at expert tensor parallel {etp} (unset ETP follows TP="
+        f"{s.tensor_model_parallel_size}): megatron-core 0.19.2 fuses TEGroupedMLP only at "
+        "expert TP 1 (TEGroupedMLP._is_fused_impl_supported) and asserts 'Fused GroupedMLP is "
+        "not supported for this configuration.' at model build; single grouped weights exist "
+        "only there. Fix: set model.expert_tensor_parallel_size=1 (use EP for memory), or "
+        "model.use_transformer_engine_op_fuser=False with model.moe_single_grouped_weight=False "
+        "(TE's GroupedLinear with discrete expert weights runs at ETP > 1)."
+    )
+
+
 def _fp8_gather_without_fp8(s: Settings) -> str | None:
     if s.layer_wise and s.fp8_param_gather and s.fp8 is None and s.fp8_recipe is None:
         return (
@@ -265,9 +282,12 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
          _grouped_needs_grouped_gemm),
     Rule("grouped-weight-needs-op-fuser", "0.19.2 trains grouped weights via TE's op fuser",
          _grouped_needs_op_fuser),
+    Rule("op-fuser-experts-expert-tensor-parallel",
+         "0.19.2 fuses grouped experts (TE's op fuser) at expert TP 1 only",
+         _op_fuser_experts_expert_tensor_parallel),
     Rule("fp8-gather-without-fp8", "FP8 param gather needs FP8 on", _fp8_gather_without_fp8),
     Rule("fp8-gather-tensor-parallel",
-         "layer-wise FP8 gather at TP > 1: verified with ETP 1 and standard attention",
+         "layer-wise FP8 gather at TP > 1: verified with standard and multi-latent attention",
          rules_tensor_parallel.fp8_gather_tensor_parallel),
     Rule("fp8-gather-tp-block-boundary", "TP / ETP shards hold whole quantization blocks",
          rules_tensor_parallel.fp8_gather_tp_block_boundary),

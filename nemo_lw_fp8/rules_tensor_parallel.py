@@ -4,14 +4,16 @@ What is verified (``tests/test_tp_fp8_param_gather.py``, TP 2 x DP 2 on TE's own
 rank's persistent FP8 weights are its TP shards, quantized and gathered over data parallel as
 whole matrices are at TP 1, with MXFP8 (1x32 blocks) and blockwise FP8 (128x128 weight tiles);
 standard attention (fused ``linear_qkv``), dense MLPs, MoE experts whole per rank (expert
-tensor parallel 1) and discrete expert linears (megatron's ``SequentialMLP``) split over expert
-tensor parallel 2; multi-latent attention through Bridge (``tests/test_tp_mla_training.py``:
-the column-parallel q / kv up projections, the row-parallel ``linear_proj`` and the down
-projections duplicated on every TP rank, MXFP8 and blockwise). Two rules:
+tensor parallel 1) and expert linears split over expert tensor parallel 2, discrete
+(megatron's ``SequentialMLP``) and grouped (TE's ``GroupedLinear`` with discrete weights,
+``tests/test_tp_grouped_fp8_gather.py``; megatron fuses grouped experts and builds single
+grouped weights only at ETP 1: rule ``op-fuser-experts-expert-tensor-parallel``);
+multi-latent attention through Bridge (``tests/test_tp_mla_training.py``: the column-parallel
+q / kv up projections, the row-parallel ``linear_proj`` and the down projections duplicated on
+every TP rank, MXFP8 and blockwise). Two rules:
 
-* ``fp8-gather-tensor-parallel``: what is still unverified at TP / ETP > 1 is refused with its
-  reason (grouped expert weights split over expert-tensor parallel; at TP > 1 hybrid Gated
-  DeltaNet / DSA layers and a gated attention output);
+* ``fp8-gather-tensor-parallel``: what is still unverified at TP > 1 is refused with its
+  reason (hybrid Gated DeltaNet / DSA layers and a gated attention output);
 * ``fp8-gather-tp-block-boundary``: a TP (or ETP) shard boundary inside a quantization block,
   read from the model's dimensions at configuration time: every sharded width per rank must be
   a whole number of blocks (MXFP8: 32; blockwise: 128).
@@ -44,16 +46,7 @@ def expert_tensor_parallel(s: Settings) -> int:
 def fp8_gather_tensor_parallel(s: Settings) -> str | None:
     if not _tp_gather(s):
         return None
-    tp, etp = s.tensor_model_parallel_size, expert_tensor_parallel(s)
-    if s.num_moe_experts and etp > 1 and s.moe_grouped_gemm:
-        return (
-            f"layer-wise Muon with --fp8-param-gather at expert tensor parallel > 1 is verified "
-            f"with discrete expert linears only (model.moe_grouped_gemm=False, megatron's "
-            f"SequentialMLP), got ETP={etp} (unset ETP follows TP={tp}) with grouped experts: "
-            "FP8 gathers of grouped expert weights split over expert-tensor parallel have not "
-            "been run. Fix: set model.expert_tensor_parallel_size=1 (use EP for memory), or "
-            "model.moe_grouped_gemm=False, or drop --fp8-param-gather."
-        )
+    tp = s.tensor_model_parallel_size
     unverified = [
         (f"model.experimental_attention_variant={s.experimental_attention_variant!r}",
          s.experimental_attention_variant, "the hybrid layers' (Gated DeltaNet / DSA) projections"),

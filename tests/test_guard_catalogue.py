@@ -104,11 +104,11 @@ CASES: list[tuple[str, dict, str]] = [
     ("fp8 gather with FP8 off", GOOD | dict(fp8=None, fp8_recipe=None,
                                             moe_single_grouped_weight=False),
      "fp8-gather-without-fp8"),
-    ("fp8 gather with experts at ETP 2", GOOD | dict(num_moe_experts=8,
-                                                     expert_tensor_parallel_size=2),
-     "fp8-gather-tensor-parallel"),
-    ("fp8 gather at TP 2, experts' ETP unset (follows TP)", GOOD | dict(
-        num_moe_experts=8, tensor_model_parallel_size=2), "fp8-gather-tensor-parallel"),
+    ("op-fuser experts at ETP 2", GOOD | dict(num_moe_experts=8, expert_tensor_parallel_size=2),
+     "op-fuser-experts-expert-tensor-parallel"),
+    ("op-fuser experts at TP 2, ETP unset (follows TP)", GOOD | dict(
+        num_moe_experts=8, tensor_model_parallel_size=2),
+     "op-fuser-experts-expert-tensor-parallel"),
     ("blockwise gather at TP 2, MLA linear_proj shard of 64", HOPPER_TP2_MLA | dict(
         num_attention_heads=4, qk_head_dim=32, qk_pos_emb_head_dim=32, v_head_dim=32),
      "fp8-gather-tp-block-boundary"),

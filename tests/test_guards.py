@@ -346,9 +346,13 @@ TP2_MXFP8 = dict(
 #: Experts as discrete TE linears (megatron's SequentialMLP), not one grouped weight.
 DISCRETE_EXPERTS = dict(moe_grouped_gemm=False, moe_single_grouped_weight=False,
                         use_transformer_engine_op_fuser=False)  # fmt: skip
+#: Grouped experts as the H100 recipes build them: TE's GroupedLinear module with discrete
+#: weights (no op fuser, no single grouped weight).
+GROUPED_DISCRETE = dict(moe_grouped_gemm=True, moe_single_grouped_weight=False,
+                        use_transformer_engine_op_fuser=False)  # fmt: skip
 TP2_BLOCKWISE = dict(
     TP2_MXFP8, fp8_recipe="blockwise", reuse_grad_buf_for_mxfp8_param_ag=False,
-    hidden_size=256, ffn_hidden_size=512, moe_ffn_hidden_size=128,
+    hidden_size=256, ffn_hidden_size=512, moe_ffn_hidden_size=128, **GROUPED_DISCRETE,
 )  # fmt: skip
 
 
@@ -385,10 +389,16 @@ TP2_BLOCKWISE = dict(
         dict(TP2_MXFP8, expert_tensor_parallel_size=2, **DISCRETE_EXPERTS),
         dict(TP2_BLOCKWISE, expert_tensor_parallel_size=2, moe_ffn_hidden_size=256,
              **DISCRETE_EXPERTS),
+        # Grouped experts (TE's GroupedLinear, discrete weights) split over ETP 2
+        # (tests/test_tp_grouped_fp8_gather.py: experts of 256, shards of 128).
+        dict(TP2_MXFP8, expert_tensor_parallel_size=2, moe_ffn_hidden_size=256,
+             **GROUPED_DISCRETE),
+        dict(TP2_BLOCKWISE, expert_tensor_parallel_size=2, moe_ffn_hidden_size=256),
     ],
     ids=["mxfp8", "blockwise", "mxfp8-dense", "blockwise-gqa", "blockwise-shared-experts",
          "blockwise-tp4", "mxfp8-mla", "blockwise-mla", "mla-dims-unknown", "dims-unknown",
-         "tp1", "no-fp8-gather", "mxfp8-etp2-discrete", "blockwise-etp2-discrete"],
+         "tp1", "no-fp8-gather", "mxfp8-etp2-discrete", "blockwise-etp2-discrete",
+         "mxfp8-etp2-grouped", "blockwise-etp2-grouped"],
 )  # fmt: skip
 def test_fp8_gather_at_tensor_parallel_passes_with_whole_blocks_per_shard(settings):
     assert guards.violations(Settings(**settings)) == []
@@ -417,18 +427,14 @@ TP_REFUSED = [
     ("blockwise shared experts", dict(TP2_BLOCKWISE, moe_shared_expert_intermediate_size=128),
      "fp8-gather-tp-block-boundary",
      ["model.moe_shared_expert_intermediate_size=128", "each shard 64"]),
-    ("grouped experts at ETP 2", dict(TP2_MXFP8, expert_tensor_parallel_size=2),
-     "fp8-gather-tensor-parallel",
-     ["ETP=2", "discrete expert linears only", "model.expert_tensor_parallel_size=1",
-      "model.moe_grouped_gemm=False"]),
     ("blockwise discrete experts' ETP-2 shard of 64", dict(
         TP2_BLOCKWISE, expert_tensor_parallel_size=2, **DISCRETE_EXPERTS),
      "fp8-gather-tp-block-boundary",
      ["model.moe_ffn_hidden_size=128", "each shard 64", "model.expert_tensor_parallel_size"]),
-    ("ETP unset follows TP 2", dict(TP2_BLOCKWISE, expert_tensor_parallel_size=None),
-     "fp8-gather-tensor-parallel", ["ETP=2 (unset ETP follows TP=2)"]),
-    ("ETP 2 at TP 1", dict(TP2_MXFP8, tensor_model_parallel_size=1, expert_tensor_parallel_size=2),
-     "fp8-gather-tensor-parallel", ["ETP=2"]),
+    ("grouped experts' ETP-2 shard of 64, ETP unset (follows TP 2)", dict(
+        TP2_BLOCKWISE, expert_tensor_parallel_size=None),
+     "fp8-gather-tp-block-boundary",
+     ["at ETP=2", "model.moe_ffn_hidden_size=128", "each shard 64"]),
     ("blockwise MLA linear_proj shard of 64", dict(MLA_TP2_BLOCKWISE, qk_head_dim=96),
      "fp8-gather-tp-block-boundary",
      ["model.num_attention_heads x model.v_head_dim=128", "each shard 64 linear_proj columns"]),
@@ -454,6 +460,35 @@ TP_REFUSED = [
     ("gated attention output at TP 2", dict(TP2_BLOCKWISE, attention_output_gate=True),
      "fp8-gather-tensor-parallel", ["model.attention_output_gate=True", "Q rows doubled"]),
 ]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(TP2_MXFP8, expert_tensor_parallel_size=2, moe_ffn_hidden_size=256),
+     dict(TP2_MXFP8, expert_tensor_parallel_size=None, moe_ffn_hidden_size=256),
+     dict(TP2_MXFP8, tensor_model_parallel_size=1, expert_tensor_parallel_size=2),
+     dict(TP2_BLOCKWISE, expert_tensor_parallel_size=2, moe_ffn_hidden_size=256,
+          use_transformer_engine_op_fuser=True),
+     dict(TP2_MXFP8, expert_tensor_parallel_size=2, fp8=None, fp8_recipe=None,
+          fp8_param_gather=False, moe_single_grouped_weight=False)],
+    ids=["mxfp8-single-grouped", "etp-unset-follows-tp", "etp2-at-tp1", "blockwise-fused",
+         "bf16-no-gather"],
+)  # fmt: skip
+def test_op_fuser_experts_at_expert_tensor_parallel_are_refused(settings):
+    """megatron-core 0.19.2 asserts at model build for grouped experts through TE's op fuser at
+    ETP > 1 (``TEGroupedMLP._is_fused_impl_supported``), with or without FP8: the rule says so
+    first, naming the ETP and the two fixes. Control: the same settings at ETP 1 pass it."""
+    with pytest.raises(ConfigError) as info:
+        guards.check(Settings(**settings))
+    assert info.value.rule == "op-fuser-experts-expert-tensor-parallel", info.value
+    message = str(info.value)
+    for text in ("expert tensor parallel 2", "Fused GroupedMLP is not supported",
+                 "model.expert_tensor_parallel_size=1",
+                 "model.use_transformer_engine_op_fuser=False"):  # fmt: skip
+        assert text in message, (text, message)
+    assert len(message.splitlines()) == 1
+    at_etp1 = Settings(**dict(settings, expert_tensor_parallel_size=1))
+    assert "op-fuser-experts-expert-tensor-parallel" not in dict(guards.violations(at_etp1))
 
 
 @pytest.mark.parametrize(("case", "settings", "rule", "named"), TP_REFUSED,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from typing import Any
 
 import pytest
 import torch
@@ -86,15 +87,16 @@ def _gather_full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def one_step_from_full_gradient(scenario: Scenario) -> dict:
-    """On this rank: build, write the full gradient's TP shard into every ``main_grad``, run the
-    DDP grad sync and one optimizer step; return full weights before and after."""
+def one_step_from_full_gradient(scenario: Scenario, **overrides: Any) -> dict:
+    """On this rank: build (``overrides``: the "moe_grouped" model's config), write the full
+    gradient's TP shard into every ``main_grad``, run the DDP grad sync and one optimizer step;
+    return full weights before and after."""
     from megatron.core import parallel_state as ps
 
     from tests.support.training import build_model, wrap_and_build_optimizer
 
     start = time.perf_counter()
-    module, config = build_model(scenario)
+    module, config = build_model(scenario, **overrides)
     model, optimizer = wrap_and_build_optimizer(module, config, scenario)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     inner = model[0].module
@@ -200,17 +202,27 @@ def test_distributed_is_tp_invariant_up_to_summation_order(reference):
     assert worst < DISTRIBUTED_TOLERANCE
 
 
+#: The grouped-expert MoE (megatron's TEGroupedMLP) as it runs at expert TP > 1: TE's
+#: ``GroupedLinear`` with discrete weights (megatron fuses through TE's op fuser only at ETP 1),
+#: weights drawn on the CPU from the full master weight so TP 1 and TP 2 start equal.
+GROUPED_AT_ETP = dict(use_transformer_engine_op_fuser=False, use_cpu_initialization=True)
+
+
 @pytest.mark.extended
-def test_duplicated_experts_tp_invariant_bitwise():
-    """The MoE GPT (4 experts as megatron's SequentialMLP of TE linears, expert TP = TP): with
-    "duplicated" every parameter at TP 2 x DP 1 equals TP 1's, experts' matrices included (they
-    gather over the expert-TP group); "blockwise" differs on the experts' matrices."""
-    moe = BASE.with_(model="moe_gpt")
+@pytest.mark.parametrize("model", ["moe_gpt", "moe_grouped"])
+def test_duplicated_experts_tp_invariant_bitwise(model):
+    """The MoE GPT (4 experts, expert TP = TP) with experts as megatron's SequentialMLP of TE
+    linears (``moe_gpt``) or as TEGroupedMLP, TE's ``GroupedLinear`` with discrete weights
+    (``moe_grouped``): with "duplicated" every parameter at TP 2 x DP 1 equals TP 1's, experts'
+    matrices included (they gather over the expert-TP group); "blockwise" differs on the
+    experts' matrices."""
+    moe = BASE.with_(model=model)
+    overrides = GROUPED_AT_ETP if model == "moe_grouped" else {}
 
     def run(mode: str, parallel: ParallelSpec) -> list[dict]:
         return run_on_ranks(
-            one_step_from_full_gradient, moe.with_(muon_tp_mode=mode), world_size=2,
-            parallel=parallel, boot=boot_for(moe), timeout=600.0,
+            one_step_from_full_gradient, moe.with_(muon_tp_mode=mode), **overrides,
+            world_size=2, parallel=parallel, boot=boot_for(moe), timeout=600.0,
         )  # fmt: skip
 
     ref = run("duplicated", TP1)[0]

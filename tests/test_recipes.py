@@ -148,7 +148,7 @@ EXPECTED_RULES = {
     "legacy-layout-fp8": "fp8-gather-layout",
     "overlap-disagree": "overlap-param-gather-agreement",
     "tensor-parallel": "",  # passes: MLA at TP 2 with whole blocks per shard, ETP 1
-    "expert-tensor-parallel": "fp8-gather-tensor-parallel",
+    "expert-tensor-parallel": "op-fuser-experts-expert-tensor-parallel",
     "tensor-parallel-hopper": "",  # passes: TP 2 with whole 128-blocks per shard, ETP 1
     "tensor-parallel-hybrid": "fp8-gather-tensor-parallel",
     "tp-block-boundary": "fp8-gather-tp-block-boundary",

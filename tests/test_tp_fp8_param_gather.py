@@ -33,7 +33,7 @@ import torch
 from nemo_lw_fp8.emulation import te_backend
 from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
 from tests.support.parity import assert_diverges, assert_same_losses_and_masters
-from tests.support.te_helpers import rowwise_only_refresh
+from tests.support.te_helpers import stale_columnwise
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
     pytest.skip("TE's own modules need TE's Python package", allow_module_level=True)
@@ -112,22 +112,6 @@ def build_tp_gpt(
 PERSISTENT = {"mxfp8": "MXFP8Tensor", "blockwise": "Float8BlockwiseQTensor"}
 
 
-def _stale_columnwise(mp: pytest.MonkeyPatch, recipe: str) -> None:
-    """The control: every persistent weight's columnwise copy (what the dgrad GEMM reads) left
-    stale after the gather. MXFP8: the gathers' re-quantization refreshes the rowwise copy only;
-    blockwise: the derivation of the columnwise copy from the gathered rowwise codes is skipped
-    (receivers keep the previous step's columnwise bytes)."""
-    if recipe == "mxfp8":
-        from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
-
-        refresh = rowwise_only_refresh(MXFP8Quantizer.update_quantized)
-        mp.setattr(MXFP8Quantizer, "update_quantized", refresh)
-    else:
-        from nemo_lw_fp8.mechanics import blockwise
-
-        mp.setattr(blockwise, "derive_columnwise", lambda params: None)
-
-
 def tp_gather_run(
     fp8_param_gather: bool, sequence_parallel: bool, mutation: str | None, moe: bool = False,
     recipe: str = "mxfp8", etp: int = 1,
@@ -152,7 +136,7 @@ def tp_gather_run(
     nemo_lw_fp8.apply()
     with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(te_recipe(recipe)[1]):
         if mutation == "stale_columnwise":
-            _stale_columnwise(mp, recipe)
+            stale_columnwise(mp, recipe)
         elif mutation is not None:
             raise ValueError(mutation)
         module, config = build_tp_gpt(

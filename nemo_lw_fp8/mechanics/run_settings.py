@@ -105,7 +105,8 @@ def read(optimizer: Any) -> guards.Settings:
     take("overlap_param_gather", opt_config, "overlap_param_gather", "OptimizerConfig")
 
     model_config = _model_config(optimizer)
-    for name in ("moe_single_grouped_weight", "moe_grouped_gemm", "tensor_model_parallel_size",
+    for name in ("moe_single_grouped_weight", "moe_grouped_gemm",
+                 "use_transformer_engine_op_fuser", "tensor_model_parallel_size",
                  "expert_tensor_parallel_size", "num_moe_experts", "hidden_size",
                  "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                  "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",

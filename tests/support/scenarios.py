@@ -222,7 +222,7 @@ MOE_GROUPED_FFN = 128
 MOE_GROUPED_ENV = {"NVTE_CUTEDSL_FUSED_GROUPED_MLP": "1"}
 
 
-def _build_moe_grouped(scenario: Scenario):
+def _build_moe_grouped(scenario: Scenario, **overrides: Any):
     """The tiny MoE GPT a GPU builds for grouped experts: megatron's TE spec
     (``get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True)``) with
     ``TEGroupedMLP`` through TE's op fuser (``ops.GroupedLinear`` + ``ScaledSwiGLU``), SwiGLU
@@ -235,22 +235,31 @@ def _build_moe_grouped(scenario: Scenario):
 
     Built with ``use_cpu_initialization=False``: TE initialises the weights itself, so the
     preserved high-precision init values of persistent MXFP8 weights are the weights' own
-    (``tests/test_te_model_training.py``). Build and run it inside :func:`te_scope`."""
+    (``tests/test_te_model_training.py``). Build and run it inside :func:`te_scope`.
+
+    ``fp8_recipe="blockwise"`` builds what the Hopper recipes run instead: TE's ``GroupedLinear``
+    module with discrete weights (no op fuser; TE's grouped-tensor path needs cuBLASLt 13.6 on
+    SM 9.0), persistent ``Float8BlockwiseQTensor`` weights with ``fp8_param_gather``.
+    ``overrides`` go to the ``TransformerConfig`` (e.g. wider experts, sequence parallelism at
+    the pool's TP size)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    blockwise = scenario.fp8 and scenario.fp8_recipe == "blockwise"
     quantized: dict[str, Any] = {}
     if scenario.fp8:
-        quantized = dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_param=scenario.fp8_param_gather)
+        quantized = dict(
+            fp8="e4m3", fp8_recipe=scenario.fp8_recipe, fp8_param=scenario.fp8_param_gather
+        )
     if scenario.grad_accum_fusion:
         from nemo_lw_fp8.cpu import apex_wgrad
 
         # megatron's output layer (its own ColumnParallelLinear) refuses the fusion without
         # APEX's kernel; the stand-in stays for the pool (it serves only fused configs).
         apex_wgrad.install()
-    config = transformer_config(
+    settings: dict[str, Any] = dict(
         hidden_size=MOE_GROUPED_HIDDEN,
         num_moe_experts=4,
         moe_router_topk=2,
@@ -261,22 +270,24 @@ def _build_moe_grouped(scenario: Scenario):
         # fp64 routing takes megatron's torch.mm path (TE's router GEMM is a CUDA kernel).
         moe_router_dtype="fp64",
         moe_grouped_gemm=True,
-        use_transformer_engine_op_fuser=True,
+        use_transformer_engine_op_fuser=not blockwise,
         moe_single_grouped_weight=scenario.single_grouped_weight,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         normalization="RMSNorm",
         use_cpu_initialization=False,
         gradient_accumulation_fusion=scenario.grad_accum_fusion,
-        **quantized,
     )
+    config = transformer_config(**(settings | quantized | overrides))
     init: Any = contextlib.nullcontext()
     if scenario.fp8_param_gather:
-        from transformer_engine.common.recipe import MXFP8BlockScaling
+        from transformer_engine.common.recipe import Float8BlockScaling, MXFP8BlockScaling
         from transformer_engine.pytorch import quantized_model_init
 
         init = quantized_model_init(
-            enabled=True, recipe=MXFP8BlockScaling(), preserve_high_precision_init_val=True
+            enabled=True,
+            recipe=Float8BlockScaling() if blockwise else MXFP8BlockScaling(),
+            preserve_high_precision_init_val=True,
         )
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True)
     with te_scope(scenario), init:
@@ -475,8 +486,11 @@ def seed_all(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def build_model(scenario: Scenario):
-    """Build the scenario's bf16 model from its seed; returns (module, transformer_config)."""
+def build_model(scenario: Scenario, **overrides: Any):
+    """Build the scenario's bf16 model from its seed; returns (module, transformer_config).
+    ``overrides``: ``TransformerConfig`` settings for model "moe_grouped" (others refuse them)."""
+    if overrides and scenario.model != "moe_grouped":
+        raise ValueError(f"model {scenario.model!r} takes no config overrides: {overrides}")
     if scenario.plugin:
         import nemo_lw_fp8
 
@@ -503,7 +517,7 @@ def build_model(scenario: Scenario):
         with te_scope(scenario):
             module = build_gpt(config)
     elif scenario.model == "moe_grouped":
-        return _build_moe_grouped(scenario)
+        return _build_moe_grouped(scenario, **overrides)
     elif scenario.model == "mlp":
         config = transformer_config()
         module = TinyMLP()

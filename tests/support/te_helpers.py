@@ -54,3 +54,23 @@ def rowwise_only_refresh(refresh: Callable[..., Any]) -> Callable[..., Any]:
         return out
 
     return rowwise_only
+
+
+def stale_columnwise(mp: Any, recipe: str) -> None:
+    """The stale-columnwise control of an FP8 param gather, on ``mp`` (a
+    ``pytest.MonkeyPatch``): every persistent weight's columnwise copy (what the dgrad GEMM
+    reads) left stale after the gather. MXFP8: the gathers' re-quantization refreshes the
+    rowwise copy only (:func:`rowwise_only_refresh`; TE's weights and grouped members alike);
+    blockwise: the derivation of the columnwise copy from the gathered rowwise codes is skipped
+    (receivers keep the previous step's columnwise bytes). Imports TE: call it inside a rank."""
+    if recipe == "mxfp8":
+        from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+
+        refresh = rowwise_only_refresh(MXFP8Quantizer.update_quantized)
+        mp.setattr(MXFP8Quantizer, "update_quantized", refresh)
+    elif recipe == "blockwise":
+        from nemo_lw_fp8.mechanics import blockwise
+
+        mp.setattr(blockwise, "derive_columnwise", lambda params: None)
+    else:
+        raise ValueError(f"no stale-columnwise control for recipe {recipe!r}")
