@@ -87,16 +87,30 @@ def _gather_full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def one_step_from_full_gradient(scenario: Scenario, **overrides: Any) -> dict:
-    """On this rank: build (``overrides``: the "moe_grouped" model's config), write the full
-    gradient's TP shard into every ``main_grad``, run the DDP grad sync and one optimizer step;
-    return full weights before and after."""
+def _redraw_weights(module: torch.nn.Module, tp: int, tp_rank: int) -> None:
+    """Every parameter set to its TP shard of a full value drawn from its name, so TP 1 and TP 2
+    start equal where TE initialises each rank's shard itself (megatron's ``TEGroupedLinear``
+    has no CPU master-weight initialisation: ``use_cpu_initialization`` leaves it empty)."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            generator = torch.Generator().manual_seed(zlib.crc32(b"weight:" + name.encode()))
+            full = torch.randn(_full_shape(param, tp), generator=generator) * 0.02
+            param.copy_(_tp_shard(full, param, tp, tp_rank).to(param.dtype))
+
+
+def one_step_from_full_gradient(scenario: Scenario, redraw: bool = False, **overrides: Any) -> dict:
+    """On this rank: build (``overrides``: the "moe_grouped" model's config; ``redraw``: weights
+    from :func:`_redraw_weights`), write the full gradient's TP shard into every ``main_grad``,
+    run the DDP grad sync and one optimizer step; return full weights before and after."""
     from megatron.core import parallel_state as ps
 
     from tests.support.training import build_model, wrap_and_build_optimizer
 
     start = time.perf_counter()
     module, config = build_model(scenario, **overrides)
+    if redraw:
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        _redraw_weights(module, tp, rank)
     model, optimizer = wrap_and_build_optimizer(module, config, scenario)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     inner = model[0].module
@@ -204,8 +218,8 @@ def test_distributed_is_tp_invariant_up_to_summation_order(reference):
 
 #: The grouped-expert MoE (megatron's TEGroupedMLP) as it runs at expert TP > 1: TE's
 #: ``GroupedLinear`` with discrete weights (megatron fuses through TE's op fuser only at ETP 1),
-#: weights drawn on the CPU from the full master weight so TP 1 and TP 2 start equal.
-GROUPED_AT_ETP = dict(use_transformer_engine_op_fuser=False, use_cpu_initialization=True)
+#: every weight redrawn as the TP shard of a full value so TP 1 and TP 2 start equal.
+GROUPED_AT_ETP = dict(redraw=True, use_transformer_engine_op_fuser=False)
 
 
 @pytest.mark.extended
