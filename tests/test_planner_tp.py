@@ -301,6 +301,25 @@ def test_recipe_plans_at_tp_2():
     assert rows and all(r["tp"] == 2 and "TP2 ETP1" in r["config"] for r in rows)
 
 
+def test_single_grouped_weights_at_expert_tp_2_are_refused_with_the_fix():
+    """Single grouped expert weights exist only through TE's op fuser, which megatron-core
+    0.19.2 runs at expert TP 1 only: ``plan --recipe`` of an MXFP8 recipe at ETP 2 is refused
+    naming both fixes; control: the same plan with discrete expert weights is made, at ETP 2."""
+    from nemo_lw_fp8.models import recipe_plan
+
+    at_etp2 = ["model.expert_tensor_parallel_size=2", "model.expert_model_parallel_size=32"]
+    setup = recipe_plan.recipe_setup("deepseek_v3_mxfp8", at_etp2)
+    with pytest.raises(recipe_plan.UsageError) as info:
+        recipe_plan.plan_recipe(setup)
+    message = str(info.value)
+    assert "model.expert_tensor_parallel_size=2" in message
+    assert "model.expert_tensor_parallel_size=1" in info.value.fix
+    assert "model.moe_single_grouped_weight=false" in info.value.fix
+    discrete = at_etp2 + ["model.moe_single_grouped_weight=false"]
+    result = recipe_plan.plan_recipe(recipe_plan.recipe_setup("deepseek_v3_mxfp8", discrete))
+    assert result["parallelism"]["etp"] == 2
+
+
 def test_shipped_tp_2_recipe_plans_at_its_tp():
     """``plan --recipe qwen3_235b_a22b_hopper`` plans Bridge's H100 shape as shipped: 256 GPUs
     at TP 2 x PP 8 leave dense DP 16; EP 32 x ETP 1 x PP 8 leave expert DP 1. Per rank it

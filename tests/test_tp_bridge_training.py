@@ -77,3 +77,18 @@ def test_tp2_resume_in_fresh_processes_is_bitwise(runs):
 def test_control_tp2_loaded_master_one_ulp_off_diverges(runs):
     on, nudged = _on(runs), _resumed(runs, mutation="nudge_loaded_master")
     assert nudged["ranks"] != on["ranks"]
+
+
+@pytest.mark.extended
+def test_tp2_expert_runs_gather_on_equals_off_through_bridge(runs):
+    """Single grouped weights owned as runs of experts (``grouped_weight_ownership=expert``: the
+    4-rank expert data-parallel group of TP 2 x DP 2 at ETP 1 splits each grouped weight's 8
+    experts over its owners) next to TP-2 attention: ON = OFF bitwise, both runs with expert
+    slices."""
+    expert_runs = "optimizer.grouped_weight_ownership=expert"
+    on = _run(runs, "tp2-expert-runs-on", expert_runs)
+    off = _run(runs, "tp2-expert-runs-off", expert_runs, *br.GATHER_OFF)
+    for run in (on, off):
+        assert run["grouped_weight_ownership"] == "expert"
+        assert run["expert_slices"] > 0, run["expert_slices"]
+    br.assert_gather_on_equals_off(on, off, 3)

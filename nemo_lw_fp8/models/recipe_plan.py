@@ -191,6 +191,16 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
             f"optimizer.grouped_weight_ownership={setup.ownership!r}",
             "one of " + ", ".join(GROUPED_WEIGHT_OWNERSHIP),
         )
+    if setup.single_grouped_weight and par.etp > 1:
+        # the guards' op-fuser-experts-expert-tensor-parallel, said where the plan is made
+        raise UsageError(
+            f"single grouped expert weights at model.expert_tensor_parallel_size={par.etp}: "
+            "megatron-core 0.19.2 builds them only through TE's op fuser, which it runs at "
+            "expert TP 1 only",
+            "model.expert_tensor_parallel_size=1, or model.moe_single_grouped_weight=false "
+            "(discrete expert weights; the run also needs "
+            "model.use_transformer_engine_op_fuser=false)",
+        )
     world = par.world_size
     # megatron's initialize_model_parallel: dense DP = world / (TP PP CP), expert DP =
     # world / (ETP EP PP); both must be whole.
