@@ -5,7 +5,8 @@ DP owners update and gather.
 
 The claim: FP8 param gather ON (persistent FP8 TP shards, gathered over DP) = OFF (bf16 TP
 shards TE quantizes at each forward), bitwise, for every loss and every rank's fp32 masters,
-with the compact layout, the owner reduce and overlapped gathers. MXFP8 (``MXFP8Tensor``, 1x32
+with the compact layout, the owner reduce, gradient clipping and overlapped gathers (extended:
+gathers not overlapped, MXFP8 and blockwise). MXFP8 (``MXFP8Tensor``, 1x32
 blocks; SP off and on, MoE at ETP 1) and blockwise FP8 (TE's ``Float8BlockScaling``,
 ``Float8BlockwiseQTensor`` weights of 128x128 tiles, the plugin's blockwise gather of FP8 codes
 + tile scales; SP off and on, MoE at ETP 1), with widths whose TP shards hold whole blocks.
@@ -114,11 +115,12 @@ PERSISTENT = {"mxfp8": "MXFP8Tensor", "blockwise": "Float8BlockwiseQTensor"}
 
 def tp_gather_run(
     fp8_param_gather: bool, sequence_parallel: bool, mutation: str | None, moe: bool = False,
-    recipe: str = "mxfp8", etp: int = 1,
+    recipe: str = "mxfp8", etp: int = 1, overlap: bool = True,
 ):  # fmt: skip
-    """Three steps of layer-wise Muon (compact layout, owner reduce, overlapped gathers; Q/K/V
-    parts owned apart for MXFP8, whole for blockwise) on the TP-2 GPT; losses, this rank's fp32
-    masters and how many persistent FP8 weights it held."""
+    """Three steps of layer-wise Muon (compact layout, owner reduce, gradient clipping at 1.0,
+    gathers overlapped with the forward or not; Q/K/V parts owned apart for MXFP8, whole for
+    blockwise) on the TP-2 GPT; losses, this rank's fp32 masters and how many persistent FP8
+    weights it held."""
     from megatron.core import parallel_state
 
     import nemo_lw_fp8
@@ -131,7 +133,7 @@ def tp_gather_run(
     scenario = Scenario(
         model="moe_gpt" if moe else "gpt", fp8=True, fp8_recipe=recipe,
         fp8_param_gather=fp8_param_gather, plugin=True, optimizer="muon",
-        distribution="layerwise_compact", overlap=True, seed=5, steps=STEPS,
+        distribution="layerwise_compact", overlap=overlap, clip_grad=1.0, seed=5, steps=STEPS,
     )  # fmt: skip
     nemo_lw_fp8.apply()
     with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(te_recipe(recipe)[1]):
@@ -146,12 +148,12 @@ def tp_gather_run(
         dp_rank = parallel_state.get_data_parallel_rank()
         losses = []
         for step in range(STEPS):
-            if step == 0:
+            if step == 0 and overlap:
                 from megatron.training.training import disable_forward_pre_hook
 
                 disable_forward_pre_hook(model, param_sync=False)
             losses.append(training.train_step(scenario, model, optimizer, step, dp_rank))
-            if step == 0:
+            if step == 0 and overlap:
                 from megatron.training.training import enable_forward_pre_hook
 
                 enable_forward_pre_hook(model)
@@ -182,13 +184,14 @@ EXTENDED = pytest.mark.extended
 
 
 @pytest.mark.parametrize(
-    ("sequence_parallel", "moe", "etp"),
-    [pytest.param(False, False, 1, id="tp2", marks=EXTENDED),
-     pytest.param(True, False, 1, id="tp2-sp", marks=EXTENDED),
-     pytest.param(True, True, 1, id="tp2-sp-moe"),
-     pytest.param(True, True, 2, id="tp2-sp-moe-etp2", marks=EXTENDED)],
+    ("sequence_parallel", "moe", "etp", "overlap"),
+    [pytest.param(False, False, 1, True, id="tp2", marks=EXTENDED),
+     pytest.param(True, False, 1, True, id="tp2-sp", marks=EXTENDED),
+     pytest.param(True, True, 1, True, id="tp2-sp-moe"),
+     pytest.param(True, True, 1, False, id="tp2-sp-moe-no-overlap", marks=EXTENDED),
+     pytest.param(True, True, 2, True, id="tp2-sp-moe-etp2", marks=EXTENDED)],
 )  # fmt: skip
-def test_mxfp8_param_gather_at_tp2_on_equals_off(sequence_parallel, moe, etp):
+def test_mxfp8_param_gather_at_tp2_on_equals_off(sequence_parallel, moe, etp, overlap):
     """ON = OFF bitwise at TP 2 x DP 2 (the ON run held persistent MXFP8 TP shards, the OFF run
     none); with ``moe`` the MoE layers' experts are whole on every rank (ETP 1, owned over the
     4-rank expert data-parallel group) or, at ``etp`` 2, ETP shards of discrete expert linears
@@ -197,7 +200,7 @@ def test_mxfp8_param_gather_at_tp2_on_equals_off(sequence_parallel, moe, etp):
 
     def run(on: bool, mutation: str | None = None) -> list[dict]:
         return run_on_ranks(tp_gather_run, on, sequence_parallel, mutation, moe, "mxfp8", etp,
-                            world_size=4, parallel=tp2(etp), boot=BOOT)  # fmt: skip
+                            overlap, world_size=4, parallel=tp2(etp), boot=BOOT)  # fmt: skip
 
     _assert_on_equals_off_and_control_diverges(run)
 
@@ -222,13 +225,14 @@ def _assert_on_equals_off_and_control_diverges(run, recipe: str = "mxfp8") -> No
 
 
 @pytest.mark.parametrize(
-    ("sequence_parallel", "moe", "etp"),
-    [pytest.param(False, False, 1, id="tp2", marks=EXTENDED),
-     pytest.param(True, False, 1, id="tp2-sp"),
-     pytest.param(True, True, 1, id="tp2-sp-moe", marks=EXTENDED),
-     pytest.param(True, True, 2, id="tp2-sp-moe-etp2")],
+    ("sequence_parallel", "moe", "etp", "overlap"),
+    [pytest.param(False, False, 1, True, id="tp2", marks=EXTENDED),
+     pytest.param(True, False, 1, True, id="tp2-sp"),
+     pytest.param(True, True, 1, True, id="tp2-sp-moe", marks=EXTENDED),
+     pytest.param(True, True, 2, True, id="tp2-sp-moe-etp2"),
+     pytest.param(True, True, 2, False, id="tp2-sp-moe-etp2-no-overlap", marks=EXTENDED)],
 )  # fmt: skip
-def test_blockwise_param_gather_at_tp2_on_equals_off(sequence_parallel, moe, etp):
+def test_blockwise_param_gather_at_tp2_on_equals_off(sequence_parallel, moe, etp, overlap):
     """Blockwise FP8 (TE's ``Float8BlockScaling``, persistent ``Float8BlockwiseQTensor`` TP
     shards of whole 128x128 tiles, the plugin's blockwise gather: owners ship FP8 codes + tile
     scales) at TP 2 x DP 2, sequence parallelism off and on: ON = OFF bitwise; with ``moe`` the
@@ -239,7 +243,8 @@ def test_blockwise_param_gather_at_tp2_on_equals_off(sequence_parallel, moe, etp
 
     def run(on: bool, mutation: str | None = None) -> list[dict]:
         return run_on_ranks(tp_gather_run, on, sequence_parallel, mutation, moe, "blockwise",
-                            etp, world_size=4, parallel=tp2(etp), boot=BOOT)  # fmt: skip
+                            etp, overlap, world_size=4, parallel=tp2(etp),
+                            boot=BOOT)  # fmt: skip
 
     _assert_on_equals_off_and_control_diverges(run, "blockwise")
 
