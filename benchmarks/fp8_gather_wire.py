@@ -24,13 +24,12 @@ Run: ``.venv/bin/python benchmarks/fp8_gather_wire.py`` (needs TE's Python packa
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.wire_bytes import fmt_bytes, model_totals  # noqa: E402
+from benchmarks.wire_bytes import cli, fmt_bytes, model_totals  # noqa: E402
 
 TARGET = 0.55
 MODELS = ("deepseek-v3", "qwen3-235b-a22b")
@@ -65,12 +64,7 @@ def run(models: tuple[str, ...]) -> tuple[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=MODELS, action="append", help="default: both")
-    args = parser.parse_args(argv)
-    table, ok = run(tuple(args.model or MODELS))
-    print(table)
-    return 0 if ok else 1
+    return cli(run, MODELS, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ Used by ``fp8_gather_wire.py`` and ``nvfp4_wire.py`` (run those).
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
@@ -187,3 +189,19 @@ def fmt_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:,.2f} {unit}"
     return f"{n:,.0f} B"
+
+
+def cli(
+    run: Callable[[tuple[str, ...]], tuple[str, bool]],
+    models: tuple[str, ...],
+    description: str,
+    argv: list[str] | None = None,
+) -> int:
+    """A benchmark's command line: ``--model`` (repeatable, default all of ``models``), the
+    table ``run`` makes printed; exit status 1 when its target is not met."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", choices=models, action="append", help="default: all")
+    args = parser.parse_args(argv)
+    table, ok = run(tuple(args.model or models))
+    print(table)
+    return 0 if ok else 1
