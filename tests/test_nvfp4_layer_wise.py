@@ -27,6 +27,7 @@ import torch
 from nemo_lw_fp8.emulation import te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges
+from tests.support.resumable import assert_same_run
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
     pytest.skip("TE's own modules need TE's Python package", allow_module_level=True)
@@ -75,12 +76,10 @@ def nvfp4_run(
     no overlap), an eval forward after the first step; a ``torch_dist`` load before and save
     after. Returns losses, eval losses, this rank's masters and momenta, and how many of TE's
     GEMMs ran and took NVFP4 operands."""
-    from megatron.core import parallel_state
 
     import nemo_lw_fp8
     from nemo_lw_fp8.cpu import te_device
-    from tests.support import dist_checkpoints, training
-    from tests.support.resume_controls import nudge_first_layer_wise_master
+    from tests.support import resumable, training
     from tests.support.scenarios import Scenario
 
     compact = layout == "compact"
@@ -115,19 +114,10 @@ def nvfp4_run(
         mp.setattr(tex, "generic_gemm", counting_gemm)
         module, config = build_nvfp4_gpt(fp4, seed=5 if load_dir is None else 17, moe=moe)
         model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
-        if load_dir is not None:
-            dist_checkpoints.load_torch_dist(model, optimizer, load_dir)
-            if nudge_loaded_master:
-                nudge_first_layer_wise_master(optimizer)
-        dp_rank = parallel_state.get_data_parallel_rank()
-        losses, eval_losses = [], []
-        for step in range(*steps):
-            losses.append(training.train_step(scenario, model, optimizer, step, dp_rank))
-            if step == 0:
-                eval_losses.append(training.evaluate(scenario, model, optimizer))
-        training.final_sync(model, optimizer)
-        if save_dir is not None:
-            dist_checkpoints.save_torch_dist(model, optimizer, save_dir, "dp_reshardable")
+        losses, eval_losses = resumable.train_steps(
+            scenario, model, optimizer, steps, load_dir=load_dir, save_dir=save_dir,
+            nudge_loaded_master=nudge_loaded_master,
+        )  # fmt: skip
         return {
             "losses": losses,
             "eval_losses": eval_losses,
@@ -135,27 +125,6 @@ def nvfp4_run(
             "gemms": len(gemms),
             "nvfp4_gemms": sum(kind.startswith("NVFP4") for kind in gemms),
         }
-
-
-def _merged_state(results: list[dict]) -> dict[str, torch.Tensor]:
-    """Every rank's masters and momenta in one dict (each is held by its owner only; the two
-    layouts pick different owners)."""
-    merged: dict[str, torch.Tensor] = {}
-    for result in results:
-        assert not merged.keys() & result["state"].keys(), "a master with two owners"
-        merged.update(result["state"])
-    return merged
-
-
-def assert_same_run(reference: list[dict], results: list[dict]) -> None:
-    """Losses and eval losses of every rank, every fp32 master and Muon momentum, bitwise."""
-    for rank, (ref, res) in enumerate(zip(reference, results, strict=True)):
-        assert ref["losses"] == res["losses"], f"rank {rank}: losses differ"
-        assert ref["eval_losses"] == res["eval_losses"], f"rank {rank}: eval losses differ"
-    ref_state, res_state = _merged_state(reference), _merged_state(results)
-    assert ref_state.keys() == res_state.keys(), "the runs hold different masters / momenta"
-    differ = [k for k, v in ref_state.items() if not torch.equal(v, res_state[k])]
-    assert not differ, f"masters / momenta differ in {differ}"
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

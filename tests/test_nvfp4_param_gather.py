@@ -26,6 +26,7 @@ import torch
 from nemo_lw_fp8.emulation import te_backend
 from tests.support.harness import BootOptions, RankFailure, run_on_ranks
 from tests.support.parity import assert_diverges
+from tests.support.resumable import assert_same_run
 from tests.te_test_support import needs_te, run_te_script
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
@@ -92,13 +93,11 @@ def fp4_run(
     eval losses, this rank's masters and momenta, TE's GEMM operand kinds, the NVFP4 weights'
     count and what each gather sent. ``ddp_gather``: DDP's ``fp4_param_gather`` when it differs
     from ``fp4_param``."""
-    from megatron.core import parallel_state
 
     import nemo_lw_fp8
     from nemo_lw_fp8.cpu import te_device
     from nemo_lw_fp8.mechanics import nvfp4_gather, owner_gather
-    from tests.support import dist_checkpoints, training
-    from tests.support.resume_controls import nudge_first_layer_wise_master
+    from tests.support import resumable, training
     from tests.support.scenarios import Scenario
 
     scenario = Scenario(
@@ -145,19 +144,10 @@ def fp4_run(
             mp.setattr(nvfp4_gather, attr, replacement)
         module, config = build_gpt(fp4_param, seed=5 if load_dir is None else 17, moe=moe)
         model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
-        if load_dir is not None:
-            dist_checkpoints.load_torch_dist(model, optimizer, load_dir)
-            if nudge_loaded_master:
-                nudge_first_layer_wise_master(optimizer)
-        dp_rank = parallel_state.get_data_parallel_rank()
-        losses, eval_losses = [], []
-        for step in range(*steps):
-            losses.append(training.train_step(scenario, model, optimizer, step, dp_rank))
-            if step == 0:
-                eval_losses.append(training.evaluate(scenario, model, optimizer))
-        training.final_sync(model, optimizer)
-        if save_dir is not None:
-            dist_checkpoints.save_torch_dist(model, optimizer, save_dir, "dp_reshardable")
+        losses, eval_losses = resumable.train_steps(
+            scenario, model, optimizer, steps, load_dir=load_dir, save_dir=save_dir,
+            nudge_loaded_master=nudge_loaded_master,
+        )  # fmt: skip
         return {
             "losses": losses,
             "eval_losses": eval_losses,
@@ -168,25 +158,6 @@ def fp4_run(
             "swizzled": sorted({p._with_gemm_swizzled_scales for p in fp4_weights(module)}),
             "sends": sends,
         }
-
-
-def _merged_state(results: list[dict]) -> dict[str, torch.Tensor]:
-    merged: dict[str, torch.Tensor] = {}
-    for result in results:
-        assert not merged.keys() & result["state"].keys(), "a master with two owners"
-        merged.update(result["state"])
-    return merged
-
-
-def assert_same_run(reference: list[dict], results: list[dict]) -> None:
-    """Losses and eval losses of every rank, every fp32 master and Muon momentum, bitwise."""
-    for rank, (ref, res) in enumerate(zip(reference, results, strict=True)):
-        assert ref["losses"] == res["losses"], f"rank {rank}: losses differ"
-        assert ref["eval_losses"] == res["eval_losses"], f"rank {rank}: eval losses differ"
-    ref_state, res_state = _merged_state(reference), _merged_state(results)
-    assert ref_state.keys() == res_state.keys(), "the runs hold different masters / momenta"
-    differ = [k for k, v in ref_state.items() if not torch.equal(v, res_state[k])]
-    assert not differ, f"masters / momenta differ in {differ}"
 
 
 @pytest.mark.parametrize(

@@ -242,7 +242,6 @@ def _build_moe_grouped(scenario: Scenario, **overrides: Any):
     SM 9.0), persistent ``Float8BlockwiseQTensor`` weights with ``fp8_param_gather``.
     ``overrides`` go to the ``TransformerConfig`` (e.g. wider experts, sequence parallelism at
     the pool's TP size)."""
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
     )
@@ -291,16 +290,7 @@ def _build_moe_grouped(scenario: Scenario, **overrides: Any):
         )
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True)
     with te_scope(scenario), init:
-        module = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=GPT_VOCAB,
-            max_sequence_length=GPT_SEQ,
-            pre_process=True,
-            post_process=True,
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="rope",
-        )
+        module = _tiny_gpt(config, spec)
     # Grouped and MXFP8 expert weights are final; cast only plain parameters.
     for param in module.parameters():
         if type(param.data) is torch.Tensor:
@@ -351,8 +341,6 @@ def build_gpt(config) -> torch.nn.Module:
     grouped path is ``tests/test_te_model_training.py``'s). Build and run it inside
     :func:`te_scope` on a pool booted with :data:`TE_BOOT`. With pipeline parallelism, this
     rank's stage."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
     )
@@ -360,6 +348,15 @@ def build_gpt(config) -> torch.nn.Module:
     spec = get_gpt_layer_with_transformer_engine_spec(
         num_experts=config.num_moe_experts, moe_grouped_gemm=False
     )
+    return _tiny_gpt(config, spec)
+
+
+def _tiny_gpt(config, spec, position_embedding_type: str = "rope") -> torch.nn.Module:
+    """megatron's ``GPTModel`` of ``config`` and layer ``spec`` at the tiny vocabulary and
+    sequence length, this rank's pipeline stage, untied output layer."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -368,7 +365,7 @@ def build_gpt(config) -> torch.nn.Module:
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
+        position_embedding_type=position_embedding_type,
     )
 
 
@@ -377,8 +374,6 @@ def build_mla_gpt():
     projections TE linears duplicated on every TP rank (``parallel_mode="duplicated"``), the up
     projections column-parallel with the q / kv norms fused, ``linear_proj`` row-parallel.
     Returns (module, config)."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
     )
@@ -399,17 +394,7 @@ def build_mla_gpt():
     spec = get_gpt_layer_with_transformer_engine_spec(
         multi_latent_attention=True, qk_layernorm=True
     )
-    module = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=GPT_VOCAB,
-        max_sequence_length=GPT_SEQ,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="none",
-    )
-    return module, config
+    return _tiny_gpt(config, spec, position_embedding_type="none"), config
 
 
 #: Models built from megatron's TE spec (TE's own modules over the emulated extension).
