@@ -37,7 +37,7 @@ from .. import config as plugin_config
 from .. import guards
 from .. import layout as layout_math
 from ..state import group_state, peek
-from . import bucket_owners, masters, nvfp4_gather, owner_gather
+from . import bucket_owners, masters, nvfp4_gather, owner_gather, te_classes
 
 BLOCK = 128
 
@@ -45,23 +45,10 @@ BLOCK = 128
 # --------------------------------------------------------------------------- what a param is
 
 
-def _blockwise_class() -> type | None:
-    try:
-        from transformer_engine.pytorch.tensor.float8_blockwise_tensor import (
-            Float8BlockwiseQTensor,
-        )
-    except ImportError:
-        return None
-    return Float8BlockwiseQTensor
-
-
 def is_blockwise(param: torch.Tensor) -> bool:
     """Whether ``param`` is a TE ``Float8BlockwiseQTensor`` (any block dimension)."""
-    cls = _blockwise_class()
-    if cls is None:
-        return False
-    data = param.data if isinstance(param, torch.nn.Parameter) else param
-    return isinstance(param, cls) or isinstance(data, cls)
+    module = "transformer_engine.pytorch.tensor.float8_blockwise_tensor"
+    return te_classes.holds(param, te_classes.te_class(module, "Float8BlockwiseQTensor"))
 
 
 def is_owner_quantized(param: torch.Tensor) -> bool:

@@ -31,30 +31,18 @@ from typing import Any
 
 import torch
 
+from . import te_classes
+
 #: NVFP4 block length, and the 2D tile edge of weights.
 TILE = 16
 
 
-def _nvfp4_class() -> type | None:
-    try:
-        from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Tensor
-    except ImportError:
-        return None
-    return NVFP4Tensor
-
-
 def is_nvfp4(param: torch.Tensor) -> bool:
-    """Whether ``param`` is a TE ``NVFP4Tensor`` (a persistent FP4 weight)."""
-    cls = _nvfp4_class()
-    if cls is None:
-        return False
-    data = param.data if isinstance(param, torch.nn.Parameter) else param
-    return isinstance(param, cls) or isinstance(data, cls)
-
-
-def _storage(param: torch.Tensor) -> Any:
-    """The ``NVFP4Tensor`` behind a parameter (its buffers are attributes of the tensor)."""
-    return param
+    """Whether ``param`` is a TE ``NVFP4Tensor`` (a persistent FP4 weight; its buffers are
+    attributes of the tensor)."""
+    return te_classes.holds(
+        param, te_classes.te_class("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4Tensor")
+    )
 
 
 def dims(param: torch.Tensor) -> tuple[int, int]:
@@ -65,7 +53,7 @@ def dims(param: torch.Tensor) -> tuple[int, int]:
 
 def uses_2d_blocks(param: torch.Tensor) -> bool:
     """Whether the weight's quantizer casts 16x16 tiles (the columnwise copy is then derivable)."""
-    quantizer = getattr(_storage(param), "_quantizer", None)
+    quantizer = getattr(param, "_quantizer", None)
     return bool(quantizer is not None and quantizer.with_2d_quantization)
 
 
@@ -103,7 +91,7 @@ def _unswizzle(swizzled: torch.Tensor) -> torch.Tensor:
 def tile_scales(param: torch.Tensor) -> torch.Tensor:
     """The ``(M/16, K/16)`` E4M3 tile scales of a 2D-quantized weight, read from its rowwise
     scale buffer (the first row of each tile; un-swizzled first when stored swizzled)."""
-    tensor = _storage(param)
+    tensor = param
     rows, cols = dims(param)
     stored = tensor._rowwise_scale_inv.view(torch.uint8)
     compact = _unswizzle(stored) if tensor._with_gemm_swizzled_scales else stored
@@ -134,7 +122,7 @@ def pack_param(param: torch.nn.Parameter, master: torch.Tensor | None, out: torc
     ``out`` (uint8, :func:`param_wire_bytes` long): codes, tile scales, amax."""
     if master is not None:
         quantize_owned(param, master)
-    tensor = _storage(param)
+    tensor = param
     rows, cols = dims(param)
     codes = tensor._rowwise_data.reshape(-1).view(torch.uint8)
     n_codes = rows * cols // 2
@@ -151,7 +139,7 @@ def pack_param(param: torch.nn.Parameter, master: torch.Tensor | None, out: torc
 def write_amax(param: torch.nn.Parameter, amax: torch.Tensor) -> None:
     """The owner's per-tensor amax into both usages (the GEMM's alpha reads the one of its
     usage; with 16x16 blocks the two are the same value)."""
-    tensor = _storage(param)
+    tensor = param
     tensor._amax_rowwise.view(-1).copy_(amax)
     if tensor._amax_columnwise is not None:
         tensor._amax_columnwise.view(-1).copy_(amax)
@@ -159,7 +147,7 @@ def write_amax(param: torch.nn.Parameter, amax: torch.Tensor) -> None:
 
 def unpack_param(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
     """Receiver: the owner's codes, tile scales and amax into the weight's rowwise copy."""
-    tensor = _storage(param)
+    tensor = param
     rows, cols = dims(param)
     n_codes = rows * cols // 2
     n_tiles = (rows // TILE) * (cols // TILE)
@@ -176,7 +164,7 @@ def derive_columnwise(param: torch.nn.Parameter) -> None:
     rowwise ones), amax copied."""
     import transformer_engine_torch as tex
 
-    tensor = _storage(param)
+    tensor = param
     if tensor._columnwise_data is None:
         return  # the weight keeps no columnwise copy: TE creates it from the rowwise one
     rows, cols = dims(param)
