@@ -460,3 +460,118 @@ def test_op_discrete_bf16_weights_nvfp4_equal_module_grouped_linear():
     _run_and_controls(runs, controls)
     assert torch.equal(runs["no_rht"]["te"]["out"], runs["None"]["ref"]["out"])  # fprop: rowwise
     assert not torch.equal(runs["shared_amax"]["te"]["out"], runs["None"]["ref"]["out"])
+
+
+# ---- megatron's TEGroupedMLP through TE's op fuser (compute only) -------------------------------
+
+
+def _megatron_experts_once(single: bool, fp4_param: bool, mutation: str | None) -> dict:
+    """``tests/test_nvfp4_layer_wise.py``'s 2-layer TE-spec MoE GPT (4 experts, top-2) with
+    megatron's ``TEGroupedMLP`` through TE's op fuser (``ops.GroupedLinear`` + ``ScaledSwiGLU``;
+    megatron pads each expert's tokens to 256), NVFP4 compute (megatron's recipe, SR off, RHT
+    on): one forward and backward from the same seed. ``single``: one grouped weight per expert
+    linear (``moe_single_grouped_weight``); ``fp4_param``: FP4 primary weights. Returns the loss
+    and every parameter's gradient under the discrete names, the grouped kernels TE called, or
+    TE's error."""
+    import dataclasses
+    import functools
+    import traceback
+
+    import tests.test_nvfp4_layer_wise as base
+    from nemo_lw_fp8.cpu import te_device
+    from tests.support import scenarios
+    from tests.test_nvfp4_grouped import _build_gpt_grouped_experts
+
+    seen: list[str] = []
+    with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(te_device.BLACKWELL):
+        from megatron.core import fp4_utils
+
+        recipe = fp4_utils.get_fp4_recipe
+        mp.setattr(
+            fp4_utils,
+            "get_fp4_recipe",
+            lambda config: dataclasses.replace(recipe(config), disable_stochastic_rounding=True),
+        )
+        mp.setenv("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")  # megatron's op-fuser GLU switch
+        mp.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1" if single else "0")
+        moe = dict(
+            base.MOE, moe_grouped_gemm=True, use_transformer_engine_op_fuser=True,
+            moe_single_grouped_weight=single, fp4_param=fp4_param,
+        )  # fmt: skip
+        mp.setattr(base, "MOE", moe)
+        mp.setattr(
+            scenarios, "build_gpt", functools.partial(_build_gpt_grouped_experts, grouped=True)
+        )
+        module, config = base.build_nvfp4_gpt(True, 5, True)
+        kinds = sorted({type(p).__name__ for n, p in module.named_parameters() if "experts" in n})
+        _mutate(mp, mutation)
+        _record(mp, seen)
+        gen = torch.Generator().manual_seed(7)
+        tokens = torch.randint(0, scenarios.GPT_VOCAB, (2, 64), generator=gen)
+        positions = torch.arange(64).unsqueeze(0).expand(2, -1)
+        try:
+            with fp4_utils.get_fp4_context(config):
+                loss = module(tokens, positions, None).float().square().mean()
+            loss.backward()
+        except RuntimeError:
+            return {"error": traceback.format_exc(limit=1).strip().splitlines()[-1]}
+    grads = {}
+    for name, param in module.named_parameters():
+        grad = param.grad
+        if type(param).__name__ == "GroupedTensor":
+            rows, cols = (int(d) for d in param.logical_shape)
+            experts = int(param.num_tensors)
+            for i, part in enumerate(grad.reshape(experts, rows // experts, cols)):
+                grads[f"{name}{i}"] = part.clone()
+        else:
+            grads[name] = grad.clone()
+    return {
+        "losses": [float(loss)], "grads": grads, "weight_types": kinds,
+        "kernels": sorted(set(seen)),
+    }  # fmt: skip
+
+
+def megatron_experts_runs() -> dict[str, dict]:
+    """:func:`_megatron_experts_once` in each variant (one rank)."""
+    variants = {
+        "bf16_single": (True, False, None),
+        "bf16_discrete": (False, False, None),
+        "fp4_discrete": (False, True, None),
+        "fp4_single": (True, True, None),
+        "fp4_single_member_order": (True, True, "member_order"),
+    }
+    return {label: _megatron_experts_once(*args) for label, args in variants.items()}
+
+
+def _same_step(reference: list[dict], results: list[dict]) -> None:
+    """Bitwise: the loss and every parameter's gradient (discrete names)."""
+    a, b = reference[0], results[0]
+    assert a["losses"] == b["losses"], (a["losses"], b["losses"])
+    assert a["grads"].keys() == b["grads"].keys()
+    differ = [k for k in a["grads"] if not torch.equal(a["grads"][k], b["grads"][k])]
+    assert not differ, f"gradients differ: {differ}"
+
+
+@pytest.mark.extended
+def test_megatron_op_fuser_experts_single_grouped_nvfp4():
+    """megatron's ``TEGroupedMLP`` through TE's op fuser under NVFP4 (RHT on, SR off), compute
+    only: bf16 single grouped weights stop at TE 2.20.2's own error (``group_quantize`` has no
+    kernel for the weight quantizer); FP4 primary single grouped weights (``GroupedTensor``s)
+    run the grouped-tensor path and equal FP4 primary discrete weights, bitwise in the loss and
+    every parameter's gradient, and both equal the step on bf16 discrete weights (each weight
+    cast once from the same values: the same bytes). Control: the grouped weights paired with
+    the next expert's tokens diverge."""
+    runs = run_on_ranks(megatron_experts_runs, world_size=1, boot=BOOT)[0]
+    assert runs["bf16_single"] == {
+        "error": "RuntimeError: 2D scaling grouped quant kernel is not ready yet"
+    }
+    single, discrete = runs["fp4_single"], runs["fp4_discrete"]
+    assert single["weight_types"] == ["GroupedTensor"], single["weight_types"]
+    assert discrete["weight_types"] == ["NVFP4Tensor"], discrete["weight_types"]
+    assert runs["bf16_discrete"]["weight_types"] == ["Parameter"]
+    assert "te_general_grouped_gemm_for_grouped_tensor" in single["kernels"]
+    assert "te_general_grouped_gemm_for_discrete_in" in discrete["kernels"]
+    assert "group_quantize" in single["kernels"] and "split_quantize" not in single["kernels"]
+    _same_step([discrete], [single])
+    _same_step([runs["bf16_discrete"]], [discrete])
+    assert_diverges([discrete], [runs["fp4_single_member_order"]], compare=_same_step)
