@@ -575,3 +575,52 @@ def test_megatron_op_fuser_experts_single_grouped_nvfp4():
     _same_step([discrete], [single])
     _same_step([runs["bf16_discrete"]], [discrete])
     assert_diverges([discrete], [runs["fp4_single_member_order"]], compare=_same_step)
+
+
+def op_fuser_moe_run(layout: str, mutation: str | None = None) -> dict:
+    """``tests/test_nvfp4_layer_wise.py``'s MoE run (NVFP4 compute, SR off, layer-wise Muon in
+    ``layout``, three steps and an eval) with megatron's ``TEGroupedMLP`` through TE's op fuser
+    and discrete bf16 expert weights: the grouped-tensor path (``group_quantize``, discrete-in /
+    discrete-out GEMMs). ``mutation``: :func:`_mutate`'s (a control). Also names the grouped
+    kernels TE called."""
+    import functools
+
+    import tests.test_nvfp4_layer_wise as base
+    from tests.support import scenarios
+    from tests.test_nvfp4_grouped import _build_gpt_grouped_experts
+
+    seen: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")  # megatron's op-fuser GLU switch
+        moe = dict(base.MOE, moe_grouped_gemm=True, use_transformer_engine_op_fuser=True)
+        mp.setattr(base, "MOE", moe)
+        mp.setattr(
+            scenarios, "build_gpt", functools.partial(_build_gpt_grouped_experts, grouped=True)
+        )
+        _mutate(mp, mutation)
+        _record(mp, seen)
+        result = base.nvfp4_run(layout, True, moe=True)
+    return {**result, "kernels": sorted(set(seen))}
+
+
+@pytest.mark.extended
+def test_op_fuser_experts_nvfp4_layer_wise_compact_equals_stock():
+    """megatron's ``TEGroupedMLP`` through TE's op fuser with discrete bf16 expert weights under
+    NVFP4 compute (RHT on, SR off) trains under layer-wise Muon on two data-parallel ranks
+    through TE's grouped-tensor path: the plugin's compact layout equals megatron's layer-wise
+    layout, bitwise in losses, the eval loss, every master and Muon momentum. Control: the same
+    run with ``group_quantize`` casting the members with one shared amax diverges."""
+    from tests.test_nvfp4_layer_wise import assert_same_run
+
+    compact = run_on_ranks(op_fuser_moe_run, "compact", world_size=2, boot=BOOT)
+    stock = run_on_ranks(op_fuser_moe_run, "stock", world_size=2, boot=BOOT)
+    for r in compact + stock:
+        assert r["kernels"] == [
+            "group_quantize", "te_general_grouped_gemm_for_discrete_in",
+            "te_general_grouped_gemm_for_discrete_out",
+        ], r["kernels"]  # fmt: skip
+        assert r["nvfp4_gemms"] == r["gemms"] > 0
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+    assert_same_run(stock, compact)
+    shared = run_on_ranks(op_fuser_moe_run, "compact", "shared_amax", world_size=2, boot=BOOT)
+    assert_diverges(compact, shared, assert_same_run)
