@@ -102,19 +102,30 @@ def _grouped_te_switch(s: Settings) -> str | None:
 
 
 def _grouped_nvfp4_layer_wise(s: Settings) -> str | None:
-    if s.moe_single_grouped_weight and s.layer_wise and s.fp4_recipe:
-        return (
-            f"--moe-single-grouped-weight with layer-wise Muon and --fp4-recipe {s.fp4_recipe} is "
-            "not verified: the plugin's per-expert Muon is tested bitwise on CPU for bf16 and "
-            "MXFP8 only, and the CPU emulation of Transformer Engine runs NVFP4 GroupedLinear "
-            "only on its discrete-weight path (split_quantize and one GEMM per expert; not the "
-            "grouped-tensor path single grouped weights need; docs/nvfp4.md), so "
-            "the NVFP4 grouped path (packed rowwise bytes in "
-            "DDP's param buffer) has never run under layer-wise Muon. Fix: use --fp8-recipe "
-            "mxfp8 or bf16 for the experts, or --moe-single-grouped-weight off (discrete expert "
-            "weights)."
+    """Single grouped weights under an FP4 recipe with layer-wise Muon (docs/nvfp4.md, "Single
+    grouped weights (the grouped-tensor path)"): bf16 ones cannot run in TE 2.20.2 at all, FP4
+    primary ones run TE's grouped-tensor path on CPU but have no layer-wise gather."""
+    if not (s.moe_single_grouped_weight and s.layer_wise and s.fp4_recipe):
+        return None
+    if s.fp4_param or s.fp4_param_gather:
+        why = (
+            "NVFP4 primary single grouped weights run TE's grouped-tensor path on CPU "
+            "(tests/test_nvfp4_single_grouped.py), but the layer-wise owner gather of a grouped "
+            "NVFP4 weight (one GroupedTensor: packed codes, per-expert tile scales and amaxes) "
+            "is not built"
         )
-    return None
+    else:
+        why = (
+            "TE 2.20.2 cannot run bf16 single grouped weights under NVFP4: its op-fuser "
+            "GroupedLinear casts them with group_quantize at every forward, and group_quantize "
+            "has no NVFP4 kernel for the weight quantizer (16x16 blocks, no RHT; TE raises '2D "
+            "scaling grouped quant kernel is not ready yet')"
+        )
+    return (
+        f"--moe-single-grouped-weight with layer-wise Muon and --fp4-recipe {s.fp4_recipe}: "
+        f"{why} (docs/nvfp4.md). Fix: use --fp8-recipe mxfp8 or bf16 for the experts, or "
+        "--moe-single-grouped-weight off (discrete expert weights)."
+    )
 
 
 def _fp4_primary_unproven(s: Settings) -> tuple[str, str] | None:
@@ -187,7 +198,8 @@ GROUPED_WEIGHT_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "grouped-weight-nvfp4-layer-wise",
-        "NVFP4 grouped weights under layer-wise Muon are unverified",
+        "single grouped weights under an FP4 recipe with layer-wise Muon (TE cannot run bf16 "
+        "ones; FP4 primary ones have no layer-wise gather)",
         _grouped_nvfp4_layer_wise,
     ),
     Rule(

@@ -125,6 +125,23 @@ def test_fp4_primary_weights_refused_outside_what_is_verified(changes, flag):
     assert flag in str(info.value) and "Fix:" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "fp4_primary, reason",
+    [(False, "group_quantize has no NVFP4 kernel"), (True, "owner gather of a grouped NVFP4")],
+    ids=["bf16-weights", "fp4-primary-weights"],
+)
+def test_single_grouped_nvfp4_refusal_names_its_reason(fp4_primary, reason):
+    """``grouped-weight-nvfp4-layer-wise`` says why (docs/nvfp4.md): TE 2.20.2 cannot cast bf16
+    single grouped weights under NVFP4; FP4 primary ones run TE's path but have no layer-wise
+    gather."""
+    base = FP4_PRIMARY_OK if fp4_primary else dict(GOOD_MXFP8.__dict__, fp8_recipe=None)
+    changes = dict(GROUPED_OK, fp4_recipe="nvfp4", fp8_param_gather=False)
+    with pytest.raises(ConfigError) as info:
+        guards.check(Settings(**{**base, **changes}))
+    assert info.value.rule == "grouped-weight-nvfp4-layer-wise"
+    assert reason in str(info.value) and "Fix:" in str(info.value)
+
+
 def test_supported_combinations_pass():
     guards.check(GOOD_MXFP8)
     guards.check(Settings(**{**GOOD_MXFP8.__dict__, "layer_wise_layout": "compact"}))

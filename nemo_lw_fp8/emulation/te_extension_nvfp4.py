@@ -53,6 +53,9 @@ EMULATED = (
     "split, the grouped RHT path and its group-wide scale layout, TE-exact as the casts above",
     "te_general_grouped_gemm on NVFP4 operands: one generic_gemm per expert, each with its own "
     "operands' alpha",
+    "group_quantize with an RHT NVFP4Quantizer (the op-fuser GroupedLinear's grouped-tensor "
+    "path: input and gradient) and the grouped-tensor GEMMs on NVFP4 members, FP4 primary single "
+    "grouped weights included",
 )
 #: What is refused by name (:func:`check_supported`, the GEMM and the output-quantizing kernels).
 REFUSED = (
@@ -60,7 +63,8 @@ REFUSED = (
     "RHT with 16x16 blocks, non-finite input, a set noop flag or a changed rht_matrix",
     "row-scaled NVFP4, 4over6, amax reduction across ranks, fast-math casts",
     "NVFP4 outputs of SwiGLU and of GEMMs; grouped split_quantize of non-finite input; "
-    "GroupedLinear's grouped-tensor path (single grouped weights)",
+    "group_quantize of members not a multiple of 128 rows; bf16 single grouped weights "
+    "(TE 2.20.2's group_quantize has no kernel for the 16x16 / no-RHT weight quantizer)",
 )
 
 

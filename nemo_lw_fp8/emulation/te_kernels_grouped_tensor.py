@@ -10,15 +10,20 @@ have no other path. That path calls:
 * ``splits_to_offsets_multi`` (exact): per output ``i``, the inclusive prefix sum of the split
   sizes times ``strides[i]``, with a leading zero when asked, in ``dtypes[i]``; returns the split
   sizes as int64 and the outputs (``nvte_splits_to_offsets_multi``).
-* ``group_quantize`` / ``bgrad_group_quantize`` (exact; MXFP8 only): each member (a split of the
+* ``group_quantize`` / ``bgrad_group_quantize`` (exact; MXFP8, and NVFP4 for
+  ``group_quantize`` in :mod:`.te_kernels_grouped_tensor_nvfp4`): each member (a split of the
   rows) quantized by the project's exact MXFP8 quantizer into a ``GroupedTensor`` built by TE's
   own ``make_grouped_tensor``; ``bgrad_group_quantize`` also returns each member's bias gradient,
   the fp32 column sum of its rows cast to the input's dtype (the fused kernel's fp32 reduction).
+  TE's ``bgrad_group_quantize`` takes no NVFP4 quantizer (its error is raised).
 * ``te_general_grouped_gemm_for_grouped_tensor`` and its ``_for_discrete_in`` (list of weights)
   and ``_for_discrete_out`` (list of weight gradients) variants: per member, exactly the
   computation of :func:`.te_kernels_gemm.generic_gemm` (the documented fp32 stand-in) with the
   member's ``alpha`` / ``beta`` (one per member from SM 10.0, one shared before), the member's
-  bias; a member without rows zeroes its output unless accumulating.
+  bias; a member without rows zeroes its output unless accumulating. Grouped NVFP4 operands
+  are read member by member with their own amaxes (the grouped GEMM's per-group alpha,
+  ``alpha[i] * amax_A[i] * amax_B[i] / (6 * 6 * 448 * 448)``, the single GEMM's); a bias beside
+  NVFP4 operands is refused by name (TE adds it after the GEMM's cast, in its own kernel).
 
 Scale layout: TE's grouped MXFP8 kernel places member ``i``'s scales at ``tensor_offset_i / 32``
 (``cast/mxfp8/group_quantize_mxfp8.cuh``) while TE's Python (``split_into_quantized_tensors``,
@@ -27,7 +32,7 @@ agree exactly when every member's rows and columns are multiples of 128, which m
 op-fuser experts always satisfy (``get_align_size_for_quantization``: 256 tokens per expert).
 Other shapes are refused by name rather than laid out one way or the other.
 
-Refused by name: recipes other than MXFP8 on this path (per-tensor current scaling, NVFP4,
+Refused by name: recipes other than MXFP8 and NVFP4 on this path (per-tensor current scaling,
 blockwise, whose Hopper grouped path needs cuBLASLt >= 13.6), ``bias_scale`` (the scaled-bias
 MoE variant), varying last dimensions, ``group_requantize_inplace`` (pre-quantized token
 dispatch; absent).
@@ -41,6 +46,7 @@ from typing import Any
 import torch
 
 from . import mxfp8_format as _mxf
+from . import te_kernels_grouped_tensor_nvfp4 as _nvfp4
 from .te_extension_common import BACKEND, te_dtype
 from .te_kernels_gemm import generic_gemm
 
@@ -142,14 +148,20 @@ def group_quantize(
 
     if tensor.dim() != 2:
         raise ValueError("Tensor must be 2D")
-    if not _is_mxfp8_quantizer(quantizer):
-        raise _refuse("group_quantize", f"a {type(quantizer).__name__} (only MXFP8)")
+    nvfp4 = _nvfp4.is_nvfp4(quantizer)
+    if not (nvfp4 or _is_mxfp8_quantizer(quantizer)):
+        raise _refuse("group_quantize", f"a {type(quantizer).__name__} (only MXFP8 and NVFP4)")
     if last_dims is not None:
         raise _refuse("group_quantize", "varying last dimensions")
     if output is not None:
         raise _refuse("group_quantize", "an output to reuse (CUDA-graph weight caching)")
     rows, cols = (int(d) for d in tensor.shape)
     counts = _member_rows(num_tensors, rows, first_dims)
+    if nvfp4:
+        _check_offsets(tensor_offsets, counts, cols)
+        return _nvfp4.group_quantize_nvfp4(
+            tensor, quantizer, counts, first_dims, tensor_offsets, noop_flag
+        )
     if rows and cols:
         _check_alignment("group_quantize", counts, cols)
     grouped = GroupedTensorStorage.make_grouped_tensor(
@@ -163,10 +175,7 @@ def group_quantize(
         dtype=tensor.dtype,
     )
     if tensor_offsets is not None:
-        expected = [0, *torch.cumsum(torch.tensor(counts), 0).mul(cols).tolist()]
-        given = [int(v) for v in tensor_offsets.tolist()]
-        if given[: len(expected)] != expected:
-            raise ValueError(f"tensor_offsets {given} do not match the splits {counts}")
+        _check_offsets(tensor_offsets, counts, cols)
         grouped.tensor_offsets = tensor_offsets
     if rows == 0 or cols == 0 or (noop_flag is not None and bool(noop_flag.item() == 1.0)):
         return grouped
@@ -177,6 +186,16 @@ def group_quantize(
             quantize_mxfp8(src[start : start + count].contiguous(), quantizer, member)
         start += count
     return grouped
+
+
+def _check_offsets(tensor_offsets: torch.Tensor | None, counts: Sequence[int], cols: int) -> None:
+    """The caller's ``tensor_offsets`` must be the members' element offsets."""
+    if tensor_offsets is None:
+        return
+    expected = [0, *torch.cumsum(torch.tensor(counts), 0).mul(cols).tolist()]
+    given = [int(v) for v in tensor_offsets.tolist()]
+    if given[: len(expected)] != expected:
+        raise ValueError(f"tensor_offsets {given} do not match the splits {counts}")
 
 
 def bgrad_group_quantize(
@@ -192,6 +211,11 @@ def bgrad_group_quantize(
     sum of the member's rows, cast to the input's dtype; zero for an empty member)."""
     if last_dims is not None:
         raise _refuse("bgrad_group_quantize", "varying last dimensions")
+    if _nvfp4.is_nvfp4(quantizer):
+        # TE's C++ takes MXFP8 and FP8 block scaling only (its Python never asks for NVFP4)
+        raise RuntimeError(
+            "bgrad_group_quantize: only MXFP8 and FP8 block-scaling quantizers are supported."
+        )
     grouped = group_quantize(tensor, quantizer, num_tensors, first_dims, None, tensor_offsets)
     rows, cols = (int(d) for d in tensor.shape)
     counts = _member_rows(num_tensors, rows, first_dims)
@@ -228,10 +252,12 @@ def _members(grouped: Any) -> list[Any]:
         if data is None:
             data = grouped.columnwise_data
         return [data[offsets[i] : offsets[i + 1]].view(s) for i, s in enumerate(shapes)]
+    if _nvfp4.is_nvfp4(quantizer):
+        return _nvfp4.nvfp4_members(grouped, shapes)
     if not _is_mxfp8_quantizer(quantizer):
         raise _refuse(
             "te_general_grouped_gemm_for_grouped_tensor",
-            f"a grouped {type(quantizer).__name__} operand (only MXFP8 and unquantized)",
+            f"a grouped {type(quantizer).__name__} operand (only MXFP8, NVFP4 and unquantized)",
         )
     from transformer_engine.pytorch.tensor.storage.mxfp8_tensor_storage import (
         MXFP8TensorStorage,
@@ -297,6 +323,8 @@ def _grouped_gemm(
     count = len(d_members)
     if not len(a_members) == len(b_members) == count:
         raise ValueError(f"{kernel}: {len(a_members)} A, {len(b_members)} B and {count} D members")
+    if bias is not None and any(_is_nvfp4_operand(t) for t in (*a_members, *b_members)):
+        raise _nvfp4.refuse_bias(kernel)
     biases = None if bias is None else _members(bias)
     alphas = [float(v) for v in alpha.reshape(-1).tolist()]
     betas = [float(v) for v in beta.reshape(-1).tolist()]
@@ -307,9 +335,7 @@ def _grouped_gemm(
         accumulate = b_i != 0.0
         if d.numel() == 0:
             continue
-        empty = 0 in (a.shape if isinstance(a, torch.Tensor) else tuple(a.size()))
-        empty = empty or 0 in (b.shape if isinstance(b, torch.Tensor) else tuple(b.size()))
-        if empty:
+        if _is_empty(a) or _is_empty(b):
             if not accumulate:
                 with torch.no_grad():
                     d.zero_()
@@ -319,6 +345,21 @@ def _grouped_gemm(
             a, transa, b, transb, d, None, te_dtype(d.dtype), member_bias, None, False, None, False,
             None, 0, accumulate, False, None, None, None, False, a_i, b_i if accumulate else None,
         )  # fmt: skip
+
+
+def _is_empty(operand: Any) -> bool:
+    """Whether a GEMM operand has no elements (read from its buffers: TE warns when asked the
+    shape of an NVFP4 tensor that holds only its columnwise copy)."""
+    if isinstance(operand, torch.Tensor) and not hasattr(operand, "_quantizer"):
+        return operand.numel() == 0
+    if _is_nvfp4_operand(operand):
+        data = [getattr(operand, n) for n in ("_rowwise_data", "_columnwise_data")]
+        return any(d is not None and d.numel() == 0 for d in data)
+    return 0 in tuple(operand.size())
+
+
+def _is_nvfp4_operand(tensor: Any) -> bool:
+    return type(tensor).__name__.startswith("NVFP4")
 
 
 def te_general_grouped_gemm_for_grouped_tensor(
