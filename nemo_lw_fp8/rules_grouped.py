@@ -103,17 +103,22 @@ def _grouped_te_switch(s: Settings) -> str | None:
 
 def _grouped_nvfp4_layer_wise(s: Settings) -> str | None:
     """Single grouped weights under an FP4 recipe with layer-wise Muon (docs/nvfp4.md, "Single
-    grouped weights (the grouped-tensor path)"): bf16 ones cannot run in TE 2.20.2 at all, FP4
-    primary ones run TE's grouped-tensor path on CPU but have no layer-wise gather."""
+    grouped weights (the grouped-tensor path)" and "FP4 primary single grouped weights under
+    layer-wise Muon"): bf16 ones cannot run in TE 2.20.2 at all; FP4 primary ones owned whole
+    train with the owner's FP4 gather (tests/test_fp4_grouped_param_gather.py); owned in runs of
+    experts they have no gather (an expert run would ship part of a GroupedTensor's members)."""
     if not (s.moe_single_grouped_weight and s.layer_wise and s.fp4_recipe):
         return None
     if s.fp4_param or s.fp4_param_gather:
+        if s.grouped_weight_ownership == "whole":
+            return None  # verified; the FP4 primary rule checks the rest
         why = (
-            "NVFP4 primary single grouped weights run TE's grouped-tensor path on CPU "
-            "(tests/test_nvfp4_single_grouped.py), but the layer-wise owner gather of a grouped "
-            "NVFP4 weight (one GroupedTensor: packed codes, per-expert tile scales and amaxes) "
-            "is not built"
+            f"NVFP4 primary single grouped weights are gathered by their owner whole only; "
+            f"grouped_weight_ownership={s.grouped_weight_ownership!r} would own runs of experts, "
+            "whose FP4 gather (per-member codes, tile scales and amaxes of part of one "
+            "GroupedTensor) is not built"
         )
+        fix = "set grouped_weight_ownership='whole' (LayerWiseConfig)"
     else:
         why = (
             "TE 2.20.2 cannot run bf16 single grouped weights under NVFP4: its op-fuser "
@@ -121,9 +126,10 @@ def _grouped_nvfp4_layer_wise(s: Settings) -> str | None:
             "has no NVFP4 kernel for the weight quantizer (16x16 blocks, no RHT; TE raises '2D "
             "scaling grouped quant kernel is not ready yet')"
         )
+        fix = "use FP4 primary weights (--fp4-param-gather)"
     return (
         f"--moe-single-grouped-weight with layer-wise Muon and --fp4-recipe {s.fp4_recipe}: "
-        f"{why} (docs/nvfp4.md). Fix: use --fp8-recipe mxfp8 or bf16 for the experts, or "
+        f"{why} (docs/nvfp4.md). Fix: {fix}, --fp8-recipe mxfp8 or bf16 for the experts, or "
         "--moe-single-grouped-weight off (discrete expert weights)."
     )
 
@@ -199,7 +205,7 @@ GROUPED_WEIGHT_RULES: tuple[Rule, ...] = (
     Rule(
         "grouped-weight-nvfp4-layer-wise",
         "single grouped weights under an FP4 recipe with layer-wise Muon (TE cannot run bf16 "
-        "ones; FP4 primary ones have no layer-wise gather)",
+        "ones; FP4 primary ones are gathered whole only)",
         _grouped_nvfp4_layer_wise,
     ),
     Rule(

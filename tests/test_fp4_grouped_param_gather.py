@@ -138,6 +138,7 @@ def grouped_fp4_run(
     save_dir: str | None = None,
     load_dir: str | None = None,
     nudge_loaded_master: bool = False,
+    layout: str = "compact",
 ) -> dict[str, Any]:
     """Layer-wise Muon (compact layout, overlapped gathers, owner reduce) on the op-fuser MoE GPT
     with FP4 primary expert weights, single grouped (``single``) or discrete: steps
@@ -158,7 +159,7 @@ def grouped_fp4_run(
 
     scenario = Scenario(
         model="gpt", optimizer="muon", plugin=True, seed=5, micro_batch=4,
-        distribution="layerwise_compact", overlap=True, fp4_param_gather=True,
+        distribution=f"layerwise_{layout}", overlap=layout == "compact", fp4_param_gather=True,
     )  # fmt: skip
     nemo_lw_fp8.apply()
     seen: list[str] = []
@@ -247,15 +248,17 @@ def _same_buffers(a: dict, b: dict) -> None:
     assert not differ, f"grouped buffers differ between ranks: {differ}"
 
 
-def test_fp4_single_grouped_equals_discrete_under_layer_wise_muon():
+@pytest.mark.parametrize("layout", ["compact", pytest.param("padded", marks=pytest.mark.extended)])
+def test_fp4_single_grouped_equals_discrete_under_layer_wise_muon(layout):
     """FP4 primary single grouped weights (one ``GroupedTensor`` per expert linear, the owner's
-    grouped FP4 gather) train like FP4 primary discrete weights through the same op fuser,
+    grouped FP4 gather; the compact layout with overlapped gathers, megatron's padded layout
+    without in the extended tier) train like FP4 primary discrete weights through the same op fuser,
     bitwise in losses, the eval loss, every fp32 master and Muon momentum; the single grouped run
     took TE's grouped-tensor GEMM and shipped uint8 payloads only; after the last gather both
     ranks hold the same grouped bytes, and they are TE's single-tensor cast of each expert's
     ``bf16(master)`` (both usages: the receivers' derived columnwise copies included)."""
-    discrete = run_on_ranks(grouped_fp4_run, False, world_size=2, boot=BOOT)
-    single = run_on_ranks(grouped_fp4_run, True, world_size=2, boot=BOOT)
+    discrete = run_on_ranks(grouped_fp4_run, False, layout=layout, world_size=2, boot=BOOT)
+    single = run_on_ranks(grouped_fp4_run, True, layout=layout, world_size=2, boot=BOOT)
     for r in single:
         assert r["weight_types"] == ["GroupedTensor"], r["weight_types"]
         assert "te_general_grouped_gemm_for_grouped_tensor" in r["kernels"], r["kernels"]

@@ -126,20 +126,38 @@ def test_fp4_primary_weights_refused_outside_what_is_verified(changes, flag):
 
 
 @pytest.mark.parametrize(
-    "fp4_primary, reason",
-    [(False, "group_quantize has no NVFP4 kernel"), (True, "owner gather of a grouped NVFP4")],
-    ids=["bf16-weights", "fp4-primary-weights"],
+    "fp4_primary, ownership, reason",
+    [
+        (False, "whole", "group_quantize has no NVFP4 kernel"),
+        (True, "expert", "gathered by their owner whole only"),
+        (True, "auto", "gathered by their owner whole only"),
+    ],
+    ids=["bf16-weights", "fp4-primary-expert-runs", "fp4-primary-auto"],
 )
-def test_single_grouped_nvfp4_refusal_names_its_reason(fp4_primary, reason):
+def test_single_grouped_nvfp4_refusal_names_its_reason(fp4_primary, ownership, reason):
     """``grouped-weight-nvfp4-layer-wise`` says why (docs/nvfp4.md): TE 2.20.2 cannot cast bf16
-    single grouped weights under NVFP4; FP4 primary ones run TE's path but have no layer-wise
-    gather."""
+    single grouped weights under NVFP4; FP4 primary ones are gathered by an owner of the whole
+    weight only (expert runs, or ``auto`` which may pick them, have no FP4 gather)."""
     base = FP4_PRIMARY_OK if fp4_primary else dict(GOOD_MXFP8.__dict__, fp8_recipe=None)
-    changes = dict(GROUPED_OK, fp4_recipe="nvfp4", fp8_param_gather=False)
+    changes = dict(
+        GROUPED_OK, fp4_recipe="nvfp4", fp8_param_gather=False, layer_wise_layout="compact",
+        grouped_weight_ownership=ownership,
+    )  # fmt: skip
     with pytest.raises(ConfigError) as info:
         guards.check(Settings(**{**base, **changes}))
     assert info.value.rule == "grouped-weight-nvfp4-layer-wise"
     assert reason in str(info.value) and "Fix:" in str(info.value)
+
+
+def test_fp4_primary_single_grouped_weights_owned_whole_pass():
+    """The lifted part of ``grouped-weight-nvfp4-layer-wise``: FP4 primary single grouped
+    weights owned whole on the compact layout (tests/test_fp4_grouped_param_gather.py)."""
+    guards.check(
+        Settings(
+            **FP4_PRIMARY_OK, **GROUPED_OK, num_moe_experts=4, layer_wise_layout="compact",
+            grouped_weight_ownership="whole",
+        )
+    )  # fmt: skip
 
 
 def test_supported_combinations_pass():
