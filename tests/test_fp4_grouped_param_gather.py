@@ -207,6 +207,10 @@ def grouped_fp4_run(
             MUTATIONS[mutation](mp)
         module, config = base.build_gpt(True, seed=5 if load_dir is None else 17, moe=True)
         kinds = sorted({type(p).__name__ for n, p in module.named_parameters() if "experts" in n})
+        preserved = [
+            n for n, p in module.named_parameters()
+            if "experts" in n and getattr(p, "get_high_precision_init_val", None) is not None
+        ]  # fmt: skip
         model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
         losses, eval_losses = resumable.train_steps(
             scenario, model, optimizer, steps, load_dir=load_dir, save_dir=save_dir,
@@ -223,6 +227,7 @@ def grouped_fp4_run(
         "eval_losses": eval_losses,
         "state": discrete_names(state),
         "weight_types": kinds,
+        "preserved_init": preserved,
         "kernels": sorted(set(seen)),
         "sends": sends,
     }
@@ -265,8 +270,11 @@ def test_fp4_single_grouped_equals_discrete_under_layer_wise_muon(layout):
         assert "te_general_grouped_gemm_for_discrete_in" not in r["kernels"], r["kernels"]
         assert r["sends"] and {s["dtype"] for s in r["sends"]} == {"torch.uint8"}
         assert not r["owner_cast_differs"], r["owner_cast_differs"]
+        # the masters start from TE's preserved bf16 init values, as the discrete run's
+        assert len(r["preserved_init"]) == 4, r["preserved_init"]
     for r in discrete:
         assert r["weight_types"] == ["NVFP4Tensor"], r["weight_types"]
+        assert len(r["preserved_init"]) == 16, r["preserved_init"]
         assert r["sends"] and {s["dtype"] for s in r["sends"]} == {"torch.uint8"}
     # 2 layers x 2 expert linears x 4 experts, each checked on its owner
     assert sum(r["owner_cast_checked"] for r in single) == 16
