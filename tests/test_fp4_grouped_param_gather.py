@@ -100,12 +100,15 @@ def grouped_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def owner_cast_differs(optimizer: Any, module: torch.nn.Module) -> tuple[int, list[str]]:
+def owner_cast_differs(
+    optimizer: Any, module: torch.nn.Module
+) -> tuple[int, list[str], list[tuple[int, int]]]:
     """On the owner of each grouped NVFP4 weight: each member's stored buffers (after the last
     gather, columnwise copy derived) against TE's single-tensor cast, both usages, of
     ``bf16(master)`` of that expert with a fresh copy of the member's quantizer. Returns how
-    many members were checked and which buffers differ."""
-    from nemo_lw_fp8.mechanics import masters, nvfp4_gather
+    many members were checked, which buffers differ, and the expert runs (``[lo, hi)``) this
+    rank owns of grouped weights owned in runs."""
+    from nemo_lw_fp8.mechanics import expert_slices, masters, nvfp4_gather
 
     def children(opt: Any) -> list[Any]:
         nested = getattr(opt, "chained_optimizers", None) or []
@@ -113,12 +116,15 @@ def owner_cast_differs(optimizer: Any, module: torch.nn.Module) -> tuple[int, li
         return own + [c for child in nested for c in children(child)]
 
     names = {id(p): n for n, p in module.named_parameters()}
-    checked, differ = 0, []
+    checked, differ, runs = 0, [], []
     for child in children(optimizer):
         for param, master in masters.model_main_pairs(child):
             members = nvfp4_gather.grouped_members(param)
             if members is None:
                 continue
+            if expert_slices.is_slice(param):
+                runs.append((param.lo, param.hi))
+                param = param.parent
             for i, member in enumerate(members):
                 quantizer = member._quantizer.copy()
                 quantizer.set_usage(rowwise=True, columnwise=True)
@@ -128,7 +134,7 @@ def owner_cast_differs(optimizer: Any, module: torch.nn.Module) -> tuple[int, li
                     a, b = getattr(member, buffer), getattr(fresh, buffer)
                     if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
                         differ.append(f"{names[id(param)]}[{i}].{buffer}")
-    return checked, differ
+    return checked, differ, sorted(runs)
 
 
 def grouped_fp4_run(
@@ -139,6 +145,7 @@ def grouped_fp4_run(
     load_dir: str | None = None,
     nudge_loaded_master: bool = False,
     layout: str = "compact",
+    ownership: str = "whole",
 ) -> dict[str, Any]:
     """Layer-wise Muon (compact layout, overlapped gathers, owner reduce) on the op-fuser MoE GPT
     with FP4 primary expert weights, single grouped (``single``) or discrete: steps
@@ -160,6 +167,7 @@ def grouped_fp4_run(
     scenario = Scenario(
         model="gpt", optimizer="muon", plugin=True, seed=5, micro_batch=4,
         distribution=f"layerwise_{layout}", overlap=layout == "compact", fp4_param_gather=True,
+        grouped_weight_ownership=ownership,
     )  # fmt: skip
     nemo_lw_fp8.apply()
     seen: list[str] = []
@@ -218,11 +226,12 @@ def grouped_fp4_run(
         )  # fmt: skip
         state = training.state_by_part(optimizer, model[0].module)
         buffers = grouped_buffers(module)
-        checked, differ = owner_cast_differs(optimizer, module)
+        checked, differ, runs = owner_cast_differs(optimizer, module)
     return {
         "buffers": buffers,
         "owner_cast_checked": checked,
         "owner_cast_differs": differ,
+        "expert_runs": runs,
         "losses": losses,
         "eval_losses": eval_losses,
         "state": discrete_names(state),
@@ -253,17 +262,32 @@ def _same_buffers(a: dict, b: dict) -> None:
     assert not differ, f"grouped buffers differ between ranks: {differ}"
 
 
-@pytest.mark.parametrize("layout", ["compact", pytest.param("padded", marks=pytest.mark.extended)])
-def test_fp4_single_grouped_equals_discrete_under_layer_wise_muon(layout):
+@pytest.mark.parametrize(
+    "layout, ownership",
+    [("compact", "whole"), pytest.param("padded", "whole", marks=pytest.mark.extended),
+     pytest.param("compact", "expert", marks=pytest.mark.extended)],
+    ids=["compact-whole", "padded-whole", "compact-expert-runs"],
+)  # fmt: skip
+def test_fp4_single_grouped_equals_discrete_under_layer_wise_muon(layout, ownership):
     """FP4 primary single grouped weights (one ``GroupedTensor`` per expert linear, the owner's
-    grouped FP4 gather; the compact layout with overlapped gathers, megatron's padded layout
-    without in the extended tier) train like FP4 primary discrete weights through the same op fuser,
-    bitwise in losses, the eval loss, every fp32 master and Muon momentum; the single grouped run
-    took TE's grouped-tensor GEMM and shipped uint8 payloads only; after the last gather both
-    ranks hold the same grouped bytes, and they are TE's single-tensor cast of each expert's
-    ``bf16(master)`` (both usages: the receivers' derived columnwise copies included)."""
+    grouped FP4 gather; the compact layout with overlapped gathers, owned whole; in the extended
+    tier megatron's padded layout without overlap, and the compact layout with the grouped
+    weights owned in runs of experts by both ranks) train like FP4 primary discrete weights
+    through the same op fuser, bitwise in losses, the eval loss, every fp32 master and Muon
+    momentum; the single grouped run took TE's grouped-tensor GEMM and shipped uint8 payloads
+    only; after the last gather both ranks hold the same grouped bytes, and they are TE's
+    single-tensor cast of each expert's ``bf16(master)`` (both usages: the receivers' derived
+    columnwise copies included)."""
     discrete = run_on_ranks(grouped_fp4_run, False, layout=layout, world_size=2, boot=BOOT)
-    single = run_on_ranks(grouped_fp4_run, True, layout=layout, world_size=2, boot=BOOT)
+    single = run_on_ranks(
+        grouped_fp4_run, True, layout=layout, ownership=ownership, world_size=2, boot=BOOT
+    )
+    runs = [run for r in single for run in r["expert_runs"]]
+    if ownership == "whole":
+        assert not runs, runs
+    else:  # every expert of the 4 grouped weights owned as a run, runs on both ranks
+        assert all(r["expert_runs"] for r in single), runs
+        assert sum(hi - lo for lo, hi in runs) == 16, runs
     for r in single:
         assert r["weight_types"] == ["GroupedTensor"], r["weight_types"]
         assert "te_general_grouped_gemm_for_grouped_tensor" in r["kernels"], r["kernels"]
@@ -284,15 +308,21 @@ def test_fp4_single_grouped_equals_discrete_under_layer_wise_muon(layout):
 
 
 @pytest.mark.parametrize(
-    "mutation",
-    ["stale_amax", pytest.param("stale_columnwise", marks=pytest.mark.extended)],
-)
-def test_fp4_grouped_gather_controls_diverge(mutation):
+    "mutation, ownership",
+    [("stale_amax", "whole"),
+     pytest.param("stale_columnwise", "whole", marks=pytest.mark.extended),
+     pytest.param("stale_amax", "expert", marks=pytest.mark.extended)],
+    ids=["stale_amax", "stale_columnwise", "stale_amax-expert-runs"],
+)  # fmt: skip
+def test_fp4_grouped_gather_controls_diverge(mutation, ownership):
     """Controls: receivers of the grouped weights that keep every member's previous amaxes, or
-    their previous columnwise copies, after the gather (the other weights gathered as usual)
-    train differently from the discrete FP4 primary run, which the unmutated run equals."""
+    their previous columnwise copies, after the gather (the other weights gathered as usual;
+    grouped weights owned whole, or in runs of experts) train differently from the discrete FP4
+    primary run, which the unmutated run equals."""
     discrete = run_on_ranks(grouped_fp4_run, False, world_size=2, boot=BOOT)
-    mutated = run_on_ranks(grouped_fp4_run, True, mutation, world_size=2, boot=BOOT)
+    mutated = run_on_ranks(
+        grouped_fp4_run, True, mutation, ownership=ownership, world_size=2, boot=BOOT
+    )
     assert_diverges(discrete, mutated, assert_same_run)
 
 

@@ -125,39 +125,31 @@ def test_fp4_primary_weights_refused_outside_what_is_verified(changes, flag):
     assert flag in str(info.value) and "Fix:" in str(info.value)
 
 
-@pytest.mark.parametrize(
-    "fp4_primary, ownership, reason",
-    [
-        (False, "whole", "group_quantize has no NVFP4 kernel"),
-        (True, "expert", "gathered by their owner whole only"),
-        (True, "auto", "gathered by their owner whole only"),
-    ],
-    ids=["bf16-weights", "fp4-primary-expert-runs", "fp4-primary-auto"],
-)
-def test_single_grouped_nvfp4_refusal_names_its_reason(fp4_primary, ownership, reason):
+def test_single_grouped_nvfp4_refusal_names_its_reason():
     """``grouped-weight-nvfp4-layer-wise`` says why (docs/nvfp4.md): TE 2.20.2 cannot cast bf16
-    single grouped weights under NVFP4; FP4 primary ones are gathered by an owner of the whole
-    weight only (expert runs, or ``auto`` which may pick them, have no FP4 gather)."""
-    base = FP4_PRIMARY_OK if fp4_primary else dict(GOOD_MXFP8.__dict__, fp8_recipe=None)
-    changes = dict(
-        GROUPED_OK, fp4_recipe="nvfp4", fp8_param_gather=False, layer_wise_layout="compact",
-        grouped_weight_ownership=ownership,
-    )  # fmt: skip
+    single grouped weights under NVFP4, and names the FP4 primary weights that train instead."""
+    base = dict(GOOD_MXFP8.__dict__, fp8_recipe=None)
+    changes = dict(GROUPED_OK, fp4_recipe="nvfp4", fp8_param_gather=False)
     with pytest.raises(ConfigError) as info:
         guards.check(Settings(**{**base, **changes}))
     assert info.value.rule == "grouped-weight-nvfp4-layer-wise"
-    assert reason in str(info.value) and "Fix:" in str(info.value)
+    message = str(info.value)
+    assert "group_quantize has no NVFP4 kernel" in message and "--fp4-param-gather" in message
+    assert "Fix:" in message
 
 
-def test_fp4_primary_single_grouped_weights_owned_whole_pass():
+@pytest.mark.parametrize("ownership", ["whole", "expert", "auto"])
+def test_fp4_primary_single_grouped_weights_pass(ownership):
     """The lifted part of ``grouped-weight-nvfp4-layer-wise``: FP4 primary single grouped
-    weights owned whole on the compact layout (tests/test_fp4_grouped_param_gather.py)."""
+    weights on the compact layout, owned whole or in runs of experts
+    (tests/test_fp4_grouped_param_gather.py); the padded layout owns them whole."""
     guards.check(
         Settings(
             **FP4_PRIMARY_OK, **GROUPED_OK, num_moe_experts=4, layer_wise_layout="compact",
-            grouped_weight_ownership="whole",
+            grouped_weight_ownership=ownership,
         )
     )  # fmt: skip
+    guards.check(Settings(**FP4_PRIMARY_OK, **GROUPED_OK, num_moe_experts=4))
 
 
 def test_supported_combinations_pass():

@@ -38,7 +38,7 @@ from .. import config as plugin_config
 from .. import guards
 from .. import layout as layout_math
 from ..state import group_state, peek
-from . import bucket_owners, masters, nvfp4_gather, owner_gather, te_classes
+from . import bucket_owners, expert_slices, masters, nvfp4_gather, owner_gather, te_classes
 
 BLOCK = 128
 
@@ -109,6 +109,15 @@ def _owner_map(params_lists: list[list[Any]] | None) -> dict[Any, int] | None:
     return {param: rank for rank, params in enumerate(params_lists) for param in params}
 
 
+def _runs_of(owners: dict[Any, int] | None, param: torch.nn.Parameter) -> list[tuple[Any, int]]:
+    """The expert runs (:class:`~.expert_slices.ExpertSlice`) of ``param`` with their owners,
+    in expert order (empty when ``param`` is owned whole)."""
+    if owners is None:
+        return []
+    runs = [(p, r) for p, r in owners.items() if expert_slices.is_slice(p) and p.parent is param]
+    return sorted(runs, key=lambda run: run[0].lo)
+
+
 def attach_groups(optimizer: Any) -> int:
     """Give every layer-wise bucket group that holds blockwise weights its gather state.
 
@@ -138,6 +147,13 @@ def attach_groups(optimizer: Any) -> int:
                 segments: list[list[torch.nn.Parameter]] = [[] for _ in range(size)]
                 for param in params:
                     rank = 0 if owners is None else owners.get(param)
+                    runs = _runs_of(owners, param) if rank is None else []
+                    if runs and nvfp4_gather.is_grouped_nvfp4(param):
+                        # FP4 primary grouped weight owned in runs of experts: each run's
+                        # owner ships its members
+                        for run, owner in runs:
+                            segments[owner].append(run)
+                        continue
                     if rank is None:
                         raise RuntimeError(
                             f"layer-wise param of shape {tuple(param.shape)} has no owner"
@@ -235,7 +251,7 @@ def derive_columnwise(params: list[torch.nn.Parameter]) -> None:
     from megatron.core.fp8_utils import post_all_gather_processing
 
     for param in params:
-        if nvfp4_gather.is_fp4_weight(param):
+        if expert_slices.is_slice(param) or nvfp4_gather.is_fp4_weight(param):
             nvfp4_gather.derive_columnwise(param)
     blockwise = [p for p in params if is_blockwise(p)]
     if blockwise:

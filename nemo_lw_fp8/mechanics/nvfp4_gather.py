@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import te_classes
+from . import expert_slices, te_classes
 
 #: NVFP4 block length, and the 2D tile edge of weights.
 TILE = 16
@@ -56,7 +56,12 @@ def is_nvfp4(param: torch.Tensor) -> bool:
 
 def grouped_members(param: torch.Tensor) -> list[Any] | None:
     """The ``NVFP4Tensor`` members of an FP4 primary single grouped weight (views into its
-    grouped buffers, TE's cached ``quantized_tensors``), or ``None`` for any other parameter."""
+    grouped buffers, TE's cached ``quantized_tensors``), those of experts ``[lo, hi)`` for an
+    expert run of one (:class:`~.expert_slices.ExpertSlice`), or ``None`` for any other
+    parameter."""
+    if expert_slices.is_slice(param):
+        members = grouped_members(param.parent)
+        return None if members is None else members[param.lo : param.hi]
     if not hasattr(param, "quantized_tensors") or not hasattr(param, "num_tensors"):
         return None
     members = param.quantized_tensors
@@ -153,6 +158,13 @@ def quantize_owned(param: torch.nn.Parameter, master: torch.Tensor) -> None:
     weight's (single-tensor) quantizer, ``update_quantized`` into the member's views."""
     from megatron.core.fp8_utils import copy_tensor_to_quantized_param
 
+    if expert_slices.is_slice(param):
+        # an expert run: megatron's per-member cast, on the run's members only
+        quantizer = param.parent.quantizer
+        values = master.detach().to(param.parent.dtype).view(param.shape)
+        for value, member in zip(values.unbind(0), grouped_members(param) or [], strict=True):
+            quantizer.update_quantized(value, member)
+        return
     copy_tensor_to_quantized_param(param, master.detach().to(param.dtype).view(param.shape))
 
 
