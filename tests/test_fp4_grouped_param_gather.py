@@ -327,13 +327,14 @@ def test_fp4_grouped_gather_controls_diverge(mutation, ownership):
 
 
 @pytest.mark.extended
-def test_fp4_single_grouped_resumes_bitwise(tmp_path):
-    """FP4 primary single grouped weights, compact layout with overlap: save (``torch_dist``)
-    after two steps, load into a build from another seed, two more steps: the losses, masters
-    and momenta of four uninterrupted steps, and the same grouped bytes on every rank, bitwise.
-    Control: one loaded master one ulp off diverges."""
+@pytest.mark.parametrize("ownership", ["whole", "expert"], ids=["whole", "expert-runs"])
+def test_fp4_single_grouped_resumes_bitwise(tmp_path, ownership):
+    """FP4 primary single grouped weights (owned whole, or in runs of experts), compact layout
+    with overlap: save (``torch_dist``) after two steps, load into a build from another seed,
+    two more steps: the losses, masters and momenta of four uninterrupted steps, and the same
+    grouped bytes on every rank, bitwise. Control: one loaded master one ulp off diverges."""
     saved = str(tmp_path)
-    args = dict(world_size=2, boot=BOOT)
+    args = dict(ownership=ownership, world_size=2, boot=BOOT)
     whole = run_on_ranks(grouped_fp4_run, True, steps=(0, 4), **args)
     first = run_on_ranks(grouped_fp4_run, True, steps=(0, 2), save_dir=saved, **args)
     resumed = run_on_ranks(grouped_fp4_run, True, steps=(2, 4), load_dir=saved, **args)
