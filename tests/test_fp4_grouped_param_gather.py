@@ -6,11 +6,13 @@ The model is ``tests/test_nvfp4_param_gather.py``'s 2-layer TE-spec MoE GPT (4 e
 NVFP4 compute from megatron's recipe with stochastic rounding off, the RHT on) with megatron's
 ``TEGroupedMLP`` through TE's op fuser and FP4 primary weights (``fp4_param`` + DDP's
 ``fp4_param_gather``), trained under layer-wise Muon on two data-parallel ranks (the plugin's
-compact layout, owner reduce, overlapped gathers; B200 answers).
+compact layout, owner reduce, overlapped gathers; megatron's padded layout in the extended tier;
+B200 answers).
 
 * ``single``: one ``GroupedTensor`` of ``NVFP4Tensor`` members per expert linear
-  (``moe_single_grouped_weight``); its owner quantizes each member from its expert's fp32 master
-  and ships per-member codes, 16x16 tile scales and amaxes (``mechanics/nvfp4_gather.py``).
+  (``moe_single_grouped_weight``); its owner (of the whole weight, or of a run of its experts)
+  quantizes each member from its expert's fp32 master and ships per-member codes, 16x16 tile
+  scales and amaxes (``mechanics/nvfp4_gather.py``).
 * ``discrete``: the same experts as discrete FP4 primary weights through the same op fuser, each
   gathered by the existing per-weight FP4 gather.
 
