@@ -251,7 +251,7 @@ def derive_columnwise(params: list[torch.nn.Parameter]) -> None:
     from megatron.core.fp8_utils import post_all_gather_processing
 
     for param in params:
-        if expert_slices.is_slice(param) or nvfp4_gather.is_fp4_weight(param):
+        if nvfp4_gather.is_fp4_weight(param):  # grouped weights and their expert runs too
             nvfp4_gather.derive_columnwise(param)
     blockwise = [p for p in params if is_blockwise(p)]
     if blockwise:
