@@ -103,27 +103,21 @@ def _grouped_te_switch(s: Settings) -> str | None:
 
 def _grouped_nvfp4_layer_wise(s: Settings) -> str | None:
     """Single grouped weights under an FP4 recipe with layer-wise Muon (docs/nvfp4.md, "Single
-    grouped weights (the grouped-tensor path)"): bf16 ones cannot run in TE 2.20.2 at all, FP4
-    primary ones run TE's grouped-tensor path on CPU but have no layer-wise gather."""
+    grouped weights (the grouped-tensor path)" and "FP4 primary single grouped weights under
+    layer-wise Muon"): bf16 ones cannot run in TE 2.20.2 at all; FP4 primary ones, owned whole or
+    in runs of experts, train with the owner's FP4 gather (tests/test_fp4_grouped_param_gather.py;
+    the rest of their checks are ``fp4-primary-weights-layer-wise``'s)."""
     if not (s.moe_single_grouped_weight and s.layer_wise and s.fp4_recipe):
         return None
     if s.fp4_param or s.fp4_param_gather:
-        why = (
-            "NVFP4 primary single grouped weights run TE's grouped-tensor path on CPU "
-            "(tests/test_nvfp4_single_grouped.py), but the layer-wise owner gather of a grouped "
-            "NVFP4 weight (one GroupedTensor: packed codes, per-expert tile scales and amaxes) "
-            "is not built"
-        )
-    else:
-        why = (
-            "TE 2.20.2 cannot run bf16 single grouped weights under NVFP4: its op-fuser "
-            "GroupedLinear casts them with group_quantize at every forward, and group_quantize "
-            "has no NVFP4 kernel for the weight quantizer (16x16 blocks, no RHT; TE raises '2D "
-            "scaling grouped quant kernel is not ready yet')"
-        )
+        return None
     return (
         f"--moe-single-grouped-weight with layer-wise Muon and --fp4-recipe {s.fp4_recipe}: "
-        f"{why} (docs/nvfp4.md). Fix: use --fp8-recipe mxfp8 or bf16 for the experts, or "
+        "TE 2.20.2 cannot run bf16 single grouped weights under NVFP4: its op-fuser "
+        "GroupedLinear casts them with group_quantize at every forward, and group_quantize "
+        "has no NVFP4 kernel for the weight quantizer (16x16 blocks, no RHT; TE raises '2D "
+        "scaling grouped quant kernel is not ready yet') (docs/nvfp4.md). Fix: use FP4 primary "
+        "weights (--fp4-param-gather), --fp8-recipe mxfp8 or bf16 for the experts, or "
         "--moe-single-grouped-weight off (discrete expert weights)."
     )
 
@@ -199,7 +193,7 @@ GROUPED_WEIGHT_RULES: tuple[Rule, ...] = (
     Rule(
         "grouped-weight-nvfp4-layer-wise",
         "single grouped weights under an FP4 recipe with layer-wise Muon (TE cannot run bf16 "
-        "ones; FP4 primary ones have no layer-wise gather)",
+        "ones; FP4 primary ones train)",
         _grouped_nvfp4_layer_wise,
     ),
     Rule(

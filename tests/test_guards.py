@@ -125,21 +125,31 @@ def test_fp4_primary_weights_refused_outside_what_is_verified(changes, flag):
     assert flag in str(info.value) and "Fix:" in str(info.value)
 
 
-@pytest.mark.parametrize(
-    "fp4_primary, reason",
-    [(False, "group_quantize has no NVFP4 kernel"), (True, "owner gather of a grouped NVFP4")],
-    ids=["bf16-weights", "fp4-primary-weights"],
-)
-def test_single_grouped_nvfp4_refusal_names_its_reason(fp4_primary, reason):
+def test_single_grouped_nvfp4_refusal_names_its_reason():
     """``grouped-weight-nvfp4-layer-wise`` says why (docs/nvfp4.md): TE 2.20.2 cannot cast bf16
-    single grouped weights under NVFP4; FP4 primary ones run TE's path but have no layer-wise
-    gather."""
-    base = FP4_PRIMARY_OK if fp4_primary else dict(GOOD_MXFP8.__dict__, fp8_recipe=None)
+    single grouped weights under NVFP4, and names the FP4 primary weights that train instead."""
+    base = dict(GOOD_MXFP8.__dict__, fp8_recipe=None)
     changes = dict(GROUPED_OK, fp4_recipe="nvfp4", fp8_param_gather=False)
     with pytest.raises(ConfigError) as info:
         guards.check(Settings(**{**base, **changes}))
     assert info.value.rule == "grouped-weight-nvfp4-layer-wise"
-    assert reason in str(info.value) and "Fix:" in str(info.value)
+    message = str(info.value)
+    assert "group_quantize has no NVFP4 kernel" in message and "--fp4-param-gather" in message
+    assert "Fix:" in message
+
+
+@pytest.mark.parametrize("ownership", ["whole", "expert", "auto"])
+def test_fp4_primary_single_grouped_weights_pass(ownership):
+    """The lifted part of ``grouped-weight-nvfp4-layer-wise``: FP4 primary single grouped
+    weights on the compact layout, owned whole or in runs of experts
+    (tests/test_fp4_grouped_param_gather.py); the padded layout owns them whole."""
+    guards.check(
+        Settings(
+            **FP4_PRIMARY_OK, **GROUPED_OK, num_moe_experts=4, layer_wise_layout="compact",
+            grouped_weight_ownership=ownership,
+        )
+    )  # fmt: skip
+    guards.check(Settings(**FP4_PRIMARY_OK, **GROUPED_OK, num_moe_experts=4))
 
 
 def test_supported_combinations_pass():

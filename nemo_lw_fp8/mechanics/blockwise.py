@@ -23,7 +23,8 @@ weights present, layer-wise and DistOpt buckets never share a bucket group
 
 NVFP4 primary weights (``fp4_param`` + ``fp4_param_gather``) take the same collective: their
 per-weight wire bytes, packing, unpacking and columnwise derivation are
-:mod:`.nvfp4_gather`'s (FP4 codes + 16x16 tile scales + the amax).
+:mod:`.nvfp4_gather`'s (FP4 codes + 16x16 tile scales + the amax), for single grouped FP4
+weights member by member.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from .. import config as plugin_config
 from .. import guards
 from .. import layout as layout_math
 from ..state import group_state, peek
-from . import bucket_owners, masters, nvfp4_gather, owner_gather, te_classes
+from . import bucket_owners, expert_slices, masters, nvfp4_gather, owner_gather, te_classes
 
 BLOCK = 128
 
@@ -54,7 +55,7 @@ def is_blockwise(param: torch.Tensor) -> bool:
 def is_owner_quantized(param: torch.Tensor) -> bool:
     """Whether the owner quantizes ``param`` and ships its quantized bytes (blockwise FP8 or
     NVFP4 primary weights)."""
-    return is_blockwise(param) or nvfp4_gather.is_nvfp4(param)
+    return is_blockwise(param) or nvfp4_gather.is_fp4_weight(param)
 
 
 def _tiles(param: torch.Tensor) -> tuple[int, int]:
@@ -69,7 +70,7 @@ def param_wire_bytes(param: torch.Tensor) -> int:
     if is_blockwise(param):
         m_tiles, k_tiles = _tiles(param)
         return param.numel() + 4 * m_tiles * k_tiles
-    if nvfp4_gather.is_nvfp4(param):
+    if nvfp4_gather.is_fp4_weight(param):
         return nvfp4_gather.param_wire_bytes(param)
     return param.numel() * param.element_size()
 
@@ -108,6 +109,15 @@ def _owner_map(params_lists: list[list[Any]] | None) -> dict[Any, int] | None:
     return {param: rank for rank, params in enumerate(params_lists) for param in params}
 
 
+def _runs_of(owners: dict[Any, int] | None, param: torch.nn.Parameter) -> list[tuple[Any, int]]:
+    """The expert runs (:class:`~.expert_slices.ExpertSlice`) of ``param`` with their owners,
+    in expert order (empty when ``param`` is owned whole)."""
+    if owners is None:
+        return []
+    runs = [(p, r) for p, r in owners.items() if expert_slices.is_slice(p) and p.parent is param]
+    return sorted(runs, key=lambda run: run[0].lo)
+
+
 def attach_groups(optimizer: Any) -> int:
     """Give every layer-wise bucket group that holds blockwise weights its gather state.
 
@@ -137,6 +147,13 @@ def attach_groups(optimizer: Any) -> int:
                 segments: list[list[torch.nn.Parameter]] = [[] for _ in range(size)]
                 for param in params:
                     rank = 0 if owners is None else owners.get(param)
+                    runs = _runs_of(owners, param) if rank is None else []
+                    if runs and nvfp4_gather.is_grouped_nvfp4(param):
+                        # FP4 primary grouped weight owned in runs of experts: each run's
+                        # owner ships its members
+                        for run, owner in runs:
+                            segments[owner].append(run)
+                        continue
                     if rank is None:
                         raise RuntimeError(
                             f"layer-wise param of shape {tuple(param.shape)} has no owner"
@@ -177,7 +194,7 @@ def pack_owned(state: BlockwiseGroup, rank: int, out: torch.Tensor) -> None:
     offset = 0
     for param in state.segments[rank]:
         master = _master(param)
-        if nvfp4_gather.is_nvfp4(param):
+        if nvfp4_gather.is_fp4_weight(param):
             n = nvfp4_gather.param_wire_bytes(param)
             nvfp4_gather.pack_param(param, master, out[offset : offset + n])
             offset += n
@@ -208,7 +225,7 @@ def write_scales(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
 
 
 def _unpack_param(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
-    if nvfp4_gather.is_nvfp4(param):
+    if nvfp4_gather.is_fp4_weight(param):
         nvfp4_gather.unpack_param(param, payload)
     elif is_blockwise(param):
         n = param.numel()
@@ -234,7 +251,7 @@ def derive_columnwise(params: list[torch.nn.Parameter]) -> None:
     from megatron.core.fp8_utils import post_all_gather_processing
 
     for param in params:
-        if nvfp4_gather.is_nvfp4(param):
+        if nvfp4_gather.is_fp4_weight(param):  # grouped weights and their expert runs too
             nvfp4_gather.derive_columnwise(param)
     blockwise = [p for p in params if is_blockwise(p)]
     if blockwise:
@@ -304,7 +321,7 @@ def _gathers_quantized(ddp_config: Any, param: torch.Tensor) -> bool:
     """Whether the plugin's owner-packed gather ships ``param``'s quantized bytes."""
     if is_blockwise(param):
         return bool(getattr(ddp_config, "fp8_param_gather", False))
-    return nvfp4_gather.is_nvfp4(param) and nvfp4_gather.gather_on(ddp_config)
+    return nvfp4_gather.is_fp4_weight(param) and nvfp4_gather.gather_on(ddp_config)
 
 
 def holds_layer_wise_blockwise(buffers: list[Any]) -> bool:
@@ -339,7 +356,7 @@ def layer_wise_blockwise_params(optimizer: Any) -> list[torch.nn.Parameter]:
 def check(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
     """What only the built weights can tell (the configuration rules ran before this step,
     ``blockwise-gather-no-grad-buffer-reuse`` among them): their tile shape."""
-    nvfp4_gather.check([p for p in params if nvfp4_gather.is_nvfp4(p)])
+    nvfp4_gather.check([p for p in params if nvfp4_gather.is_fp4_weight(p)])
     one_d = [
         tuple(p.shape) for p in params if is_blockwise(p) and not getattr(p, "_is_2D_scaled", False)
     ]

@@ -23,6 +23,15 @@ The gather itself is the owner-packed collective of :mod:`.blockwise` (one per b
 which calls :func:`param_wire_bytes`, :func:`pack_param`, :func:`unpack_param` and
 :func:`derive_columnwise` for NVFP4 weights. Functions are called through this module so a test
 can switch one off (a stale amax, a stale columnwise copy) and see the run diverge.
+
+Single grouped expert weights (one TE ``GroupedTensor`` per expert linear, FP4 primary: its
+members are ``NVFP4Tensor`` views into the grouped buffers) travel the same way, member by
+member: the owner of the whole grouped weight casts each member from its expert's part of the
+fp32 master with the grouped weight's quantizer (megatron's ``copy_tensor_to_quantized_param``:
+the single-tensor cast TE gave each member under ``quantized_model_init``; one amax per member),
+and ships, member after member, the same codes + tile scales + amax as for a weight of its own.
+Receivers write each member's views and derive each member's columnwise copy. Nothing in the
+format is shared between members, so the grouped weight's payload is its members' payloads.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import te_classes
+from . import expert_slices, te_classes
 
 #: NVFP4 block length, and the 2D tile edge of weights.
 TILE = 16
@@ -43,6 +52,35 @@ def is_nvfp4(param: torch.Tensor) -> bool:
     return te_classes.holds(
         param, te_classes.te_class("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4Tensor")
     )
+
+
+def grouped_members(param: torch.Tensor) -> list[Any] | None:
+    """The ``NVFP4Tensor`` members of an FP4 primary single grouped weight (views into its
+    grouped buffers, TE's cached ``quantized_tensors``), those of experts ``[lo, hi)`` for an
+    expert run of one (:class:`~.expert_slices.ExpertSlice`), or ``None`` for any other
+    parameter."""
+    if expert_slices.is_slice(param):
+        members = grouped_members(param.parent)
+        return None if members is None else members[param.lo : param.hi]
+    if not hasattr(param, "quantized_tensors") or not hasattr(param, "num_tensors"):
+        return None
+    members = param.quantized_tensors
+    if members is None and getattr(param, "quantizer", None) is not None:
+        members = param.split_into_quantized_tensors()
+    if not members or not all(is_nvfp4(member) for member in members):
+        return None
+    return list(members)
+
+
+def is_grouped_nvfp4(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a single grouped weight of NVFP4 members (FP4 primary)."""
+    return grouped_members(param) is not None
+
+
+def is_fp4_weight(param: torch.Tensor) -> bool:
+    """Whether the owner-packed FP4 gather carries ``param``: an ``NVFP4Tensor`` weight or a
+    grouped weight of ``NVFP4Tensor`` members."""
+    return is_nvfp4(param) or is_grouped_nvfp4(param)
 
 
 def dims(param: torch.Tensor) -> tuple[int, int]:
@@ -58,7 +96,11 @@ def uses_2d_blocks(param: torch.Tensor) -> bool:
 
 
 def param_wire_bytes(param: torch.Tensor) -> int:
-    """Bytes one NVFP4 weight occupies on the wire: codes, one scale per tile, the fp32 amax."""
+    """Bytes one NVFP4 weight occupies on the wire: codes, one scale per tile, the fp32 amax (a
+    grouped weight: the sum over its members)."""
+    members = grouped_members(param)
+    if members is not None:
+        return sum(param_wire_bytes(member) for member in members)
     rows, cols = dims(param)
     return rows * cols // 2 + (rows // TILE) * (cols // TILE) + 4
 
@@ -111,17 +153,36 @@ def scales_from_tiles(tiles: torch.Tensor, rows: int, cols: int, swizzled: bool)
 
 def quantize_owned(param: torch.nn.Parameter, master: torch.Tensor) -> None:
     """The owner's one quantization: the bf16 cast of the fp32 master (the value FP4 param
-    gather off holds in its bf16 weight), through the weight's own quantizer, in place."""
+    gather off holds in its bf16 weight), through the weight's own quantizer, in place. For a
+    grouped weight megatron's copy casts each member from its expert's slice with the grouped
+    weight's (single-tensor) quantizer, ``update_quantized`` into the member's views."""
     from megatron.core.fp8_utils import copy_tensor_to_quantized_param
 
+    if expert_slices.is_slice(param):
+        # an expert run: megatron's per-member cast, on the run's members only
+        quantizer = param.parent.quantizer
+        values = master.detach().to(param.parent.dtype).view(param.shape)
+        for value, member in zip(values.unbind(0), grouped_members(param) or [], strict=True):
+            quantizer.update_quantized(value, member)
+        return
     copy_tensor_to_quantized_param(param, master.detach().to(param.dtype).view(param.shape))
 
 
 def pack_param(param: torch.nn.Parameter, master: torch.Tensor | None, out: torch.Tensor) -> None:
     """Quantize an owned weight (when this rank holds its master) and write its wire bytes into
-    ``out`` (uint8, :func:`param_wire_bytes` long): codes, tile scales, amax."""
+    ``out`` (uint8, :func:`param_wire_bytes` long): codes, tile scales, amax. A grouped weight
+    is cast whole (each member from its expert's part of the master) and packed member by
+    member."""
     if master is not None:
         quantize_owned(param, master)
+    members = grouped_members(param)
+    if members is not None:
+        offset = 0
+        for member in members:
+            n = param_wire_bytes(member)
+            pack_param(member, None, out[offset : offset + n])
+            offset += n
+        return
     tensor = param
     rows, cols = dims(param)
     codes = tensor._rowwise_data.reshape(-1).view(torch.uint8)
@@ -146,7 +207,16 @@ def write_amax(param: torch.nn.Parameter, amax: torch.Tensor) -> None:
 
 
 def unpack_param(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
-    """Receiver: the owner's codes, tile scales and amax into the weight's rowwise copy."""
+    """Receiver: the owner's codes, tile scales and amax into the weight's rowwise copy (a
+    grouped weight: into each member's views, member by member)."""
+    members = grouped_members(param)
+    if members is not None:
+        offset = 0
+        for member in members:
+            n = param_wire_bytes(member)
+            unpack_param(member, payload[offset : offset + n])
+            offset += n
+        return
     tensor = param
     rows, cols = dims(param)
     n_codes = rows * cols // 2
@@ -161,7 +231,17 @@ def unpack_param(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
 def derive_columnwise(param: torch.nn.Parameter) -> None:
     """The columnwise copy from the rowwise one (16x16 blocks: the exact transpose): codes by
     TE's nibble transpose, tile scales transposed into the columnwise buffer (swizzled like the
-    rowwise ones), amax copied."""
+    rowwise ones), amax copied; a grouped weight's members each on their own."""
+    members = grouped_members(param)
+    if members is not None:
+        for member in members:
+            _derive_columnwise_of(member)
+        return
+    _derive_columnwise_of(param)
+
+
+def _derive_columnwise_of(param: Any) -> None:
+    """:func:`derive_columnwise` of one ``NVFP4Tensor`` (a weight or a grouped weight's member)."""
     import transformer_engine_torch as tex
 
     tensor = param
@@ -192,7 +272,8 @@ def check(params: list[torch.nn.Parameter]) -> None:
     along the other dim, so receivers could not derive them) and shapes of whole tiles."""
     from .. import guards
 
-    one_d = [tuple(p.shape) for p in params if not uses_2d_blocks(p)]
+    singles = [m for p in params for m in (grouped_members(p) or [p])]
+    one_d = [tuple(p.shape) for p in singles if not uses_2d_blocks(p)]
     if one_d:
         raise guards.ConfigError(
             "fp4-primary-weights-layer-wise",
