@@ -31,9 +31,20 @@ from typing import Any
 from . import models
 from .models import MoEArchitecture, ParallelismDefaults
 
-VARIANTS = ("mxfp8", "hopper")
+VARIANTS = ("mxfp8", "hopper", "nvfp4")
 #: GPU family each variant's parallelism is taken from.
-VARIANT_GPU = {"mxfp8": "gb200", "hopper": "h100"}
+VARIANT_GPU = {"mxfp8": "gb200", "hopper": "h100", "nvfp4": "gb200"}
+#: Variants shipped for a subset of the models only (the rest: every model). NVFP4 primary
+#: weights are verified for the two largest MoE models first (docs/nvfp4.md, "NVFP4 recipes").
+VARIANT_MODELS = {"nvfp4": ("deepseek-v3", "qwen3-235b-a22b")}
+#: Variants with discrete expert weights (TE's ``GroupedLinear`` modules, no op fuser): the
+#: blockwise gather handles discrete weights only, and single grouped NVFP4 weights are not
+#: verified under layer-wise Muon (rule ``grouped-weight-nvfp4-layer-wise``).
+DISCRETE_EXPERT_VARIANTS = ("hopper", "nvfp4")
+#: TE reads it when ``transformer_engine`` is imported (the default of
+#: ``NVFP4BlockScaling.disable_stochastic_rounding``); the CPU path re-reads it when megatron
+#: builds its recipe (:mod:`nemo_lw_fp8.cpu.bridge`, ``nvfp4_recipe_from_env``).
+NVFP4_NO_SR_ENV = "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"
 #: Models with recipes (architecture names in :mod:`nemo_lw_fp8.models.architectures`).
 MODELS = (
     "deepseek-v3",
@@ -53,12 +64,21 @@ def _key(name: str) -> str:
 
 def mixed_precision(variant: str | None) -> Any:
     """Bridge ``MixedPrecisionConfig`` for a variant (``None``: bf16 without FP8)."""
-    from megatron.bridge.training.mixed_precision import bf16_mixed, bf16_with_mxfp8_mixed
+    from megatron.bridge.training.mixed_precision import (
+        bf16_mixed,
+        bf16_with_mxfp8_mixed,
+        bf16_with_nvfp4_mixed,
+    )
 
     if variant is None:
         return bf16_mixed()
     if variant == "mxfp8":
         return bf16_with_mxfp8_mixed()
+    if variant == "nvfp4":
+        # Bridge's preset as is: NVFP4 compute, NVFP4 primary weights (fp4_param follows
+        # fp4_param_gather), FP4 bytes on the DP wire; every transformer layer in NVFP4
+        # (docs/nvfp4.md, "NVFP4 recipes": why no layer is kept in bf16).
+        return bf16_with_nvfp4_mixed()
     if variant == "hopper":
         config = bf16_mixed()
         config.fp8 = "e4m3"
@@ -158,7 +178,7 @@ def build(
     cfg.tokenizer.tokenizer_model = None
     cfg.tokenizer.vocab_size = arch.vocab_size
     if single_grouped_weight is None:
-        single_grouped_weight = variant != "hopper"
+        single_grouped_weight = variant not in DISCRETE_EXPERT_VARIANTS
     if single_grouped_weight:
         cfg.model.moe_single_grouped_weight = True
         # megatron 0.19.2 trains single grouped weights only through TE's op fuser.
@@ -168,6 +188,10 @@ def build(
     from .launch import te_env
 
     cfg.env_vars.update(te_env.as_dict(te_env.needs(cfg.model)))
+    if variant == "nvfp4":
+        # The CPU emulation refuses stochastic rounding by name (docs/nvfp4.md); a GPU run
+        # exports it before Python starts, as TE reads it at import.
+        cfg.env_vars[NVFP4_NO_SR_ENV] = "1"
     return cfg
 
 
@@ -228,11 +252,22 @@ def _make(model: str, variant: str) -> Callable[..., Any]:
         f"{model} pretraining, layer-wise Muon, {variant} FP8 param gather "
         f"({VARIANT_GPU[variant]} parallelism)."
     )
+    if variant == "nvfp4":
+        recipe.__doc__ = (
+            f"{model} pretraining, layer-wise Muon, NVFP4 compute, NVFP4 primary weights and "
+            f"FP4 param gather, discrete experts ({VARIANT_GPU[variant]} / b200 parallelism)."
+        )
     return recipe
 
 
+def variants_of(model: str) -> tuple[str, ...]:
+    """The variants shipped for ``model`` (an architecture name of :data:`MODELS`)."""
+    return tuple(v for v in VARIANTS if model in VARIANT_MODELS.get(v, MODELS))
+
+
 def tiny_name(model: str, variant: str = "mxfp8") -> str:
-    """Recipe name of a tiny model: ``tiny_<model>`` (MXFP8), ``tiny_<model>_hopper``."""
+    """Recipe name of a tiny model: ``tiny_<model>`` (MXFP8), ``tiny_<model>_hopper``,
+    ``tiny_<model>_nvfp4``."""
     return f"tiny_{_key(model)}" + ("" if variant == "mxfp8" else f"_{variant}")
 
 
@@ -246,6 +281,11 @@ def _make_tiny(model: str, variant: str) -> Callable[..., Any]:
         recipe.__doc__ = (
             f"Tiny {model} architecture (2 CPU ranks with --cpu), Hopper variant: blockwise FP8 "
             "compute and param gather, discrete experts."
+        )
+    if variant == "nvfp4":
+        recipe.__doc__ = (
+            f"Tiny {model} architecture (2 CPU ranks with --cpu), NVFP4 variant: NVFP4 compute, "
+            "NVFP4 primary weights and FP4 param gather, discrete experts."
         )
     return recipe
 
@@ -269,11 +309,11 @@ def _make_twin(full: str) -> Callable[..., Any]:
 
 RECIPES: dict[str, Callable[..., Any]] = {}
 for _model in MODELS:
-    for _variant in VARIANTS:
+    for _variant in variants_of(_model):
         RECIPES[f"{_key(_model)}_{_variant}"] = _make(_model, _variant)
-    for _variant in VARIANTS:
+    for _variant in variants_of(_model):
         RECIPES[tiny_name(_model, _variant)] = _make_tiny(_model, _variant)
-    for _variant in VARIANTS:
+    for _variant in variants_of(_model):
         RECIPES[f"twin_{_key(_model)}_{_variant}"] = _make_twin(f"{_key(_model)}_{_variant}")
 del _model, _variant
 
@@ -291,7 +331,7 @@ def tiny_variant_of(name: str) -> tuple[str, str] | None:
     """``(model, variant)`` of a ``tiny_*`` recipe name (None for full-size recipes)."""
     key = _key(name)
     for model in MODELS:
-        for variant in VARIANTS:
+        for variant in variants_of(model):
             if key == tiny_name(model, variant):
                 return model, variant
     return None

@@ -132,7 +132,7 @@ def recipe_model(name: str) -> dict[str, Any]:
     else:
         model, variant = found
     arch = models.get_architecture(model)
-    grouped = variant != "hopper"
+    grouped = variant not in recipes.DISCRETE_EXPERT_VARIANTS
     return {
         "num_moe_experts": arch.num_moe_experts,
         "moe_grouped_gemm": True,
@@ -140,8 +140,8 @@ def recipe_model(name: str) -> dict[str, Any]:
         "moe_single_grouped_weight": grouped,
         "gated_linear_unit": arch.gated_linear_unit,
         "activation_func": arch.activation_func,
-        "fp8_recipe": "mxfp8" if grouped else "blockwise",
-        "fp8": "e4m3",
+        "fp8_recipe": {"mxfp8": "mxfp8", "hopper": "blockwise"}.get(variant, variant),
+        "fp8": "e2m1" if variant == "nvfp4" else "e4m3",
     }
 
 
