@@ -42,8 +42,9 @@ VARIANT_MODELS = {"nvfp4": ("deepseek-v3", "qwen3-235b-a22b")}
 #: verified under layer-wise Muon (rule ``grouped-weight-nvfp4-layer-wise``).
 DISCRETE_EXPERT_VARIANTS = ("hopper", "nvfp4")
 #: TE reads it when ``transformer_engine`` is imported (the default of
-#: ``NVFP4BlockScaling.disable_stochastic_rounding``); the CPU path re-reads it when megatron
-#: builds its recipe (:mod:`nemo_lw_fp8.cpu.bridge`, ``nvfp4_recipe_from_env``).
+#: ``NVFP4BlockScaling.disable_stochastic_rounding``): the launchers export it before (it is a
+#: launch variable of :mod:`.launch.te_env`); the CPU path re-reads it when megatron builds its
+#: recipe (:mod:`nemo_lw_fp8.cpu.bridge`, ``nvfp4_recipe_from_env``).
 NVFP4_NO_SR_ENV = "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"
 #: Models with recipes (architecture names in :mod:`nemo_lw_fp8.models.architectures`).
 MODELS = (
@@ -188,10 +189,9 @@ def build(
     from .launch import te_env
 
     cfg.env_vars.update(te_env.as_dict(te_env.needs(cfg.model)))
-    if variant == "nvfp4":
-        # The CPU emulation refuses stochastic rounding by name (docs/nvfp4.md); a GPU run
-        # exports it before Python starts, as TE reads it at import.
-        cfg.env_vars[NVFP4_NO_SR_ENV] = "1"
+    if cfg.mixed_precision.fp4:  # Bridge applies the preset's FP4 fields to the model later
+        fp4 = {"fp4": cfg.mixed_precision.fp4, "fp4_recipe": cfg.mixed_precision.fp4_recipe}
+        cfg.env_vars.update(te_env.as_dict(te_env.needs(fp4)))
     return cfg
 
 
