@@ -167,6 +167,11 @@ def build(
         overlap_param_gather=True,
         muon_tp_mode=muon_tp_mode,
     )
+    if variant == "nvfp4":
+        # An NVFP4 primary weight's owner computes the amax of the whole matrix, so a fused QKV
+        # weight is owned whole when the FP4 gather is on (mechanics/compact.py); saying so here
+        # keeps the ownership (and so the grad norm's summation order) the same with it off.
+        cfg.optimizer.qkv_ownership = "whole"
     cfg.ddp.use_distributed_optimizer = False  # layer-wise Muon; megatron sets its own buffers
     cfg.ddp.overlap_grad_reduce = True
     cfg.ddp.overlap_param_gather = True

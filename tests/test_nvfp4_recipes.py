@@ -116,6 +116,9 @@ def test_nvfp4_twin_fp4_gather_on_equals_off(twin_run, recipe):
     rebuilt gathered ones from FP4 bytes, OFF held none."""
     on = twin_run(recipe, "on", save=True)
     off = twin_run(recipe, "off", *FP4_GATHER_OFF)
+    # The recipes own fused QKV weights whole (an NVFP4 weight's owner needs the whole matrix's
+    # amax), with the gather on and off alike: the same pieces, the same grad-norm sum order.
+    assert on["qkv_parts"] == off["qkv_parts"] == 0
     br.assert_gather_on_equals_off(on, off, steps=2)
     assert len(br.eval_losses(on)) == 3
     assert len(set(on["ranks"])) == twins.twin_world_size(recipe)  # ranks hold different pieces

@@ -117,6 +117,7 @@ def recipe_setup(name: str, overrides: list[str] = ()) -> RecipeSetup:  # type: 
     setup = RecipeSetup(
         key, arch, par, gpu, single_grouped_weight=variant not in recipes.DISCRETE_EXPERT_VARIANTS,
         blockwise=hopper, weight_format="nvfp4" if variant == "nvfp4" else "mxfp8",
+        qkv_ownership="whole" if variant == "nvfp4" else "auto",  # as recipes.build sets it
     )  # fmt: skip
     changes: dict[str, Any] = {}
     for item in overrides:
