@@ -47,6 +47,9 @@ FP4_KEYS: list[tuple[str, str]] = [
     ("fp4", "fp4"),
     ("fp4_recipe", "fp4_recipe"),
     ("fp4_param_gather", "fp4_param_gather"),
+    ("first_last_layers_bf16", "first_last_layers_bf16"),
+    ("num_layers_at_start_in_bf16", "bf16_layers_at_start"),
+    ("num_layers_at_end_in_bf16", "bf16_layers_at_end"),
 ]
 
 
@@ -78,6 +81,9 @@ def recipe_row(cfg: Any) -> dict[str, Any]:
         "fp4": mixed.fp4,
         "fp4_recipe": mixed.fp4_recipe if mixed.fp4 else None,
         "fp4_param_gather": mixed.fp4_param_gather,
+        "first_last_layers_bf16": mixed.first_last_layers_bf16,
+        "bf16_layers_at_start": mixed.num_layers_at_start_in_bf16,
+        "bf16_layers_at_end": mixed.num_layers_at_end_in_bf16,
         "no_sr_env": cfg.env_vars.get(NVFP4_NO_SR_ENV),
         "single_grouped_weight": model.moe_single_grouped_weight,
         "op_fuser": model.use_transformer_engine_op_fuser,

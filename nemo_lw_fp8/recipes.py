@@ -41,6 +41,18 @@ VARIANT_MODELS = {"nvfp4": ("deepseek-v3", "qwen3-235b-a22b")}
 #: blockwise gather handles discrete weights only, and single grouped NVFP4 weights are not
 #: verified under layer-wise Muon (rule ``grouped-weight-nvfp4-layer-wise``).
 DISCRETE_EXPERT_VARIANTS = ("hopper", "nvfp4")
+#: Share of the transformer layers the NVFP4 recipes keep in bf16, at the end, as Bridge's NVFP4
+#: presets do (``nemotron_3_ultra_bf16_with_nvfp4_mixed``: "last 15% of layers in BF16"; Llama3
+#: 8B's NVFP4 recipe: its last 4 of 32); none at the start.
+NVFP4_BF16_END_SHARE = 0.15
+
+
+def nvfp4_bf16_layers_at_end(num_layers: int) -> int:
+    """How many of ``num_layers`` decoder layers an NVFP4 recipe keeps in bf16 at the end: the
+    rounded 15%, at least one (DeepSeek-V3: 9 of 61, Qwen3-235B: 14 of 94, a twin: 1)."""
+    return max(1, round(NVFP4_BF16_END_SHARE * num_layers))
+
+
 #: TE reads it when ``transformer_engine`` is imported (the default of
 #: ``NVFP4BlockScaling.disable_stochastic_rounding``): the launchers export it before (it is a
 #: launch variable of :mod:`.launch.te_env`); the CPU path re-reads it when megatron builds its
@@ -76,9 +88,8 @@ def mixed_precision(variant: str | None) -> Any:
     if variant == "mxfp8":
         return bf16_with_mxfp8_mixed()
     if variant == "nvfp4":
-        # Bridge's preset as is: NVFP4 compute, NVFP4 primary weights (fp4_param follows
-        # fp4_param_gather), FP4 bytes on the DP wire; every transformer layer in NVFP4
-        # (docs/nvfp4.md, "NVFP4 recipes": why no layer is kept in bf16).
+        # Bridge's preset: NVFP4 compute, NVFP4 primary weights (fp4_param follows
+        # fp4_param_gather), FP4 bytes on the DP wire (:func:`build` adds the bf16 last layers).
         return bf16_with_nvfp4_mixed()
     if variant == "hopper":
         config = bf16_mixed()
@@ -159,6 +170,11 @@ def build(
     cfg = _pretrain_common()
     cfg.model = _provider(arch, parallel, transformer_impl)
     cfg.mixed_precision = mixed_precision(variant)
+    if variant == "nvfp4":
+        # The last layers in bf16 (bf16 weights beside the NVFP4 primary ones; docs/nvfp4.md).
+        cfg.mixed_precision.first_last_layers_bf16 = True
+        cfg.mixed_precision.num_layers_at_start_in_bf16 = 0
+        cfg.mixed_precision.num_layers_at_end_in_bf16 = nvfp4_bf16_layers_at_end(arch.num_layers)
     cfg.optimizer, cfg.scheduler = layer_wise_muon_fp8_with_cosine_annealing(
         max_lr=max_lr,
         lr_warmup_iters=min(2000, max(1, train_iters // 50)),

@@ -54,26 +54,43 @@ def test_nvfp4_recipes_are_the_two_models_with_tiny_and_twin():
         assert twins.twin_world_size(name) == 4
 
 
+#: Decoder layers each recipe keeps in bf16 at the end (the rounded 15%, Bridge's NVFP4 presets).
+BF16_AT_END = {"deepseek_v3_nvfp4": (9, 61), "qwen3_235b_a22b_nvfp4": (14, 94)}
+
+
 @pytest.mark.parametrize("name", NVFP4)
 def test_planner_counts_persistent_nvfp4_weights(name):
     """``plan --recipe``: the busiest rank's parameter bytes are its TE linear weights as TE
-    allocates NVFP4 ones (``nvfp4_weight_bytes``: both usages' codes, padded scales, amaxes)
-    plus 2 bytes per other parameter, counted here from the rank's own shapes; fewer than with
-    bf16 weights, and the recipe plans discrete experts."""
+    allocates NVFP4 ones (``nvfp4_weight_bytes``: both usages' codes, padded scales, amaxes),
+    except in the last decoder layers the recipe keeps in bf16, plus 2 bytes per other
+    parameter, counted here from the rank's own shapes; fewer than with bf16 weights, and the
+    recipe plans discrete experts. (Qwen3-235B's busiest rank holds bf16-kept layers.)"""
+    import re
+
     from nemo_lw_fp8.models import pipeline, plan_parts, recipe_plan, weight_bytes
 
     setup = recipe_plan.recipe_setup(name)
     planned = (setup.weight_format, setup.single_grouped_weight, setup.gpu)
     assert planned == ("nvfp4", False, "gb200")
+    kept, layers = BF16_AT_END[name]
+    assert (setup.bf16_layers_at_end, setup.arch.num_layers) == (kept, layers)
     result = recipe_plan.plan_recipe(setup)
     par = setup.par
     specs = plan_parts.local_specs(
         pipeline.stage_param_specs(setup.arch, par, result["pp_rank"]), par.ep, par.tp, par.etp
     )
+
+    def in_bf16_layer(spec) -> bool:
+        found = re.match(r"decoder\.layers\.(\d+)\.", spec.name)
+        return found is not None and int(found.group(1)) >= layers - kept
+
     assert any(spec.quantized for spec in specs)
+    assert any(s.quantized and in_bf16_layer(s) for s in specs) == (name == "qwen3_235b_a22b_nvfp4")
     expected = sum(
-        weight_bytes.nvfp4_weight_bytes(s.shape) if s.quantized else 2 * s.numel for s in specs
-    )
+        weight_bytes.nvfp4_weight_bytes(s.shape) if s.quantized and not in_bf16_layer(s)
+        else 2 * s.numel
+        for s in specs
+    )  # fmt: skip
     assert result["layouts"]["compact"]["bytes_per_rank"]["params"] == expected
     bf16 = recipe_plan.plan_recipe(
         recipe_plan.recipe_setup(name, ["mixed_precision.fp4_param_gather=false"])

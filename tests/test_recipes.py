@@ -53,6 +53,10 @@ def test_recipe_key_settings(report, name):
         assert (row["fp8"], row["fp8_param_gather"], row["reuse_grad_buf"]) == (None, False, False)
         assert (row["fp4"], row["fp4_recipe"], row["fp4_param_gather"]) == ("e2m1", "nvfp4", True)
         assert row["no_sr_env"] == "1"
+        # the last 15% of the layers in bf16, as Bridge's NVFP4 presets (at least one)
+        kept = recipes.nvfp4_bf16_layers_at_end(row["num_layers"])
+        assert (row["first_last_layers_bf16"], row["bf16_layers_at_start"]) == (True, 0)
+        assert row["bf16_layers_at_end"] == kept
     else:
         assert row["fp8"] == "e4m3" and row["fp8_param_gather"]
         assert row["fp4"] is None and row["no_sr_env"] is None
@@ -100,7 +104,7 @@ def _check_twin(twin: dict, full: dict) -> None:
         assert first.startswith("E") and last.endswith("mL" if full["mtp_num_layers"] else "tL")
     for key in ("fp8_recipe", "single_grouped_weight", "clip_grad", "mtp_num_layers", "tp",
                 "sequence_parallel", "etp", "layout", "multi_latent_attention", "reuse_grad_buf",
-                "fp4", "fp4_param_gather", "no_sr_env"):
+                "fp4", "fp4_param_gather", "no_sr_env", "first_last_layers_bf16"):
         assert twin[key] == full[key], key
 
 

@@ -49,6 +49,7 @@ OVERRIDES = {
     "optimizer.muon_tp_mode": "muon_tp_mode",
     "mixed_precision.fp8_param_gather": "fp8_param_gather",
     "mixed_precision.fp4_param_gather": "fp8_param_gather",
+    "mixed_precision.num_layers_at_end_in_bf16": "bf16_layers_at_end",
     "ddp.bucket_size": "bucket_size",
     "ddp.grad_reduce_in_fp32": "grad_reduce_in_fp32",
 }
@@ -76,6 +77,9 @@ class RecipeSetup:
     #: How the quantized weights are held: "mxfp8" (also the planner's count for blockwise
     #: FP8), "nvfp4" (NVFP4 primary weights of the ``nvfp4`` recipes).
     weight_format: str = "mxfp8"
+    #: Decoder layers at the end whose weights stay bf16 (megatron's ``first_last_layers_bf16``
+    #: with ``num_layers_at_end_in_bf16``; the NVFP4 recipes set it).
+    bf16_layers_at_end: int = 0
 
 
 def _parse(key: str, text: str) -> Any:
@@ -118,6 +122,8 @@ def recipe_setup(name: str, overrides: list[str] = ()) -> RecipeSetup:  # type: 
         key, arch, par, gpu, single_grouped_weight=variant not in recipes.DISCRETE_EXPERT_VARIANTS,
         blockwise=hopper, weight_format="nvfp4" if variant == "nvfp4" else "mxfp8",
         qkv_ownership="whole" if variant == "nvfp4" else "auto",  # as recipes.build sets it
+        bf16_layers_at_end=recipes.nvfp4_bf16_layers_at_end(arch.num_layers)
+        if variant == "nvfp4" else 0,
     )  # fmt: skip
     changes: dict[str, Any] = {}
     for item in overrides:
@@ -142,6 +148,22 @@ def recipe_setup(name: str, overrides: list[str] = ()) -> RecipeSetup:  # type: 
     if changes:
         setup.par = dataclasses.replace(setup.par, **changes)
     return setup
+
+
+def bf16_at_end(specs: list[ParamSpec], arch: MoEArchitecture, layers: int) -> list[ParamSpec]:
+    """The weights of the last ``layers`` decoder layers (megatron's 0-based global index,
+    ``decoder.layers.<i>.``) as bf16: megatron builds them outside the FP4 / FP8 init context
+    (``first_last_layers_bf16``), so they are plain parameters in the bf16 buffers."""
+    if layers <= 0:
+        return specs
+    first = arch.num_layers - layers
+    out = []
+    for spec in specs:
+        match = re.match(r"decoder\.layers\.(\d+)\.", spec.name)
+        if match is not None and int(match.group(1)) >= first and spec.quantized:
+            spec = dataclasses.replace(spec, quantized=False)
+        out.append(spec)
+    return out
 
 
 def group_experts(specs: list[ParamSpec]) -> list[ParamSpec]:
@@ -223,7 +245,7 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
     plans: dict[tuple, dict[str, Any]] = {}
     by_rank = []
     for rank in range(par.pp):
-        specs = stage_param_specs(arch, par, rank)
+        specs = bf16_at_end(stage_param_specs(arch, par, rank), arch, setup.bf16_layers_at_end)
         if setup.single_grouped_weight:
             specs = group_experts(specs)
         signature = tuple(
