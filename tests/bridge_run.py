@@ -206,7 +206,8 @@ def install_probe(prefix: str) -> None:
     * ``nvfp4_weights``: the model parameters held as persistent ``NVFP4Tensor``s (NVFP4
       primary weights); ``nvfp4_unpacked``: the gathered NVFP4 weights a receiver rebuilt from
       FP4 bytes; ``gemms`` / ``nvfp4_gemms``: TE's ``generic_gemm`` calls during training and
-      those whose first operand was NVFP4;
+      those whose first operand was NVFP4; ``te_bf16_matrices``: TE modules' 2-D weights held
+      as plain tensors (bf16-kept layers beside NVFP4 primary weights);
     * ``tp_duplicated``: the layer-wise masters of weights duplicated over TP (MLA's down
       projections) whose TE partition dimension the optimizer build cleared;
       ``tp_duplicated_partitioned``: layer-wise masters not TP-sharded that still carry one at
@@ -323,6 +324,14 @@ def install_probe(prefix: str) -> None:
             nvfp4_gather.is_nvfp4(param)
             for chunk in optimizer.model_chunks
             for param in chunk.parameters()
+        )
+        _seen["te_bf16_matrices"] = sum(
+            param.dim() == 2 and not expert_slices.uses_quantized_storage(param)
+            for chunk in optimizer.model_chunks
+            for module in chunk.modules()
+            # megatron's TE wrappers subclass TE's modules from megatron's own module
+            if any(c.__module__.startswith("transformer_engine.") for c in type(module).__mro__)
+            for param in module.parameters(recurse=False)
         )
         kinds = [type(m).__module__ for c in optimizer.model_chunks for m in c.modules()]
         _seen["te_modules"] = sum(k.startswith("transformer_engine.") for k in kinds)

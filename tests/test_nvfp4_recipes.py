@@ -146,6 +146,11 @@ def test_nvfp4_twin_fp4_gather_on_equals_off(twin_run, recipe):
     assert all(rank["nvfp4_weights"] == rank["fp8_weights"] > 0 for rank in on["probe"])
     assert all(rank["nvfp4_unpacked"] > 0 for rank in on["probe"]), on["probe"]
     assert all(rank["nvfp4_weights"] == 0 == rank["nvfp4_unpacked"] for rank in off["probe"])
+    # The recipe's last decoder layer (the twin's 15%) is kept in bf16: TE weights held as plain
+    # tensors on the ranks of the stage that holds it (PP rank 1: its second virtual stage),
+    # none on the others (ranks 0-1: PP rank 0).
+    kept = [rank["te_bf16_matrices"] for rank in on["probe"]]
+    assert kept[:2] == [0, 0] and all(k > 0 for k in kept[2:]), kept
 
 
 #: mutation of tests/bridge_run.py -> what it leaves stale on receivers after each FP4 gather.
