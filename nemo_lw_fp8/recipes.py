@@ -9,16 +9,20 @@ explicit hyper-parameters of :mod:`nemo_lw_fp8.models.architectures` (no Hugging
 * FP8 by GPU family: ``mxfp8`` (Blackwell: MXFP8 compute, MXFP8 parameters gathered from the
   grad buffer - Bridge's ``bf16_with_mxfp8_mixed``) or ``hopper`` (Hopper: blockwise FP8
   compute, blockwise FP8 parameters with FP8 codes + scales on the wire, no grad-buffer reuse);
+  ``nvfp4`` (GB200 / B200, DeepSeek-V3 and Qwen3-235B only: Bridge's ``bf16_with_nvfp4_mixed``,
+  NVFP4 primary weights with FP4 codes + tile scales + amax on the wire, the last 15% of the
+  decoder layers in bf16, stochastic rounding off; docs/nvfp4.md, "NVFP4 recipes");
 * single grouped expert weights (TE's ``GroupedLinear`` with one parameter) on the grouped GEMM
   (``mxfp8`` recipes, tiny ones included; the blockwise gather handles discrete expert weights
-  only);
+  only, and single grouped NVFP4 weights are not verified: discrete for ``hopper`` and
+  ``nvfp4``);
 * parallelism from :func:`nemo_lw_fp8.models.parallelism` (best published Bridge recipe
   of the model, adapted to Muon).
 
 Names: ``<model>_<variant>`` (``deepseek_v3_mxfp8``, ``qwen3_235b_a22b_hopper``...),
 ``tiny_<model>`` (same architecture, tiny widths, MXFP8; trains on 2 CPU ranks with ``--cpu``)
 and ``tiny_<model>_hopper`` (the same with the Hopper variant: ``build_tiny(variant="hopper")``,
-blockwise FP8 emulated on CPU, discrete experts). Every
+blockwise FP8 emulated on CPU, discrete experts), ``tiny_<model>_nvfp4`` likewise. Every
 recipe can be overridden from YAML / ``key=value`` (see :mod:`nemo_lw_fp8.launch.pretrain`).
 """
 
