@@ -155,7 +155,8 @@ def nvfp4_support(accelerator_report: dict[str, object]) -> dict[str, object]:
         "fp4_param_gather) train with FP4 bytes on the data-parallel wire (owner-quantized codes "
         "+ 16x16 tile scales + amax, about 0.25x of bf16), bitwise like bf16 weights, at TP 1 on "
         "the padded or compact layout; the rest refused (rule fp4-primary-weights-layer-wise); "
-        "no NVFP4 recipe",
+        "NVFP4 recipes: deepseek_v3_nvfp4, qwen3_235b_a22b_nvfp4 (discrete experts, "
+        "stochastic rounding off; docs/nvfp4.md, NVFP4 recipes)",
     }
 
 

@@ -42,6 +42,17 @@ SECTIONS: dict[str, list[tuple[str, str]]] = {
 }
 
 
+#: ``mixed_precision`` keys written only for NVFP4 recipes (the FP8 ones' files stay as they were).
+FP4_KEYS: list[tuple[str, str]] = [
+    ("fp4", "fp4"),
+    ("fp4_recipe", "fp4_recipe"),
+    ("fp4_param_gather", "fp4_param_gather"),
+    ("first_last_layers_bf16", "first_last_layers_bf16"),
+    ("num_layers_at_start_in_bf16", "bf16_layers_at_start"),
+    ("num_layers_at_end_in_bf16", "bf16_layers_at_end"),
+]
+
+
 def _layout_text(layout: Any) -> str | None:
     """A pipeline layout as its string (megatron may hold it parsed)."""
     if layout is None or isinstance(layout, str):
@@ -52,7 +63,7 @@ def _layout_text(layout: Any) -> str | None:
 def recipe_row(cfg: Any) -> dict[str, Any]:
     """The plugin-relevant settings of a built ``ConfigContainer`` (flat, JSON-friendly)."""
     from nemo_lw_fp8 import config as plugin_config
-    from nemo_lw_fp8.recipes import SINGLE_GROUPED_WEIGHT_ENV
+    from nemo_lw_fp8.recipes import NVFP4_NO_SR_ENV, SINGLE_GROUPED_WEIGHT_ENV
 
     model, mixed, opt = cfg.model, cfg.mixed_precision, cfg.optimizer
     return {
@@ -67,6 +78,13 @@ def recipe_row(cfg: Any) -> dict[str, Any]:
         "fp8_recipe": mixed.fp8_recipe,
         "fp8_param_gather": mixed.fp8_param_gather,
         "reuse_grad_buf": mixed.reuse_grad_buf_for_mxfp8_param_ag,
+        "fp4": mixed.fp4,
+        "fp4_recipe": mixed.fp4_recipe if mixed.fp4 else None,
+        "fp4_param_gather": mixed.fp4_param_gather,
+        "first_last_layers_bf16": mixed.first_last_layers_bf16,
+        "bf16_layers_at_start": mixed.num_layers_at_start_in_bf16,
+        "bf16_layers_at_end": mixed.num_layers_at_end_in_bf16,
+        "no_sr_env": cfg.env_vars.get(NVFP4_NO_SR_ENV),
         "single_grouped_weight": model.moe_single_grouped_weight,
         "op_fuser": model.use_transformer_engine_op_fuser,
         "grouped_gemm": model.moe_grouped_gemm,
@@ -102,7 +120,7 @@ def _scalar(value: Any) -> str:
 
 def render(name: str, row: dict[str, Any]) -> str:
     """The YAML file of recipe ``name`` from its :func:`recipe_row`."""
-    from nemo_lw_fp8.recipes import RECIPES, SINGLE_GROUPED_WEIGHT_ENV
+    from nemo_lw_fp8.recipes import NVFP4_NO_SR_ENV, RECIPES, SINGLE_GROUPED_WEIGHT_ENV
 
     lines = [
         f"# {name}: {RECIPES[name].__doc__}",
@@ -113,9 +131,12 @@ def render(name: str, row: dict[str, Any]) -> str:
     for section, keys in SECTIONS.items():
         lines.append(f"{section}:")
         lines.extend(f"  {key}: {_scalar(row[field])}" for key, field in keys)
-    if row["switch_env"] is not None:
+        if section == "mixed_precision" and row.get("fp4"):
+            lines.extend(f"  {key}: {_scalar(row[field])}" for key, field in FP4_KEYS)
+    env = {SINGLE_GROUPED_WEIGHT_ENV: row["switch_env"], NVFP4_NO_SR_ENV: row.get("no_sr_env")}
+    if any(value is not None for value in env.values()):
         lines.append("env_vars:")
-        lines.append(f'  {SINGLE_GROUPED_WEIGHT_ENV}: "{row["switch_env"]}"')
+        lines.extend(f'  {key}: "{value}"' for key, value in env.items() if value is not None)
     return "\n".join(lines) + "\n"
 
 

@@ -9,16 +9,20 @@ explicit hyper-parameters of :mod:`nemo_lw_fp8.models.architectures` (no Hugging
 * FP8 by GPU family: ``mxfp8`` (Blackwell: MXFP8 compute, MXFP8 parameters gathered from the
   grad buffer - Bridge's ``bf16_with_mxfp8_mixed``) or ``hopper`` (Hopper: blockwise FP8
   compute, blockwise FP8 parameters with FP8 codes + scales on the wire, no grad-buffer reuse);
+  ``nvfp4`` (GB200 / B200, DeepSeek-V3 and Qwen3-235B only: Bridge's ``bf16_with_nvfp4_mixed``,
+  NVFP4 primary weights with FP4 codes + tile scales + amax on the wire, the last 15% of the
+  decoder layers in bf16, stochastic rounding off; docs/nvfp4.md, "NVFP4 recipes");
 * single grouped expert weights (TE's ``GroupedLinear`` with one parameter) on the grouped GEMM
   (``mxfp8`` recipes, tiny ones included; the blockwise gather handles discrete expert weights
-  only);
+  only, and single grouped NVFP4 weights are not verified: discrete for ``hopper`` and
+  ``nvfp4``);
 * parallelism from :func:`nemo_lw_fp8.models.parallelism` (best published Bridge recipe
   of the model, adapted to Muon).
 
 Names: ``<model>_<variant>`` (``deepseek_v3_mxfp8``, ``qwen3_235b_a22b_hopper``...),
 ``tiny_<model>`` (same architecture, tiny widths, MXFP8; trains on 2 CPU ranks with ``--cpu``)
 and ``tiny_<model>_hopper`` (the same with the Hopper variant: ``build_tiny(variant="hopper")``,
-blockwise FP8 emulated on CPU, discrete experts). Every
+blockwise FP8 emulated on CPU, discrete experts), ``tiny_<model>_nvfp4`` likewise. Every
 recipe can be overridden from YAML / ``key=value`` (see :mod:`nemo_lw_fp8.launch.pretrain`).
 """
 
@@ -31,9 +35,33 @@ from typing import Any
 from . import models
 from .models import MoEArchitecture, ParallelismDefaults
 
-VARIANTS = ("mxfp8", "hopper")
+VARIANTS = ("mxfp8", "hopper", "nvfp4")
 #: GPU family each variant's parallelism is taken from.
-VARIANT_GPU = {"mxfp8": "gb200", "hopper": "h100"}
+VARIANT_GPU = {"mxfp8": "gb200", "hopper": "h100", "nvfp4": "gb200"}
+#: Variants shipped for a subset of the models only (the rest: every model). NVFP4 primary
+#: weights are verified for the two largest MoE models first (docs/nvfp4.md, "NVFP4 recipes").
+VARIANT_MODELS = {"nvfp4": ("deepseek-v3", "qwen3-235b-a22b")}
+#: Variants with discrete expert weights (TE's ``GroupedLinear`` modules, no op fuser): the
+#: blockwise gather handles discrete weights only, and single grouped NVFP4 weights are not
+#: verified under layer-wise Muon (rule ``grouped-weight-nvfp4-layer-wise``).
+DISCRETE_EXPERT_VARIANTS = ("hopper", "nvfp4")
+#: Share of the transformer layers the NVFP4 recipes keep in bf16, at the end, as Bridge's NVFP4
+#: presets do (``nemotron_3_ultra_bf16_with_nvfp4_mixed``: "last 15% of layers in BF16"; Llama3
+#: 8B's NVFP4 recipe: its last 4 of 32); none at the start.
+NVFP4_BF16_END_SHARE = 0.15
+
+
+def nvfp4_bf16_layers_at_end(num_layers: int) -> int:
+    """How many of ``num_layers`` decoder layers an NVFP4 recipe keeps in bf16 at the end: the
+    rounded 15%, at least one (DeepSeek-V3: 9 of 61, Qwen3-235B: 14 of 94, a twin: 1)."""
+    return max(1, round(NVFP4_BF16_END_SHARE * num_layers))
+
+
+#: TE reads it when ``transformer_engine`` is imported (the default of
+#: ``NVFP4BlockScaling.disable_stochastic_rounding``): the launchers export it before (it is a
+#: launch variable of :mod:`.launch.te_env`); the CPU path re-reads it when megatron builds its
+#: recipe (:mod:`nemo_lw_fp8.cpu.bridge`, ``nvfp4_recipe_from_env``).
+NVFP4_NO_SR_ENV = "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"
 #: Models with recipes (architecture names in :mod:`nemo_lw_fp8.models.architectures`).
 MODELS = (
     "deepseek-v3",
@@ -53,12 +81,20 @@ def _key(name: str) -> str:
 
 def mixed_precision(variant: str | None) -> Any:
     """Bridge ``MixedPrecisionConfig`` for a variant (``None``: bf16 without FP8)."""
-    from megatron.bridge.training.mixed_precision import bf16_mixed, bf16_with_mxfp8_mixed
+    from megatron.bridge.training.mixed_precision import (
+        bf16_mixed,
+        bf16_with_mxfp8_mixed,
+        bf16_with_nvfp4_mixed,
+    )
 
     if variant is None:
         return bf16_mixed()
     if variant == "mxfp8":
         return bf16_with_mxfp8_mixed()
+    if variant == "nvfp4":
+        # Bridge's preset: NVFP4 compute, NVFP4 primary weights (fp4_param follows
+        # fp4_param_gather), FP4 bytes on the DP wire (:func:`build` adds the bf16 last layers).
+        return bf16_with_nvfp4_mixed()
     if variant == "hopper":
         config = bf16_mixed()
         config.fp8 = "e4m3"
@@ -138,6 +174,11 @@ def build(
     cfg = _pretrain_common()
     cfg.model = _provider(arch, parallel, transformer_impl)
     cfg.mixed_precision = mixed_precision(variant)
+    if variant == "nvfp4":
+        # The last layers in bf16 (bf16 weights beside the NVFP4 primary ones; docs/nvfp4.md).
+        cfg.mixed_precision.first_last_layers_bf16 = True
+        cfg.mixed_precision.num_layers_at_start_in_bf16 = 0
+        cfg.mixed_precision.num_layers_at_end_in_bf16 = nvfp4_bf16_layers_at_end(arch.num_layers)
     cfg.optimizer, cfg.scheduler = layer_wise_muon_fp8_with_cosine_annealing(
         max_lr=max_lr,
         lr_warmup_iters=min(2000, max(1, train_iters // 50)),
@@ -146,6 +187,11 @@ def build(
         overlap_param_gather=True,
         muon_tp_mode=muon_tp_mode,
     )
+    if variant == "nvfp4":
+        # An NVFP4 primary weight's owner computes the amax of the whole matrix, so a fused QKV
+        # weight is owned whole when the FP4 gather is on (mechanics/compact.py); saying so here
+        # keeps the ownership (and so the grad norm's summation order) the same with it off.
+        cfg.optimizer.qkv_ownership = "whole"
     cfg.ddp.use_distributed_optimizer = False  # layer-wise Muon; megatron sets its own buffers
     cfg.ddp.overlap_grad_reduce = True
     cfg.ddp.overlap_param_gather = True
@@ -158,7 +204,7 @@ def build(
     cfg.tokenizer.tokenizer_model = None
     cfg.tokenizer.vocab_size = arch.vocab_size
     if single_grouped_weight is None:
-        single_grouped_weight = variant != "hopper"
+        single_grouped_weight = variant not in DISCRETE_EXPERT_VARIANTS
     if single_grouped_weight:
         cfg.model.moe_single_grouped_weight = True
         # megatron 0.19.2 trains single grouped weights only through TE's op fuser.
@@ -168,6 +214,9 @@ def build(
     from .launch import te_env
 
     cfg.env_vars.update(te_env.as_dict(te_env.needs(cfg.model)))
+    if cfg.mixed_precision.fp4:  # Bridge applies the preset's FP4 fields to the model later
+        fp4 = {"fp4": cfg.mixed_precision.fp4, "fp4_recipe": cfg.mixed_precision.fp4_recipe}
+        cfg.env_vars.update(te_env.as_dict(te_env.needs(fp4)))
     return cfg
 
 
@@ -228,11 +277,22 @@ def _make(model: str, variant: str) -> Callable[..., Any]:
         f"{model} pretraining, layer-wise Muon, {variant} FP8 param gather "
         f"({VARIANT_GPU[variant]} parallelism)."
     )
+    if variant == "nvfp4":
+        recipe.__doc__ = (
+            f"{model} pretraining, layer-wise Muon, NVFP4 compute, NVFP4 primary weights and "
+            f"FP4 param gather, discrete experts ({VARIANT_GPU[variant]} / b200 parallelism)."
+        )
     return recipe
 
 
+def variants_of(model: str) -> tuple[str, ...]:
+    """The variants shipped for ``model`` (an architecture name of :data:`MODELS`)."""
+    return tuple(v for v in VARIANTS if model in VARIANT_MODELS.get(v, MODELS))
+
+
 def tiny_name(model: str, variant: str = "mxfp8") -> str:
-    """Recipe name of a tiny model: ``tiny_<model>`` (MXFP8), ``tiny_<model>_hopper``."""
+    """Recipe name of a tiny model: ``tiny_<model>`` (MXFP8), ``tiny_<model>_hopper``,
+    ``tiny_<model>_nvfp4``."""
     return f"tiny_{_key(model)}" + ("" if variant == "mxfp8" else f"_{variant}")
 
 
@@ -246,6 +306,11 @@ def _make_tiny(model: str, variant: str) -> Callable[..., Any]:
         recipe.__doc__ = (
             f"Tiny {model} architecture (2 CPU ranks with --cpu), Hopper variant: blockwise FP8 "
             "compute and param gather, discrete experts."
+        )
+    if variant == "nvfp4":
+        recipe.__doc__ = (
+            f"Tiny {model} architecture (2 CPU ranks with --cpu), NVFP4 variant: NVFP4 compute, "
+            "NVFP4 primary weights and FP4 param gather, discrete experts."
         )
     return recipe
 
@@ -269,11 +334,11 @@ def _make_twin(full: str) -> Callable[..., Any]:
 
 RECIPES: dict[str, Callable[..., Any]] = {}
 for _model in MODELS:
-    for _variant in VARIANTS:
+    for _variant in variants_of(_model):
         RECIPES[f"{_key(_model)}_{_variant}"] = _make(_model, _variant)
-    for _variant in VARIANTS:
+    for _variant in variants_of(_model):
         RECIPES[tiny_name(_model, _variant)] = _make_tiny(_model, _variant)
-    for _variant in VARIANTS:
+    for _variant in variants_of(_model):
         RECIPES[f"twin_{_key(_model)}_{_variant}"] = _make_twin(f"{_key(_model)}_{_variant}")
 del _model, _variant
 
@@ -291,7 +356,7 @@ def tiny_variant_of(name: str) -> tuple[str, str] | None:
     """``(model, variant)`` of a ``tiny_*`` recipe name (None for full-size recipes)."""
     key = _key(name)
     for model in MODELS:
-        for variant in VARIANTS:
+        for variant in variants_of(model):
             if key == tiny_name(model, variant):
                 return model, variant
     return None

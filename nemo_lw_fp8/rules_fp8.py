@@ -41,6 +41,11 @@ def _fp8_gather_recipe(s: Settings) -> str | None:
 
 def _fp8_recipe_agreement(s: Settings) -> str | None:
     recipes = (s.optimizer_fp8_recipe, s.fp8_recipe)
+    # NVFP4 parameters: megatron's optimizers branch on the tensor's type
+    # (``is_nvfp4tensor``) and never read ``OptimizerConfig.fp8_recipe`` for them, which Bridge
+    # fills from its preset's FP8 default ("tensorwise") with FP8 off: nothing to disagree with.
+    if s.fp8_recipe == "nvfp4":
+        return None
     if s.layer_wise and all(recipes) and recipes[0] != recipes[1]:
         return (
             f"the optimizer config says fp8_recipe={s.optimizer_fp8_recipe!r}, but the model's FP8 "

@@ -42,14 +42,14 @@ PREFIX = "twin_"
 
 def _full(recipe: str) -> tuple[MoEArchitecture, str, ParallelismDefaults]:
     """The architecture, variant and parallelism of a full recipe name (``deepseek_v3_mxfp8``)."""
-    from .recipes import MODELS, VARIANT_GPU, _key
+    from .recipes import MODELS, VARIANT_GPU, _key, variants_of
 
     for model in MODELS:
-        for variant, gpu in VARIANT_GPU.items():
+        for variant in variants_of(model):
             if _key(recipe) == f"{_key(model)}_{variant}":
                 arch = models.get_architecture(model)
-                return arch, variant, models.parallelism(arch, gpu)
-    raise KeyError(f"{recipe!r} is not a full recipe (<model>_mxfp8 or <model>_hopper)")
+                return arch, variant, models.parallelism(arch, VARIANT_GPU[variant])
+    raise KeyError(f"{recipe!r} is not a full recipe (<model>_<variant>, `nemo-lw-fp8 recipes`)")
 
 
 def twin_parallelism(full: ParallelismDefaults) -> ParallelismDefaults:

@@ -84,6 +84,10 @@ GUARD_CASES = {
         "optimizer.layer_wise_layout=padded", "optimizer.grouped_weight_ownership=expert"]),
     "context-parallel": ("tiny_deepseek_v3", ["model.context_parallel_size=2"]),
     "torch-checkpoints": ("tiny_deepseek_v3", ["checkpoint.ckpt_format=torch"]),
+    # NVFP4 primary weights are verified at TP 1 and ETP 1 only (an owner would hold a shard).
+    "nvfp4-tensor-parallel": ("deepseek_v3_nvfp4", ["model.tensor_model_parallel_size=2"]),
+    "nvfp4-expert-tensor-parallel": ("qwen3_235b_a22b_nvfp4", [
+        "model.expert_tensor_parallel_size=2"]),
 }
 
 
@@ -174,7 +178,8 @@ def main(out_path: str) -> None:
     # Each recipes/<name>.yaml applied to its own recipe changes nothing.
     folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes")
     report["yaml_identity"] = {}
-    for name in ("tiny_deepseek_v3", "deepseek_v3_hopper", "qwen3_235b_a22b_mxfp8"):
+    for name in ("tiny_deepseek_v3", "deepseek_v3_hopper", "qwen3_235b_a22b_mxfp8",
+                 "deepseek_v3_nvfp4"):
         path = os.path.join(folder, f"{name}.yaml")
         if os.path.exists(path):
             row = recipe_row(resolve_config(name, path, []))

@@ -36,6 +36,15 @@ def install_mutation(mutation: str) -> None:
         import nemo_lw_fp8.mechanics.blockwise as blockwise
 
         blockwise.derive_columnwise = lambda params: None
+    elif mutation in ("nvfp4_stale_amax", "nvfp4_stale_columnwise"):
+        # Receivers of the FP4 param gather keep their old per-tensor amax (the GEMM's global
+        # scale) or their old columnwise copy (dgrad and wgrad read it) after each gather.
+        import nemo_lw_fp8.mechanics.nvfp4_gather as nvfp4_gather
+
+        if mutation == "nvfp4_stale_amax":
+            nvfp4_gather.write_amax = lambda param, amax: None
+        else:
+            nvfp4_gather.derive_columnwise = lambda param: None
     elif mutation == "te_stale_columnwise":
         # TE's modules: every re-quantization of a persistent MXFP8 weight (the gather's copy
         # into the weights) refreshes the rowwise copy only; the columnwise copy the dgrad GEMM
@@ -194,6 +203,11 @@ def install_probe(prefix: str) -> None:
       blockwise gather plans); ``columnwise_derived``: the gathered blockwise weights whose
       columnwise copy a receiver derived (with the stale-columnwise mutation: the ones it
       would have);
+    * ``nvfp4_weights``: the model parameters held as persistent ``NVFP4Tensor``s (NVFP4
+      primary weights); ``nvfp4_unpacked``: the gathered NVFP4 weights a receiver rebuilt from
+      FP4 bytes; ``gemms`` / ``nvfp4_gemms``: TE's ``generic_gemm`` calls during training and
+      those whose first operand was NVFP4; ``te_bf16_matrices``: TE modules' 2-D weights held
+      as plain tensors (bf16-kept layers beside NVFP4 primary weights);
     * ``tp_duplicated``: the layer-wise masters of weights duplicated over TP (MLA's down
       projections) whose TE partition dimension the optimizer build cleared;
       ``tp_duplicated_partitioned``: layer-wise masters not TP-sharded that still carry one at
@@ -246,6 +260,36 @@ def install_probe(prefix: str) -> None:
         _seen["tp_duplicated"] = _seen.get("tp_duplicated", 0) + len(changed)
         return changed
 
+    import nemo_lw_fp8.cpu.bridge as cpu_bridge
+    import nemo_lw_fp8.mechanics.nvfp4_gather as nvfp4_gather
+
+    _seen.update(nvfp4_unpacked=0, gemms=0, nvfp4_gemms=0)
+    _unpack_nvfp4 = nvfp4_gather.unpack_param  # after any mutation of the module
+
+    def _counting_unpack_nvfp4(param, payload):
+        _seen["nvfp4_unpacked"] += 1
+        return _unpack_nvfp4(param, payload)
+
+    _device_answers = cpu_bridge.device_answers
+
+    def _counting_device_answers(cfg, modules="te"):
+        # Training starts inside this scope; TE (over the emulation) is imported by then.
+        import transformer_engine_torch as tex
+
+        if not getattr(tex.generic_gemm, "_probe", False):
+            _gemm = tex.generic_gemm
+
+            def _counting_gemm(a, *args, **kwargs):
+                _seen["gemms"] += 1
+                _seen["nvfp4_gemms"] += type(a).__name__.startswith("NVFP4")
+                return _gemm(a, *args, **kwargs)
+
+            _counting_gemm._probe = True
+            tex.generic_gemm = _counting_gemm
+        return _device_answers(cfg, modules)
+
+    nvfp4_gather.unpack_param = _counting_unpack_nvfp4
+    cpu_bridge.device_answers = _counting_device_answers
     _digest = launch_pretrain.optimizer_state_digest
 
     def _probing_digest(optimizer):  # on_train_end, every rank
@@ -275,6 +319,19 @@ def install_probe(prefix: str) -> None:
             for layer_wise in _layer_wise(optimizer)
             for child in masters.float16_children(layer_wise)
             for _, main in masters.model_main_pairs(child)
+        )
+        _seen["nvfp4_weights"] = sum(
+            nvfp4_gather.is_nvfp4(param)
+            for chunk in optimizer.model_chunks
+            for param in chunk.parameters()
+        )
+        _seen["te_bf16_matrices"] = sum(
+            param.dim() == 2 and not expert_slices.uses_quantized_storage(param)
+            for chunk in optimizer.model_chunks
+            for module in chunk.modules()
+            # megatron's TE wrappers subclass TE's modules from megatron's own module
+            if any(c.__module__.startswith("transformer_engine.") for c in type(module).__mro__)
+            for param in module.parameters(recurse=False)
         )
         kinds = [type(m).__module__ for c in optimizer.model_chunks for m in c.modules()]
         _seen["te_modules"] = sum(k.startswith("transformer_engine.") for k in kinds)

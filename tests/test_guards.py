@@ -541,3 +541,18 @@ def test_megatron_args_without_gqa_have_one_query_group_per_head():
     args.group_query_attention = True  # 1 group: QKV (4 + 2) x 64 = 384 rows, 192 per shard
     with pytest.raises(ConfigError, match="fp8-gather-tp-block-boundary"):
         guards.check(Settings.from_args(args))
+
+
+def test_fp8_recipe_agreement_leaves_nvfp4_parameters_to_their_type():
+    """Bridge copies its preset's FP8 recipe default ("tensorwise", FP8 off) onto
+    ``OptimizerConfig.fp8_recipe``; for NVFP4 parameters megatron's optimizers branch on the
+    tensor's type and never read it, so the NVFP4 recipes pass. Control: the same optimizer
+    recipe against blockwise FP8 parameters is still refused."""
+    nvfp4 = dict(
+        optimizer="muon", use_layer_wise_distributed_optimizer=True, fp8_recipe="nvfp4",
+        optimizer_fp8_recipe="tensorwise", fp4_recipe="nvfp4", fp4_param=True,
+        fp4_param_gather=True,
+    )  # fmt: skip
+    assert "fp8-recipe-agreement" not in dict(guards.violations(Settings(**nvfp4)))
+    blockwise = Settings(**(nvfp4 | dict(fp8_recipe="blockwise")))
+    assert "fp8-recipe-agreement" in dict(guards.violations(blockwise))

@@ -29,11 +29,11 @@ def test_every_recipe_builds_offline_and_passes_the_guards(report):
     assert report["errors"] == {}
     assert sorted(report["recipes"]) == sorted(recipes.RECIPES)
     full = [name for name in recipes.RECIPES if not name.startswith(("tiny_", "twin_"))]
-    assert len(full) == len(recipes.MODELS) * len(recipes.VARIANTS)
+    assert len(full) == sum(len(recipes.variants_of(model)) for model in recipes.MODELS)
     assert sorted(n for n in recipes.RECIPES if n.startswith("twin_")) == sorted(
         f"twin_{name}" for name in full
     )
-    # tiny_<model> (MXFP8) and tiny_<model>_hopper
+    # tiny_<model> (MXFP8), tiny_<model>_hopper and tiny_<model>_nvfp4
     assert len([name for name in recipes.RECIPES if name.startswith("tiny_")]) == len(full)
 
 
@@ -44,14 +44,25 @@ def test_recipe_key_settings(report, name):
     assert row["layout"] == row["ddp_layout"] == "compact"
     assert row["overlap_ddp"] and row["overlap_optimizer"]
     assert row["grouped_gemm"]
-    if name.endswith("_hopper"):  # the blockwise gather handles discrete experts only
+    if name.endswith(("_hopper", "_nvfp4")):  # discrete experts (docs/recipes.md)
         assert not row["single_grouped_weight"] and row["switch_env"] is None
+        assert not row["op_fuser"]
     else:
         assert row["single_grouped_weight"] and row["op_fuser"] and row["switch_env"] == "1"
-    assert row["fp8"] == "e4m3" and row["fp8_param_gather"]
+    if name.endswith("_nvfp4"):  # Bridge's bf16_with_nvfp4_mixed, stochastic rounding off
+        assert (row["fp8"], row["fp8_param_gather"], row["reuse_grad_buf"]) == (None, False, False)
+        assert (row["fp4"], row["fp4_recipe"], row["fp4_param_gather"]) == ("e2m1", "nvfp4", True)
+        assert row["no_sr_env"] == "1"
+        # the last 15% of the layers in bf16, as Bridge's NVFP4 presets (at least one)
+        kept = recipes.nvfp4_bf16_layers_at_end(row["num_layers"])
+        assert (row["first_last_layers_bf16"], row["bf16_layers_at_start"]) == (True, 0)
+        assert row["bf16_layers_at_end"] == kept
+    else:
+        assert row["fp8"] == "e4m3" and row["fp8_param_gather"]
+        assert row["fp4"] is None and row["no_sr_env"] is None
     if name.endswith("_hopper"):
         assert (row["fp8_recipe"], row["reuse_grad_buf"]) == ("blockwise", False)
-    else:
+    elif not name.endswith("_nvfp4"):
         assert (row["fp8_recipe"], row["reuse_grad_buf"]) == ("mxfp8", True)
     assert row["etp"] == 1  # whole experts: FP8 gather at ETP > 1 is not verified
     assert row["muon_tp_mode"] == "duplicated"  # the factory's TP-invariant default
@@ -92,7 +103,8 @@ def _check_twin(twin: dict, full: dict) -> None:
         first, *_, last = twin["pipeline_layout"].split("|")
         assert first.startswith("E") and last.endswith("mL" if full["mtp_num_layers"] else "tL")
     for key in ("fp8_recipe", "single_grouped_weight", "clip_grad", "mtp_num_layers", "tp",
-                "sequence_parallel", "etp", "layout", "multi_latent_attention", "reuse_grad_buf"):
+                "sequence_parallel", "etp", "layout", "multi_latent_attention", "reuse_grad_buf",
+                "fp4", "fp4_param_gather", "no_sr_env", "first_last_layers_bf16"):
         assert twin[key] == full[key], key
 
 
@@ -138,7 +150,8 @@ def test_yaml_recipe_files_are_current(report):
 
 def test_yaml_recipe_file_applied_to_its_recipe_changes_nothing(report):
     assert report["yaml_identity"] == {
-        "tiny_deepseek_v3": True, "deepseek_v3_hopper": True, "qwen3_235b_a22b_mxfp8": True
+        "tiny_deepseek_v3": True, "deepseek_v3_hopper": True, "qwen3_235b_a22b_mxfp8": True,
+        "deepseek_v3_nvfp4": True,
     }
 
 
@@ -173,6 +186,8 @@ EXPECTED_RULES = {
     "expert-runs-padded": "grouped-weight-split-ownership-needs-compact",
     "context-parallel": "layer-wise-context-parallel",
     "torch-checkpoints": "layer-wise-checkpoint-format",
+    "nvfp4-tensor-parallel": "fp4-primary-weights-layer-wise",
+    "nvfp4-expert-tensor-parallel": "fp4-primary-weights-layer-wise",
 }
 
 

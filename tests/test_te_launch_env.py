@@ -34,7 +34,10 @@ def test_every_recipe_needs_what_its_experts_take(name):
     """MXFP8 recipes (single grouped weights through TE's op fuser, SwiGLU experts) need both
     variables; Hopper recipes (discrete experts, no op fuser) need none."""
     needed = te_env.as_dict(te_env.for_recipe(name))
-    if name.endswith("_hopper"):
+    if name.endswith("_nvfp4"):  # discrete experts; stochastic rounding off before TE's import
+        assert needed == {te_env.NVFP4_NO_SR_ENV: "1"}
+        assert [v.name for v in te_env.for_recipe(name) if v.before_import] == list(needed)
+    elif name.endswith("_hopper"):
         assert needed == {}
     else:
         assert needed == {te_env.SINGLE_PARAM_ENV: "1", te_env.CUTEDSL_ENV: "1"}
@@ -150,12 +153,13 @@ def test_sbatch_exports_the_recipe_environment(name):
     for var, value in needed.items():
         assert f"export {var}={value}" in lines, var
         assert lines[lines.index(f"export {var}={value}") - 1].startswith("# ")  # a reason
-    assert te_env.CUTEDSL_ENV in exported or not needed
+    assert te_env.CUTEDSL_ENV in exported or te_env.CUTEDSL_ENV not in needed
     # before torchrun (and so before Python imports TE)
-    if needed:
-        assert lines.index(f"export {te_env.CUTEDSL_ENV}=1") < next(
-            i for i, line in enumerate(lines) if "torchrun" in line and "exec" in line
-        )
+    for var in te_env.for_recipe(name):
+        if var.before_import:
+            assert lines.index(f"export {var.name}={var.value}") < next(
+                i for i, line in enumerate(lines) if "torchrun" in line and "exec" in line
+            )
 
 
 def test_sbatch_on_cpu_leaves_the_import_time_variable_to_pretrain():

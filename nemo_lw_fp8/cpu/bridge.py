@@ -30,6 +30,14 @@ build a Gated DeltaNet)
     megatron's Gated DeltaNet (Qwen3-Next, Qwen3.5) calls fla's Triton kernels, which take no
     CPU tensors, whichever spec builds it; the PyTorch references of
     :mod:`nemo_lw_fp8.cpu.gated_delta_rule` stand in (:mod:`nemo_lw_fp8.cpu.standins`).
+``nvfp4_recipe_from_env`` (``--cpu-modules te``)
+    megatron's ``fp4_utils.get_fp4_recipe`` builds ``NVFP4BlockScaling()``, whose
+    ``disable_stochastic_rounding`` default TE read from ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING``
+    when it was imported; on CPU TE is imported by the boot (or by the test's launch server)
+    before a recipe's ``env_vars`` are exported, so the variable is read again when megatron
+    builds the recipe. Set to 1 (the NVFP4 recipes' ``env_vars``): the recipe megatron gets has
+    stochastic rounding off, which the emulation refuses by name (docs/nvfp4.md); unset or 0:
+    megatron's recipe unchanged.
 ``router_torch_gemm`` (``--cpu-modules project`` only)
     With TE importable, megatron's ``RouterGatingLinearFunction`` (``moe_utils.py``) runs the
     router GEMM through TE's cuBLAS ``general_gemm``; megatron's own fallback (``torch.mm``, taken
@@ -148,6 +156,7 @@ def install(modules: str = "te") -> None:
 
         if apex_wgrad.install():
             _undo.append(apex_wgrad.uninstall)
+        _install_nvfp4_recipe_from_env()
         return
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -164,6 +173,26 @@ def install(modules: str = "te") -> None:
     from megatron.core.transformer.moe import moe_utils
 
     _swap(moe_utils, "te_general_gemm", None)
+
+
+def _install_nvfp4_recipe_from_env() -> None:
+    """``nvfp4_recipe_from_env`` (module docstring)."""
+    import dataclasses
+    import os
+
+    from megatron.core import fp4_utils
+
+    original = fp4_utils.get_fp4_recipe
+
+    @functools.wraps(original)
+    def nvfp4_recipe_from_env(config: Any) -> Any:
+        recipe = original(config)
+        wanted = os.environ.get("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING", "0") == "1"
+        if wanted and type(recipe).__name__ == "NVFP4BlockScaling":
+            recipe = dataclasses.replace(recipe, disable_stochastic_rounding=True)
+        return recipe
+
+    _swap(fp4_utils, "get_fp4_recipe", nvfp4_recipe_from_env)
 
 
 def uninstall() -> None:

@@ -4,6 +4,11 @@ One place computes it; ``nemo-lw-fp8 pretrain`` (before TE is imported), ``nemo 
 the sbatch script, the nemo-run executor and the recipes' own ``env_vars`` all read it. Decided
 from the source of megatron-core 0.19.2 and TE 2.20.2 (docs/recipes.md, "Launch environment"):
 
+``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1`` (the NVFP4 recipes)
+    TE's ``NVFP4BlockScaling`` takes its ``disable_stochastic_rounding`` default from it when
+    ``transformer_engine`` is imported; megatron's ``get_fp4_recipe`` builds the recipe with the
+    defaults. Exported before TE's import (``pretrain --cpu`` re-reads it when megatron builds
+    the recipe: :mod:`nemo_lw_fp8.cpu.bridge`).
 ``NVTE_GROUPED_LINEAR_SINGLE_PARAM=1`` (single grouped expert weights)
     TE's ``resolve_grouped_linear_single_param_flags`` (``transformer_engine/pytorch/utils.py``)
     honours ``GroupedLinear(single_grouped_weight=True)`` only when it is > 0; otherwise it warns
@@ -36,6 +41,8 @@ from typing import Any
 
 SINGLE_PARAM_ENV = "NVTE_GROUPED_LINEAR_SINGLE_PARAM"
 CUTEDSL_ENV = "NVTE_CUTEDSL_FUSED_GROUPED_MLP"
+#: TE's default of ``NVFP4BlockScaling.disable_stochastic_rounding``, read at TE's import.
+NVFP4_NO_SR_ENV = "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"
 #: TE 2.20.2's floor for its fused grouped MLP (``_cudnn_frontend_version_supported``).
 CUDNN_FRONTEND_MIN = "1.23.0"
 #: Compute capability per GPU the recipes are planned for (SM 10.x: Blackwell).
@@ -58,6 +65,11 @@ class LaunchVar:
 _SINGLE_PARAM_WHY = (
     "TE builds one grouped parameter per expert linear only with this set; without it TE warns "
     "and builds weight0..N, and the recipe would not train what it was configured for"
+)
+_NO_SR_WHY = (
+    "the NVFP4 recipes train without stochastic rounding (the rounding they are verified with "
+    "on CPU; docs/nvfp4.md, NVFP4 recipes): megatron builds NVFP4BlockScaling() with TE's "
+    "defaults, which TE reads from this variable when transformer_engine is imported"
 )
 _CUTEDSL_WHY = (
     "megatron-core 0.19.2 builds op-fuser SwiGLU experts only with this set (else it asserts "
@@ -106,6 +118,8 @@ def needs(model: Any) -> list[LaunchVar]:
         out.append(LaunchVar(SINGLE_PARAM_ENV, "1", _SINGLE_PARAM_WHY))
     if op_fuser_experts(model) and glu_experts(model):
         out.append(LaunchVar(CUTEDSL_ENV, "1", _CUTEDSL_WHY, before_import=True))
+    if _get(model, "fp4") and _get(model, "fp4_recipe") == "nvfp4":
+        out.append(LaunchVar(NVFP4_NO_SR_ENV, "1", _NO_SR_WHY, before_import=True))
     return out
 
 
@@ -132,7 +146,7 @@ def recipe_model(name: str) -> dict[str, Any]:
     else:
         model, variant = found
     arch = models.get_architecture(model)
-    grouped = variant != "hopper"
+    grouped = variant not in recipes.DISCRETE_EXPERT_VARIANTS
     return {
         "num_moe_experts": arch.num_moe_experts,
         "moe_grouped_gemm": True,
@@ -140,8 +154,10 @@ def recipe_model(name: str) -> dict[str, Any]:
         "moe_single_grouped_weight": grouped,
         "gated_linear_unit": arch.gated_linear_unit,
         "activation_func": arch.activation_func,
-        "fp8_recipe": "mxfp8" if grouped else "blockwise",
-        "fp8": "e4m3",
+        "fp8_recipe": {"mxfp8": "mxfp8", "hopper": "blockwise"}.get(variant, variant),
+        "fp8": None if variant == "nvfp4" else "e4m3",
+        "fp4": "e2m1" if variant == "nvfp4" else None,
+        "fp4_recipe": "nvfp4" if variant == "nvfp4" else None,
     }
 
 

@@ -160,7 +160,7 @@ def expert_path_rows(recipe: str, gpu: str) -> list[dict[str, str]]:
     from ..launch import te_env
 
     model = te_env.recipe_model(recipe)
-    family = "gb200" if model["fp8_recipe"] == "mxfp8" else "h100"
+    family = "h100" if model["fp8_recipe"] == "blockwise" else "gb200"
     gpus = tuple(dict.fromkeys((gpu, family)))
     return [{"gpu": name, "path": path} for name, path in te_env.recipe_paths(recipe, gpus)]
 

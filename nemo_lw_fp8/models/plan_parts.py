@@ -13,7 +13,7 @@ from typing import Any
 from .. import layout as lo
 from .shapes import ParamSpec
 from .tensor_parallel import StageRanks, tp_shard
-from .weight_bytes import PARAM_BYTES, mxfp8_weight_bytes
+from .weight_bytes import PARAM_BYTES, mxfp8_weight_bytes, nvfp4_weight_bytes
 
 MASTER_BYTES = 4  # fp32 master weights
 MUON_STATE_BYTES = 4  # Muon momentum, fp32
@@ -32,6 +32,9 @@ class Buffer:
     fp8: bool
     specs: list[ParamSpec]  # model-definition (forward) order
     indices: list[int]  # position of each spec in the rank's parameter list
+    #: The persistent format of the quantized weights of an ``fp8`` buffer: "mxfp8" or "nvfp4"
+    #: (NVFP4 primary weights, ``fp4_param``).
+    weight_format: str = "mxfp8"
 
     @property
     def numel(self) -> int:
@@ -42,9 +45,12 @@ class Buffer:
         return [s.shape for s in self.specs]
 
 
-def buffers_of(specs: list[ParamSpec], fp8: bool, layer_wise: bool) -> list[Buffer]:
+def buffers_of(
+    specs: list[ParamSpec], fp8: bool, layer_wise: bool, weight_format: str = "mxfp8"
+) -> list[Buffer]:
     """Split a rank's trainable parameters by buffer key, as ``group_params_for_buffers`` does
-    (quantized storage, expert-parallel, layer-wise tag), keeping first-seen key order."""
+    (quantized storage, expert-parallel, layer-wise tag), keeping first-seen key order;
+    ``weight_format``: how the quantized weights are held ("mxfp8" or "nvfp4")."""
     groups: dict[tuple[bool, bool, bool], list[int]] = {}
     for i, s in enumerate(specs):
         key = (layer_wise and s.muon, s.expert_parallel, fp8 and s.quantized)
@@ -58,7 +64,11 @@ def buffers_of(specs: list[ParamSpec], fp8: bool, layer_wise: bool) -> list[Buff
                 "mxfp8" if is_fp8 else "bf16",
             )
         )
-        buffers.append(Buffer(name, muon, expert, is_fp8, [specs[i] for i in members], members))
+        buffers.append(
+            Buffer(
+                name, muon, expert, is_fp8, [specs[i] for i in members], members, weight_format
+            )
+        )
     return buffers
 
 
@@ -209,7 +219,9 @@ def rank_view(values: list[int], expert: bool, ranks: StageRanks) -> list[int]:
 
 def param_bytes(buf: Buffer, numel: int) -> int:
     """Persistent parameter bytes of a buffer on every rank: MXFP8 weights (their bf16 param
-    buffer aliases the gradient buffer), or a bf16 buffer of ``numel`` elements."""
+    buffer aliases the gradient buffer) or NVFP4 weights (TE's ``NVFP4Tensor``, both usages),
+    or a bf16 buffer of ``numel`` elements."""
     if buf.fp8:
-        return sum(mxfp8_weight_bytes(s.shape) for s in buf.specs)
+        weight_bytes = nvfp4_weight_bytes if buf.weight_format == "nvfp4" else mxfp8_weight_bytes
+        return sum(weight_bytes(s.shape) for s in buf.specs)
     return numel * PARAM_BYTES

@@ -111,6 +111,7 @@ def plan(
     tp: int = 1,
     etp: int | None = None,
     muon_tp_mode: str = "duplicated",
+    weight_format: str = "mxfp8",
 ) -> dict[str, Any]:
     """Per-rank bytes, Newton-Schulz balance and per-step communication of the three layouts.
 
@@ -131,7 +132,9 @@ def plan(
     (:mod:`.tensor_parallel`), rank vectors run over the ``tp * dp`` ranks of the stage and the
     expert data-parallel group is megatron's ``tp * dp / (ep * etp)`` ranks. ``muon_tp_mode``:
     megatron's Newton-Schulz mode for TP-sharded matrices (the factory's default
-    ``duplicated``), for the work and TP gather bytes per owner. Returns a JSON-ready dict
+    ``duplicated``), for the work and TP gather bytes per owner. ``weight_format``: how the
+    quantized weights are held with ``fp8_param_gather`` ("mxfp8"; "nvfp4": NVFP4 primary
+    weights, counted by :func:`nvfp4_weight_bytes`). Returns a JSON-ready dict
     (docs/planner.md describes every field).
     """
     etp = tp if etp is None else etp
@@ -164,7 +167,7 @@ def plan(
         return edp if buf.expert else dp
 
     # -------------------------------------------------------------- layer-wise (a) and (b)
-    buffers = buffers_of(specs, fp8_param_gather, layer_wise=True)
+    buffers = buffers_of(specs, fp8_param_gather, layer_wise=True, weight_format=weight_format)
     own = our_owners(
         specs, dp, ep, grouped_weight_ownership, qkv_ownership,
         ranks=stage, muon_tp_mode=muon_tp_mode,
@@ -331,7 +334,7 @@ def plan(
 
     # legacy uneven gather: untagged unpadded buffers, one broadcast per rank per bucket
     legacy = {"collectives": 0, "output_bytes": 0}
-    for buf in buffers_of(specs, fp8_param_gather, layer_wise=False):
+    for buf in buffers_of(specs, fp8_param_gather, layer_wise=False, weight_format=weight_format):
         w = world(buf)
         if w <= 1:
             continue
@@ -342,7 +345,7 @@ def plan(
     # -------------------------------------------------------------- (c) Adam everywhere
     adam_acc = Acc(nranks)
     adam_entries: dict[bool, list[tuple[bool, int]]] = {False: [], True: []}
-    for buf in buffers_of(specs, fp8_param_gather, layer_wise=False):
+    for buf in buffers_of(specs, fp8_param_gather, layer_wise=False, weight_format=weight_format):
         w = world(buf)
         layout = lo.stock_distopt_layout(buf.shapes, w, bucket_size)
         padding = layout.numel - buf.numel
@@ -411,6 +414,7 @@ def plan(
         "muon_tp_mode": muon_tp_mode,
         "bucket_size": bucket_size,
         "fp8_param_gather": fp8_param_gather,
+        "weight_format": weight_format,
         "grad_dtype": grad_dtype,
         "grouped_weight_ownership": grouped_weight_ownership,
         "qkv_ownership": qkv_ownership,

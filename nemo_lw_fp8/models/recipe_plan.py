@@ -29,7 +29,7 @@ from .tensor_parallel import MUON_TP_MODES
 #: Usable memory of one GPU, decimal bytes (the vendor's figure).
 GPU_MEMORY = {"h100": 80e9, "h200": 141e9, "b200": 180e9, "gb200": 186e9}
 #: The GPU each recipe variant is planned against (the family its parallelism comes from).
-VARIANT_GPU = {"mxfp8": "gb200", "hopper": "h100", "tiny": "h100"}
+VARIANT_GPU = {"mxfp8": "gb200", "hopper": "h100", "nvfp4": "gb200", "tiny": "h100"}
 
 #: Overrides the planner reads: pretrain's key -> (ParallelismDefaults field or plan setting).
 OVERRIDES = {
@@ -48,6 +48,8 @@ OVERRIDES = {
     "optimizer.gather_padding_tolerance": "gather_padding_tolerance",
     "optimizer.muon_tp_mode": "muon_tp_mode",
     "mixed_precision.fp8_param_gather": "fp8_param_gather",
+    "mixed_precision.fp4_param_gather": "fp8_param_gather",
+    "mixed_precision.num_layers_at_end_in_bf16": "bf16_layers_at_end",
     "ddp.bucket_size": "bucket_size",
     "ddp.grad_reduce_in_fp32": "grad_reduce_in_fp32",
 }
@@ -72,6 +74,12 @@ class RecipeSetup:
     muon_tp_mode: str = "duplicated"
     bucket_size: int | None = None
     grad_reduce_in_fp32: bool = True
+    #: How the quantized weights are held: "mxfp8" (also the planner's count for blockwise
+    #: FP8), "nvfp4" (NVFP4 primary weights of the ``nvfp4`` recipes).
+    weight_format: str = "mxfp8"
+    #: Decoder layers at the end whose weights stay bf16 (megatron's ``first_last_layers_bf16``
+    #: with ``num_layers_at_end_in_bf16``; the NVFP4 recipes set it).
+    bf16_layers_at_end: int = 0
 
 
 def _parse(key: str, text: str) -> Any:
@@ -108,9 +116,14 @@ def recipe_setup(name: str, overrides: list[str] = ()) -> RecipeSetup:  # type: 
     # Hopper recipes gather blockwise FP8 weights, which the plugin keeps whole (their owner
     # quantizes whole 128 x 128 tiles): no grouped weights, no Q / K / V parts.
     hopper = variant == "hopper"
+    # NVFP4 recipes: discrete expert weights (recipes.DISCRETE_EXPERT_VARIANTS), persistent
+    # NVFP4 weights.
     setup = RecipeSetup(
-        key, arch, par, gpu, single_grouped_weight=not hopper,
-        blockwise=hopper,
+        key, arch, par, gpu, single_grouped_weight=variant not in recipes.DISCRETE_EXPERT_VARIANTS,
+        blockwise=hopper, weight_format="nvfp4" if variant == "nvfp4" else "mxfp8",
+        qkv_ownership="whole" if variant == "nvfp4" else "auto",  # as recipes.build sets it
+        bf16_layers_at_end=recipes.nvfp4_bf16_layers_at_end(arch.num_layers)
+        if variant == "nvfp4" else 0,
     )  # fmt: skip
     changes: dict[str, Any] = {}
     for item in overrides:
@@ -135,6 +148,22 @@ def recipe_setup(name: str, overrides: list[str] = ()) -> RecipeSetup:  # type: 
     if changes:
         setup.par = dataclasses.replace(setup.par, **changes)
     return setup
+
+
+def bf16_at_end(specs: list[ParamSpec], arch: MoEArchitecture, layers: int) -> list[ParamSpec]:
+    """The weights of the last ``layers`` decoder layers (megatron's 0-based global index,
+    ``decoder.layers.<i>.``) as bf16: megatron builds them outside the FP4 / FP8 init context
+    (``first_last_layers_bf16``), so they are plain parameters in the bf16 buffers."""
+    if layers <= 0:
+        return specs
+    first = arch.num_layers - layers
+    out = []
+    for spec in specs:
+        match = re.match(r"decoder\.layers\.(\d+)\.", spec.name)
+        if match is not None and int(match.group(1)) >= first and spec.quantized:
+            spec = dataclasses.replace(spec, quantized=False)
+        out.append(spec)
+    return out
 
 
 def group_experts(specs: list[ParamSpec]) -> list[ParamSpec]:
@@ -226,7 +255,7 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
     plans: dict[tuple, dict[str, Any]] = {}
     by_rank = []
     for rank in range(par.pp):
-        specs = stage_param_specs(arch, par, rank)
+        specs = bf16_at_end(stage_param_specs(arch, par, rank), arch, setup.bf16_layers_at_end)
         if setup.single_grouped_weight:
             specs = group_experts(specs)
         signature = tuple(
@@ -246,6 +275,7 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
                 tp=par.tp,
                 etp=par.etp,
                 muon_tp_mode=setup.muon_tp_mode,
+                weight_format=setup.weight_format,
             )
         by_rank.append(plans[signature])
 

@@ -7,7 +7,8 @@ Each full-size example takes its node count and GPUs per node from the recipe's 
 parallelism (:func:`nemo_lw_fp8.models.parallelism`, from Megatron-Bridge 0.6.2's perf
 recipes: DeepSeek-V3 GB200 256 GPUs = 64 x 4, DeepSeek-V3 H100 1024 = 128 x 8, Qwen3-235B-A22B
 H100 256 = 32 x 8), so the scripts follow the recipes. Recipe names are those of
-:mod:`nemo_lw_fp8.recipes` (``<model>_mxfp8`` for Blackwell, ``<model>_hopper`` for Hopper).
+:mod:`nemo_lw_fp8.recipes` (``<model>_mxfp8`` and ``<model>_nvfp4`` for Blackwell,
+``<model>_hopper`` for Hopper).
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ IMAGE = "./nemo-lw-fp8.sqsh"
 
 
 def _full(model: str, variant: str) -> dict[str, Any]:
-    gpu = {"mxfp8": "gb200", "hopper": "h100"}[variant]
+    gpu = {"mxfp8": "gb200", "hopper": "h100", "nvfp4": "gb200"}[variant]
     par = parallelism(model, gpu)
     return dict(
         recipe=f"{model.replace('-', '_')}_{variant}",
         nodes=par.nodes,
         gpus_per_node=par.gpus_per_node,
-        gpu_arch="blackwell" if variant == "mxfp8" else "hopper",
+        gpu_arch="hopper" if variant == "hopper" else "blackwell",
         container_image=IMAGE,
     )
 
@@ -42,6 +43,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "deepseek_v3_mxfp8_gb200.sbatch": _full("deepseek-v3", "mxfp8"),
     "deepseek_v3_hopper_h100.sbatch": _full("deepseek-v3", "hopper"),
     "qwen3_235b_a22b_hopper_h100.sbatch": _full("qwen3-235b-a22b", "hopper"),
+    "deepseek_v3_nvfp4_gb200.sbatch": _full("deepseek-v3", "nvfp4"),
     # Plumbing check on any Slurm cluster, no GPU: 2 gloo ranks on 1 node, 2 steps.
     "tiny_deepseek_v3_cpu_smoke.sbatch": dict(
         recipe="tiny_deepseek_v3",
