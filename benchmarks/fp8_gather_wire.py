@@ -1,6 +1,6 @@
 """Bytes per parameter on the wire: bf16 staging vs blockwise FP8 gather, layer-wise Muon.
 
-For DeepSeek-V3 and Qwen3-235B-A22B (shapes from :mod:`nemo_lw_fp8.models.shapes`), every distinct
+For DeepSeek-V3 and Qwen3-235B-A22B (shapes from :mod:`nemo_lw_fp8.planner.shapes`), every distinct
 Muon-managed matrix shape is gathered once on 2 CPU ranks over gloo, through the plugin's real
 gather code, and the bytes are counted by wrapping ``torch.distributed.all_gather`` /
 ``all_gather_into_tensor`` (bytes of the received buffers):

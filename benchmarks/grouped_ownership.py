@@ -1,11 +1,11 @@
 """Who owns single grouped expert weights under layer-wise Muon: whole vs expert runs.
 
-For each model at its recipe's expert-parallel and pipeline sizes (``nemo_lw_fp8.models``,
+For each model at its recipe's expert-parallel and pipeline sizes (``nemo_lw_fp8.planner``,
 GB200 defaults), scaling the expert-data-parallel size ``d`` (more GPUs): the grouped weights of
 the busiest pipeline stage (fc1 and fc2 of each MoE layer, ``E / EP`` local experts each) are
 owned over the ``d`` ranks of an expert-DP group, whole (``grouped_weight_ownership="whole"``)
 or in runs of experts (``"expert"``), by the same functions the compact layout patch calls
-(``nemo_lw_fp8.layout.choose_pieces``). Printed per case: the busiest rank's Newton-Schulz work
+(``nemo_lw_fp8.layout.packing.choose_pieces``). Printed per case: the busiest rank's Newton-Schulz work
 over the mean, ranks that own nothing, the busiest rank's fp32 master + Muon momentum bytes, and
 what ``"auto"`` picks. Pure arithmetic on the shapes; no GPU, no process group.
 
@@ -18,8 +18,8 @@ import argparse
 import json
 import math
 
-from nemo_lw_fp8 import layout
-from nemo_lw_fp8.models import get_architecture, parallelism
+from nemo_lw_fp8.layout import packing as layout
+from nemo_lw_fp8.planner import get_architecture, parallelism
 
 MODELS = ("deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b")
 EXPERT_DP = (1, 2, 4, 8, 16, 32, 64)

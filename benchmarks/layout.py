@@ -8,7 +8,7 @@ transient peak, persistent padding, and Newton-Schulz max/mean next to its lower
 stock 0.19.2 padded, compact with all-reduce (upstream #5388 / #5479), the plugin's compact
 owner-reduce path, and Adam (DistributedOptimizer); upstream main's padded figures from
 ``../shared/notes/upstream-main-2026-08.md`` beside them. Computed by
-:func:`nemo_lw_fp8.models.traffic.rank_traffic` (megatron's own layout code on meta tensors).
+:func:`nemo_lw_fp8.planner.traffic.rank_traffic` (megatron's own layout code on meta tensors).
 ``--qkv-ownership whole`` plans ``linear_qkv`` weights owned whole (the default, ``split``, owns
 the Q / K / V parts Muon orthogonalizes separately on their own).
 
@@ -38,8 +38,8 @@ UPSTREAM_MAIN = {
 
 
 def main() -> None:
-    from nemo_lw_fp8.models.recipe_plan import recipe_setup
-    from nemo_lw_fp8.models.traffic import format_rows, pipeline_rows, whole_model_rows
+    from nemo_lw_fp8.planner.recipe_plan import recipe_setup
+    from nemo_lw_fp8.planner.traffic import format_rows, pipeline_rows, whole_model_rows
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nemo_lw_fp8.emulation import mxfp8 as mx  # noqa: E402
+from nemo_lw_fp8.cpu.formats import mxfp8 as mx  # noqa: E402
 
 
 def _time_once(fn: Callable[[], object]) -> float:

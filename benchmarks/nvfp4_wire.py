@@ -1,6 +1,6 @@
 """Bytes per parameter on the wire: bf16 vs the layer-wise NVFP4 param gather (FP4 primary weights).
 
-For DeepSeek-V3 and Qwen3-235B-A22B (shapes from :mod:`nemo_lw_fp8.models.shapes`), every distinct
+For DeepSeek-V3 and Qwen3-235B-A22B (shapes from :mod:`nemo_lw_fp8.planner.shapes`), every distinct
 Muon-managed matrix shape is gathered once on 2 CPU ranks over gloo, through the plugin's real
 gather code, and the bytes are counted by wrapping ``torch.distributed.all_gather`` /
 ``all_gather_into_tensor`` (bytes of the received buffers):
@@ -14,7 +14,7 @@ gather code, and the bytes are counted by wrapping ``torch.distributed.all_gathe
 
 Counts are multiplied by how often each shape occurs in the model (all experts, all layers) and
 divided by the parameter count (the measuring is ``wire_bytes.py``'s, shared with
-``fp8_gather_wire.py``). The planner's count (``nemo_lw_fp8.models.weight_bytes``) must equal
+``fp8_gather_wire.py``). The planner's count (``nemo_lw_fp8.planner.weight_bytes``) must equal
 the bytes counted. Wire bytes do not depend on the values, so the owner ships an
 empty weight and skips quantising (no master); the quantising and the receivers' rebuild are
 tested bit for bit in ``tests/test_nvfp4_param_gather.py``. The uneven gather is used (payload
@@ -41,7 +41,7 @@ MODELS = ("deepseek-v3", "qwen3-235b-a22b")
 def _planned_bytes(key: tuple[tuple[int, ...], bool]) -> int:
     """What ``nemo-lw-fp8 plan`` counts for one matrix on the NVFP4 wire: a TE linear weight
     as codes + tile scales + amax, any other Muon matrix (the router) as bf16."""
-    from nemo_lw_fp8.models.weight_bytes import PARAM_BYTES, nvfp4_wire_bytes
+    from nemo_lw_fp8.planner.weight_bytes import PARAM_BYTES, nvfp4_wire_bytes
 
     shape, quantized = key
     numel = 1

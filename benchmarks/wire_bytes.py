@@ -29,7 +29,7 @@ KINDS = ("blockwise", "nvfp4")
 
 def muon_matrices(model: str) -> Counter[tuple[tuple[int, ...], bool]]:
     """(shape, quantized) -> how many Muon-managed matrices of the model have it."""
-    from nemo_lw_fp8.models import param_shapes
+    from nemo_lw_fp8.planner import param_shapes
 
     return Counter(
         (tuple(spec.shape), spec.quantized)
@@ -123,8 +123,8 @@ def measure(shapes: list[tuple[tuple[int, ...], bool]], kind: str) -> list[dict[
     import torch
     import torch.distributed as dist
 
-    from nemo_lw_fp8 import layout
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
+    from nemo_lw_fp8.layout import packing as layout
     from nemo_lw_fp8.mechanics import blockwise, compact
     from nemo_lw_fp8.state import group_state
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 __version__ = "0.1.0"
 
-from .compat import hide_old_nvrx_async_checkpointing as _hide_old_nvrx
+from nemo_lw_fp8.compat import hide_old_nvrx_async_checkpointing as _hide_old_nvrx
 
 # Must run before megatron.core is imported (see nemo_lw_fp8/compat.py); a no-op unless an
 # NVRx older than 0.6 is installed.
@@ -36,7 +36,7 @@ def apply(
     ``apply([], mla_local_attention=True)``: only that one). A patch's ``requires`` come along.
     Returns ``{feature: "patched" | "native"}``. Call it before models and optimizers are built.
     """
-    from . import patches
+    from nemo_lw_fp8 import patches
 
     patches.load_all()
     known = patches.registry()
@@ -51,18 +51,18 @@ def apply(
 
 def revert(features: Iterable[str] | None = None) -> None:
     """Undo :func:`apply` (all features by default), restoring the original objects exactly."""
-    from . import patches
+    from nemo_lw_fp8 import patches
 
     patches.revert(features)
 
 
 def applied() -> list[str]:
     """Names of the features currently patched into megatron-core."""
-    from . import patches
+    from nemo_lw_fp8 import patches
 
     return patches.applied()
 
 
-from .config import LayerWiseConfig  # noqa: E402 (after the NVRx shim; imports no megatron)
+from nemo_lw_fp8.config import LayerWiseConfig  # noqa: E402 (after the NVRx shim; imports no megatron)
 
 __all__ = ["LayerWiseConfig", "__version__", "applied", "apply", "revert"]

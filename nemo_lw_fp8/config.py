@@ -4,7 +4,7 @@ Megatron's flags keep their meaning and stay where megatron reads them (``Optimi
 ``DistributedDataParallelConfig``, ``TransformerConfig``). What megatron has no field for lives
 here: how layer-wise buffers are laid out, when the compact gather may pad, and how single
 grouped expert weights are owned. A :class:`LayerWiseConfig` checks itself through
-:mod:`nemo_lw_fp8.guards` when it is made (a bad value fails at once, naming the rule and the
+:mod:`nemo_lw_fp8.rules` when it is made (a bad value fails at once, naming the rule and the
 fix) and is attached to the DDP config that wraps the model; every mechanism reads it back from
 there with :func:`read` -- the one place where the plugin's settings meet megatron's configs.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .layout import (
+from nemo_lw_fp8.vocabulary import (
     DEFAULT_GATHER_PADDING_TOLERANCE,
     GRAD_SYNC_MODES,
     GROUPED_WEIGHT_OWNERSHIP,
@@ -89,12 +89,12 @@ class LayerWiseConfig:
     bucket_cap_numel: int | None = None
 
     def __post_init__(self) -> None:
-        from . import guards
+        from nemo_lw_fp8 import rules as guards
 
         guards.check(guards.Settings(use_layer_wise_distributed_optimizer=True, **self.settings()))
 
     def settings(self) -> dict[str, Any]:
-        """The fields :class:`nemo_lw_fp8.guards.Settings` reads, under its names."""
+        """The fields :class:`nemo_lw_fp8.rules.Settings` reads, under its names."""
         return {
             "layer_wise_layout": self.layout,
             "gather_padding_tolerance": self.gather_padding_tolerance,

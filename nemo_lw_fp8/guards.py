@@ -1,111 +1,12 @@
-"""Every configuration rule the plugin knows, in one list: :data:`RULES`.
-
-A rule looks at a flat view of the settings (:class:`Settings`, built from megatron's
-``OptimizerConfig`` + ``DistributedDataParallelConfig``, from megatron-training ``args``, or by
-hand) and returns a message when the combination is unsupported. :func:`check` raises
-:class:`ConfigError` naming the flag and the fix; nothing is ever corrected silently.
-
-Rules run when the configuration is finalised: in megatron-training's ``validate_args`` (patched),
-and when the plugin's patched ``LayerWiseDistributedOptimizer`` is built. ``docs/guards.md`` lists
-them; each has a test in ``tests/test_guards.py`` or ``tests/test_guard_catalogue.py``.
-
-The rules themselves live by topic, each module importing only :mod:`.guard_settings`:
-:mod:`.rules_fp8` (FP8 param gather, compact basics), :mod:`.rules_grouped` (single grouped
-expert weights, TE's launch environment), :mod:`.rules_integration` (recipes, launchers, the
-plugin's own settings) and :mod:`.scope_guards` (what is outside the tested scope). This module
-puts them in one ordered list (the first broken rule is the one reported) and runs them. The
-rules on loading a checkpoint another run wrote are in :mod:`nemo_lw_fp8.checkpoint_guards` and
-importable from here.
-"""
+"""The rule catalogue's first address, kept for code written against it
+(``nemo_lw_fp8.guards.check(settings)``): every name resolves in :mod:`nemo_lw_fp8.rules`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import scope_guards
-
-# The checkpoint-load rules: a module of their own, listed here with every other rule.
-from .checkpoint_guards import CHECKPOINT_FIXED_FIELDS as CHECKPOINT_FIXED_FIELDS
-from .checkpoint_guards import CHECKPOINT_RULES as CHECKPOINT_RULES
-from .checkpoint_guards import checkpoint_bucket_resplit as checkpoint_bucket_resplit
-from .checkpoint_guards import checkpoint_mismatch as checkpoint_mismatch
-from .checkpoint_guards import checkpoint_missing_files as checkpoint_missing_files
-from .checkpoint_guards import checkpoint_tp_resplit as checkpoint_tp_resplit
-from .checkpoint_guards import checkpoint_truncated_files as checkpoint_truncated_files
-from .guard_settings import ConfigError as ConfigError
-from .guard_settings import Rule as Rule
-from .guard_settings import Settings as Settings
-from .rules_fp8 import LAYER_WISE_FP8_GATHER_RECIPES as LAYER_WISE_FP8_GATHER_RECIPES
-from .rules_fp8 import RULES as FP8_RULES
-from .rules_fp8 import blockwise_reuse_message as blockwise_reuse_message
-from .rules_grouped import CUTEDSL_ENV as CUTEDSL_ENV
-from .rules_grouped import GROUPED_SINGLE_PARAM_ENV as GROUPED_SINGLE_PARAM_ENV
-from .rules_grouped import GROUPED_WEIGHT_MIN_TE as GROUPED_WEIGHT_MIN_TE
-from .rules_grouped import GROUPED_WEIGHT_RULES as GROUPED_WEIGHT_RULES
-from .rules_grouped import LAUNCH_ENV_RULES as LAUNCH_ENV_RULES
-from .rules_grouped import _installed_te_version as _installed_te_version
-from .rules_grouped import _version_tuple as _version_tuple
-from .rules_integration import INTEGRATION_RULES as _INTEGRATION_RULES
-from .rules_integration import qkv_split_blockwise_message as qkv_split_blockwise_message
-
-#: Settings outside what the plugin is tested on (nemo_lw_fp8/scope_guards.py).
-SCOPE_RULES: tuple[Rule, ...] = (
-    Rule("layer-wise-context-parallel", "layer-wise Muon is tested with context parallel 1",
-         scope_guards.layer_wise_context_parallel),
-    Rule("layer-wise-checkpoint-format", "layer-wise runs save and resume torch_dist",
-         scope_guards.layer_wise_ckpt_format),
-)
-#: The rules of recipes, launchers and the plugin's own settings (their cases are in
-#: tests/test_guard_catalogue.py; the others' in tests/test_guards.py).
-INTEGRATION_RULES: tuple[Rule, ...] = _INTEGRATION_RULES + SCOPE_RULES + LAUNCH_ENV_RULES
-#: Every rule, in the order :func:`check` reports them.
-RULES: tuple[Rule, ...] = FP8_RULES + GROUPED_WEIGHT_RULES + INTEGRATION_RULES
+from nemo_lw_fp8 import rules
 
 
-class _RecordingView:
-    """The settings as a rule sees them, recording which fields the rule reads."""
-
-    def __init__(self, settings: Settings) -> None:
-        self._settings = settings
-        self.read: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        self.read.append(name)
-        return getattr(self._settings, name)
-
-
-def _with_sources(message: str, settings: Settings, read: list[str]) -> str:
-    """``message`` plus where the fields the rule read came from (when that was recorded)."""
-    sources = dict(settings.sources)
-    named = []
-    for name in dict.fromkeys(read):
-        if name in sources:
-            named.append(f"{name}={getattr(settings, name)!r} from {sources[name]}")
-    return f"{message} (read: {'; '.join(named)})" if named else message
-
-
-def violations(settings: Settings) -> list[tuple[str, str]]:
-    """Every rule the settings break, as ``(rule, message)``."""
-    found = []
-    for rule in RULES:
-        view = _RecordingView(settings)
-        message = rule.violated(view)  # type: ignore[arg-type]
-        if message:
-            found.append((rule.name, _with_sources(message, settings, view.read)))
-    return found
-
-
-def check(settings: Settings) -> None:
-    """Raise :class:`ConfigError` for the first rule the settings break."""
-    found = violations(settings)
-    if found:
-        rule, message = found[0]
-        raise ConfigError(rule, message)
-
-
-# --------------------------------------------------------------------------- checkpoint loads:
-# the rules ``checkpoint-mismatch``, ``-missing-shard`` and ``-truncated-shard``
-# (CHECKPOINT_RULES) live in nemo_lw_fp8/checkpoint_guards.py (imported above): they read a
-# saved run's config and files, not Settings, and are checked when Bridge loads a checkpoint
-# (mechanics/checkpointing.py).
-
+def __getattr__(name: str) -> Any:
+    return getattr(rules, name)

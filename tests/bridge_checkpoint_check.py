@@ -19,7 +19,7 @@ MASTER_PREFIX = "chained_0.optimizer.state.fp32_param."
 def check(directory: str) -> dict[str, list[str]]:
     import torch.distributed.checkpoint as dcp
 
-    from nemo_lw_fp8.emulation.fp8_linear import quantize_dequantize
+    from nemo_lw_fp8.cpu.layers.mxfp8_linear import quantize_dequantize
 
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     names = [key[len(MASTER_PREFIX) :] for key in metadata if key.startswith(MASTER_PREFIX)]

@@ -14,18 +14,19 @@ import tempfile
 import traceback
 
 import nemo_lw_fp8
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 
 te_backend.activate()
 
 from nemo_lw_fp8 import bridge, recipes  # noqa: E402
 from nemo_lw_fp8 import config as plugin_config  # noqa: E402
-from nemo_lw_fp8 import models as architectures  # noqa: E402
-from nemo_lw_fp8.guards import ConfigError  # noqa: E402
-from nemo_lw_fp8.launch.pretrain import resolve_config  # noqa: E402
-from nemo_lw_fp8.recipe_yaml import recipe_row  # noqa: E402
+from nemo_lw_fp8 import planner as architectures  # noqa: E402
+from nemo_lw_fp8.cli.pretrain import resolve_config  # noqa: E402
+from nemo_lw_fp8.recipes.yaml_files import recipe_row  # noqa: E402
+from nemo_lw_fp8.rules import ConfigError  # noqa: E402
+from nemo_lw_fp8.vocabulary import SINGLE_GROUPED_WEIGHT_ENV  # noqa: E402
 
-SWITCH = recipes.SINGLE_GROUPED_WEIGHT_ENV
+SWITCH = SINGLE_GROUPED_WEIGHT_ENV
 
 
 def guard_case(recipe: str, overrides: list[str]) -> str:

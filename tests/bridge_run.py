@@ -49,7 +49,7 @@ def install_mutation(mutation: str) -> None:
         # TE's modules: every re-quantization of a persistent MXFP8 weight (the gather's copy
         # into the weights) refreshes the rowwise copy only; the columnwise copy the dgrad GEMM
         # reads keeps its old bytes.
-        from nemo_lw_fp8.emulation import te_backend
+        from nemo_lw_fp8.cpu.te import backend as te_backend
 
         te_backend.activate()  # TE over the CPU emulation before anything imports it
         from support.te_helpers import rowwise_only_refresh  # tests/ is this script's path
@@ -219,7 +219,7 @@ def install_probe(prefix: str) -> None:
 
     import torch.distributed as dist
 
-    import nemo_lw_fp8.launch.pretrain as launch_pretrain
+    import nemo_lw_fp8.cli.pretrain as launch_pretrain
     import nemo_lw_fp8.mechanics.blockwise as blockwise
     import nemo_lw_fp8.mechanics.tp_duplicated as tp_duplicated
     from nemo_lw_fp8.mechanics import expert_slices
@@ -260,7 +260,7 @@ def install_probe(prefix: str) -> None:
         _seen["tp_duplicated"] = _seen.get("tp_duplicated", 0) + len(changed)
         return changed
 
-    import nemo_lw_fp8.cpu.bridge as cpu_bridge
+    import nemo_lw_fp8.cpu.megatron.bridge_pretrain as cpu_bridge
     import nemo_lw_fp8.mechanics.nvfp4_gather as nvfp4_gather
 
     _seen.update(nvfp4_unpacked=0, gemms=0, nvfp4_gemms=0)
@@ -349,7 +349,7 @@ def install_probe(prefix: str) -> None:
 
 def install_state_tensors(prefix: str) -> None:
     """Each rank also writes the tensors behind its per-parameter state record
-    (:func:`nemo_lw_fp8.launch.state_by_name.state_by_name`, taken at the start and the end of
+    (:func:`nemo_lw_fp8.mechanics.state_by_name.state_by_name`, taken at the start and the end of
     training) to ``{prefix}.{start|end}.rank<N>.pt``: ``{"state": {name: {kind: tensor}},
     "partition_dim": {name: dim}}``, the second for every TP-sharded parameter (megatron's
     ``partition_dim`` attribute, names as the record gives them, TP rank included).
@@ -361,7 +361,7 @@ def install_state_tensors(prefix: str) -> None:
         return
     import torch
 
-    import nemo_lw_fp8.launch.state_by_name as by_name
+    import nemo_lw_fp8.mechanics.state_by_name as by_name
 
     _sha, _record = by_name._sha, by_name.state_by_name
     seen: dict = {}

@@ -36,7 +36,7 @@ def pytest_configure(config):
     emulation) must be there, so no FP8 test can skip silently."""
     if os.environ.get("NEMO_LW_FP8_REQUIRE_TE") != "1":
         return
-    from nemo_lw_fp8.emulation import te_backend
+    from nemo_lw_fp8.cpu.te import backend as te_backend
 
     if te_backend.te_package_dirs() is None:
         raise pytest.UsageError(

@@ -34,15 +34,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def _warm_up() -> None:
     """Import what every rank imports, in the order the entry point does."""
-    from nemo_lw_fp8.emulation import te_backend
+    from nemo_lw_fp8.cpu.te import backend as te_backend
 
     te_backend.activate()
     import megatron.bridge.training.gpt_step  # noqa: F401
     import megatron.bridge.training.pretrain  # noqa: F401
     import megatron.bridge.training.utils.omegaconf_utils  # noqa: F401
 
-    import nemo_lw_fp8.cpu.bridge  # noqa: F401
-    import nemo_lw_fp8.launch.pretrain  # noqa: F401
+    import nemo_lw_fp8.cli.pretrain  # noqa: F401
+    import nemo_lw_fp8.cpu.megatron.bridge_pretrain  # noqa: F401
     import nemo_lw_fp8.recipes  # noqa: F401
 
     gc.freeze()  # the imported stack: never collected, never copied by the ranks' collections

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 
 REPO = Path(__file__).resolve().parents[1]
 

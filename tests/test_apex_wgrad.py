@@ -1,4 +1,4 @@
-"""The stand-in for APEX's ``fused_weight_gradient_mlp_cuda`` (``nemo_lw_fp8.cpu.apex_wgrad``):
+"""The stand-in for APEX's ``fused_weight_gradient_mlp_cuda`` (``nemo_lw_fp8.cpu.megatron.apex_wgrad``):
 ``main_grad += dy^T x`` against a float64 reference within the bound its fp32 arithmetic
 explains (an fp32 dot product of ``n`` terms: ``n * 2^-24 * sum|terms|``, Higham's gamma_n; one
 more rounding for the add, and half an ulp of bf16 for the bf16 kernel's single cast), and
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_lw_fp8.cpu import apex_wgrad
+from nemo_lw_fp8.cpu.megatron import apex_wgrad
 
 U32, U_BF16 = 2.0**-24, 2.0**-8
 

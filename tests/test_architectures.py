@@ -1,4 +1,4 @@
-"""nemo_lw_fp8.models: sizes, tiny twins, parallelism defaults, planner view."""
+"""nemo_lw_fp8.planner: sizes, tiny twins, parallelism defaults, planner view."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from nemo_lw_fp8 import models as A
-from nemo_lw_fp8.models import SPECS, param_shapes, total_params
+from nemo_lw_fp8 import planner as A
+from nemo_lw_fp8.planner import SPECS, param_shapes, total_params
 
 ARCHS = list(A.ARCHITECTURES.values())
 IDS = [a.name for a in ARCHS]
@@ -38,7 +38,7 @@ def test_count_agrees_with_model_spec_shapes(arch):
 def _without_expert_bias(monkeypatch: pytest.MonkeyPatch) -> None:
     """The controls' mutation: the analytic count forgets the router's ``expert_bias`` buffer
     (one entry per expert and MoE layer, in the checkpoint though not trained)."""
-    from nemo_lw_fp8.models import counting
+    from nemo_lw_fp8.planner import counting
 
     original = counting._mlp_params
 
@@ -174,7 +174,7 @@ def tiny_models_built() -> dict[str, list[int]]:
         import torch.distributed as dist
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
         dist.init_process_group("gloo", rank=0, world_size=1)
-        from nemo_lw_fp8.cpu import standins
+        from nemo_lw_fp8.cpu.megatron import standins
         standins.install()
         from megatron.core import parallel_state
         parallel_state.initialize_model_parallel()
@@ -186,7 +186,7 @@ def tiny_models_built() -> dict[str, list[int]]:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
         from megatron.core.transformer.transformer_config import (
             MLATransformerConfig, TransformerConfig)
-        from nemo_lw_fp8 import models as A
+        from nemo_lw_fp8 import planner as A
 
         class DPA(DotProductAttention):  # megatron 0.19.2's local MLA spec passes k_channels
             def __init__(self, *args, k_channels=None, v_channels=None, **kw):
@@ -346,7 +346,7 @@ def test_tiny_at_tensor_parallel_keeps_whole_blockwise_tiles_per_shard(arch):
 
 @pytest.mark.parametrize("arch", ARCHS, ids=IDS)
 def test_planner_runs_on_tiny_twins(arch):
-    from nemo_lw_fp8.models import planner
+    from nemo_lw_fp8.planner import rank_plan as planner
 
     result = planner.plan(A.to_model_spec(A.tiny(arch), include_mtp=True).params(), 2, 2)
     compact = result["layouts"]["compact"]

@@ -25,11 +25,11 @@ from fractions import Fraction
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import blockwise as bw
-from nemo_lw_fp8.emulation import blockwise_sharded_cast as bws
-from nemo_lw_fp8.emulation import mxfp8 as mx
-from nemo_lw_fp8.emulation import mxfp8_format as mxf
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.formats import blockwise as bw
+from nemo_lw_fp8.cpu.formats import blockwise_sharded_cast as bws
+from nemo_lw_fp8.cpu.formats import mxfp8 as mx
+from nemo_lw_fp8.cpu.formats import mxfp8_layout as mxf
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.te_test_support import TE_PATH, ThreadedMaxAllReduce, needs_te, run_te_script
 
 E4M3 = torch.float8_e4m3fn
@@ -588,7 +588,7 @@ def test_linear_backward_quantizes_as_te_float8_block_scaling():
     """BlockwiseFP8Linear's GEMM operands (bf16 weight, quantised on the fly) at widths that
     leave partial blocks: forward Q1x128(x) Q128x128(W)^T; dgrad Q_row(dy) (1x128 along out) @
     W; wgrad Q_col(dy)^T (128x1 along tokens) @ Q_col(x) (128x1); bias grad from raw dy."""
-    from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
+    from nemo_lw_fp8.cpu.layers.blockwise_linear import BlockwiseFP8Linear
 
     torch.manual_seed(0)
     tokens, k, n = 200, 96, 160
@@ -742,7 +742,7 @@ def test_control_quantize_shard_without_the_all_reduce_differs(ranks: int) -> No
 TE_SCRIPT = r"""
 import json, math, random, threading
 import torch
-from nemo_lw_fp8.emulation import activate
+from nemo_lw_fp8.cpu.te import activate
 R = {"backend": activate()}
 import transformer_engine_torch as tex
 from transformer_engine.common.recipe import Float8BlockScaling, Format
@@ -753,7 +753,7 @@ from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage i
     Float8BlockwiseQTensorStorage)
 from transformer_engine.pytorch.tensor.utils import (
     cast_master_weights_to_fp8, post_all_gather_processing, quantize_master_weights)
-from nemo_lw_fp8.emulation import blockwise as bw
+from nemo_lw_fp8.cpu.formats import blockwise as bw
 import megatron.core.fp8_utils as fu
 
 FMTS = {"e4m3": (torch.float8_e4m3fn, tex.DType.kFloat8E4M3),
@@ -930,8 +930,8 @@ R["distributed_control"] = dist_control
 # --- megatron's attributes on a quantized weight survive a module-wide cast (Float16Module's
 # module.bfloat16()), as TE's TransformerEngineBaseModule._apply keeps them; the control puts
 # torch's own Module._apply back, whose swap_tensors drops them
-from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
-from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear, QuantizedParamModule
+from nemo_lw_fp8.cpu.layers.blockwise_linear import BlockwiseFP8Linear
+from nemo_lw_fp8.cpu.layers.mxfp8_linear import MXFP8Linear, QuantizedParamModule
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 kept = {}
 for cls in (BlockwiseFP8Linear, MXFP8Linear):

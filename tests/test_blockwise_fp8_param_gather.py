@@ -17,7 +17,7 @@ import contextlib
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, RankFailure, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.parity import assert_fp8_gather_parity as assert_bitwise
@@ -469,7 +469,7 @@ def test_owner_payload_from_te_kernels_equals_emulation_on_gpu():
     from transformer_engine.pytorch.constants import DType
     from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
 
-    from nemo_lw_fp8.emulation import blockwise as bw
+    from nemo_lw_fp8.cpu.formats import blockwise as bw
     from nemo_lw_fp8.mechanics import blockwise as bwg
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Rule ``checkpoint-bucket-resplit`` (nemo_lw_fp8/checkpoint_guards.py): a ``dp_reshardable``
+"""Rule ``checkpoint-bucket-resplit`` (nemo_lw_fp8/rules/checkpoint.py): a ``dp_reshardable``
 checkpoint is refused before anything is loaded when this run would cut the distributed
 optimizer's buckets elsewhere (docs/checkpointing.md, "Another data-parallel size")."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_lw_fp8 import guards
+from nemo_lw_fp8 import rules as guards
 
 WHERE = "/ckpt/iter_0000010"
 #: One Adam buffer saved at DP 32 (bucket size 40M): a 40M bucket closed by size, then the rest.

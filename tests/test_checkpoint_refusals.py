@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_lw_fp8 import guards
+from nemo_lw_fp8 import rules as guards
 from nemo_lw_fp8.mechanics import checkpointing
 from tests.support import bridge_runs as br
 

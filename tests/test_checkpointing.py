@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.scenarios import Scenario
@@ -477,7 +477,7 @@ def cpu_adam_state_layout() -> dict:
     """megatron's Adam on CPU keeps FusedAdam's layout: moments per parameter, step per group."""
     import megatron.core.optimizer as megatron_optimizer
 
-    from nemo_lw_fp8.cpu.fused_adam import CPUFusedAdam
+    from nemo_lw_fp8.cpu.megatron.fused_adam import CPUFusedAdam
 
     assert megatron_optimizer.Adam is CPUFusedAdam
     assert not megatron_optimizer.USING_PYTORCH_OPTIMIZER

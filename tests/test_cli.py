@@ -146,7 +146,7 @@ def test_good_overrides_pass(bridge_cases):
 
 
 def test_progress_line_and_eta():
-    from nemo_lw_fp8.launch.pretrain import Progress
+    from nemo_lw_fp8.cli.pretrain import Progress
 
     progress = Progress(total=10, every=2)
     progress.start = 0.0

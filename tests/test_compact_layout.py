@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges, assert_fp8_gather_parity
 from tests.support.scenarios import Scenario, boot_for
@@ -238,7 +238,7 @@ def _first_owners() -> dict[str, int]:
 
 def _max_load_and_largest_cost(owners: dict[str, int]) -> tuple[int, int]:
     """The busiest rank's Newton-Schulz work under ``owners``, and the largest matrix's."""
-    from nemo_lw_fp8 import layout
+    from nemo_lw_fp8.layout import packing as layout
 
     module_shapes = {
         "net.0.weight": (64, 32),
@@ -434,7 +434,7 @@ def allocated_buffers(scenario: Scenario) -> list[dict]:
 
 
 def _mlp_specs():
-    from nemo_lw_fp8.models import ParamSpec
+    from nemo_lw_fp8.planner import ParamSpec
     from tests.support.scenarios import TinyMLP
 
     return [
@@ -459,7 +459,7 @@ def _allocated(distribution: str, world_size: int) -> list[dict]:
 def _byte_mismatches(real: list[dict], world_size: int, key: str) -> list[str]:
     """Where the planner's ``key`` layout at ``world_size`` disagrees with ``real`` (grad and
     param bytes of the Muon and the Adam buffers); empty when it agrees everywhere."""
-    from nemo_lw_fp8.models import plan
+    from nemo_lw_fp8.planner import plan
 
     planned = plan(_mlp_specs(), dp=world_size, fp8_param_gather=False)["layouts"][key]
     bad = []

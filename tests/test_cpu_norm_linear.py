@@ -1,4 +1,4 @@
-"""The CPU fused norm + linear (``nemo_lw_fp8.cpu.norm_linear``) and the ``local_norm_linear``
+"""The CPU fused norm + linear (``nemo_lw_fp8.cpu.layers.norm_linear``) and the ``local_norm_linear``
 stand-in: MLA without a q LoRA (DeepSeek-V2-Lite) builds on CPU with TE's structure."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _config(**overrides: Any) -> Any:
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
         apply_rope_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, rope_type="rope", normalization="RMSNorm", qk_layernorm=True,
-        transformer_impl="local",  # as the CPU backend runs (nemo_lw_fp8.cpu.bridge)
+        transformer_impl="local",  # as the CPU backend runs (nemo_lw_fp8.cpu.megatron.bridge_pretrain)
     )
     settings.update(overrides)
     return MLATransformerConfig(**settings)
@@ -34,8 +34,8 @@ def fused_vs_separate(fp8: bool, normalization: str, wrong_eps: bool = False) ->
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from nemo_lw_fp8.cpu.layers import MXFP8ColumnParallelLinear
-    from nemo_lw_fp8.cpu.norm_linear import CPULayerNormColumnParallelLinear
+    from nemo_lw_fp8.cpu.layers.norm_linear import CPULayerNormColumnParallelLinear
+    from nemo_lw_fp8.cpu.layers.parallel_linears import MXFP8ColumnParallelLinear
 
     config = _config(normalization=normalization)
     config.fp8 = "e4m3" if fp8 else None  # what the builder reads (set after validation)
@@ -109,8 +109,8 @@ def mla_structure(q_lora_rank: int | None, standin: bool) -> dict[str, Any]:
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     import nemo_lw_fp8
-    from nemo_lw_fp8.cpu import standins
-    from nemo_lw_fp8.cpu.layers import cpu_decoder_block_spec
+    from nemo_lw_fp8.cpu.layers.specs import cpu_decoder_block_spec
+    from nemo_lw_fp8.cpu.megatron import standins
 
     config = _config(q_lora_rank=q_lora_rank, multi_latent_attention=True)
     nemo_lw_fp8.apply(["mla_local_attention"])
@@ -199,12 +199,12 @@ def gated_delta_net_checkpoint(
 
         spec = get_gated_delta_net_module_spec(config, backend=TESpecProvider())
     else:
-        from nemo_lw_fp8.cpu.layers import cpu_decoder_block_spec
+        from nemo_lw_fp8.cpu.layers.specs import cpu_decoder_block_spec
 
         block = cpu_decoder_block_spec(config, fp8=True, fp8_recipe=recipe)
         spec = block.layer_specs[0].submodules.self_attention  # layer 0: linear attention
         if unfused_in_proj:
-            from nemo_lw_fp8.cpu.layers import FP8_LINEARS
+            from nemo_lw_fp8.cpu.layers.parallel_linears import FP8_LINEARS
 
             spec = dataclasses.replace(
                 spec,

@@ -12,8 +12,8 @@ import functools
 import pytest
 import torch
 
-from nemo_lw_fp8 import layout
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
+from nemo_lw_fp8.layout import packing as layout
 
 # --------------------------------------------------------------------------- layout arithmetic
 
@@ -78,7 +78,7 @@ def test_unknown_ownership_is_refused():
 
 def test_split_ownership_needs_the_compact_layout():
     from nemo_lw_fp8 import LayerWiseConfig
-    from nemo_lw_fp8.guards import ConfigError
+    from nemo_lw_fp8.errors import ConfigError
 
     with pytest.raises(ConfigError, match="grouped-weight-split-ownership-needs-compact"):
         LayerWiseConfig(layout="padded", grouped_weight_ownership="expert")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.scenarios import Scenario
 
@@ -73,7 +73,7 @@ def _grouped_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     members of TE's ``GroupedLinear`` weights)."""
     from transformer_engine.pytorch import GroupedLinear
 
-    from nemo_lw_fp8.emulation.fp8_linear import weight_columnwise
+    from nemo_lw_fp8.cpu.layers.mxfp8_linear import weight_columnwise
     from nemo_lw_fp8.mechanics.grouped_checkpoint import _expert_tensors
 
     out = {}

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.resumable import assert_same_run
@@ -160,7 +160,7 @@ def grouped_fp4_run(
 
     import nemo_lw_fp8
     import tests.test_nvfp4_param_gather as base
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
     from nemo_lw_fp8.mechanics import owner_gather
     from tests.support import resumable, scenarios, training
     from tests.support.scenarios import Scenario

@@ -1,4 +1,4 @@
-"""The CPU references of fla's Gated DeltaNet kernels (nemo_lw_fp8/cpu/gated_delta_rule.py)
+"""The CPU references of fla's Gated DeltaNet kernels (nemo_lw_fp8/cpu/megatron/gated_delta_rule.py)
 against a step-by-step recurrence written here, and against fla itself on a GPU."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nemo_lw_fp8.cpu import gated_delta_rule as gdr
+from nemo_lw_fp8.cpu.megatron import gated_delta_rule as gdr
 
 
 def _recurrence(q, k, v, g, beta, scale, state):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges, assert_same_training
 from tests.support.scenarios import Scenario

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from nemo_lw_fp8 import guards
-from nemo_lw_fp8.guards import ConfigError, Settings
+from nemo_lw_fp8 import rules as guards
+from nemo_lw_fp8.rules import ConfigError, Settings
 
 LAYER_WISE_MXFP8_PRIMARY = dict(
     optimizer="muon",
@@ -47,13 +47,13 @@ def test_rules_are_silent_without_single_grouped_weight():
 
 def test_te_switch_is_read_from_the_environment(monkeypatch):
     settings = Settings(**{**LAYER_WISE_MXFP8_PRIMARY, "grouped_linear_single_param": None})
-    monkeypatch.delenv(guards.GROUPED_SINGLE_PARAM_ENV, raising=False)
+    monkeypatch.delenv(guards.SINGLE_GROUPED_WEIGHT_ENV, raising=False)
     with pytest.raises(ConfigError, match="grouped-weight-te-switch"):
         guards.check(settings)
-    monkeypatch.setenv(guards.GROUPED_SINGLE_PARAM_ENV, "0")
+    monkeypatch.setenv(guards.SINGLE_GROUPED_WEIGHT_ENV, "0")
     with pytest.raises(ConfigError, match="grouped-weight-te-switch"):
         guards.check(settings)
-    monkeypatch.setenv(guards.GROUPED_SINGLE_PARAM_ENV, "1")
+    monkeypatch.setenv(guards.SINGLE_GROUPED_WEIGHT_ENV, "1")
     guards.check(settings)
 
 

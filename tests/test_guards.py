@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from nemo_lw_fp8 import guards
-from nemo_lw_fp8.guards import ConfigError, Settings
+from nemo_lw_fp8 import rules as guards
+from nemo_lw_fp8.rules import ConfigError, Settings
 
 GOOD_MXFP8 = Settings(
     optimizer="muon",
@@ -273,7 +273,7 @@ def test_apply_hooks_megatron_validate_args():
     ],
 )
 def test_qkv_ownership_auto_splits_only_where_it_can(value, layout, blockwise, owned):
-    from nemo_lw_fp8.layout import resolve_qkv_ownership
+    from nemo_lw_fp8.layout.packing import resolve_qkv_ownership
 
     assert resolve_qkv_ownership(value, layout, blockwise) == owned
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from nemo_lw_fp8.cpu import standins
+from nemo_lw_fp8.cpu.megatron import standins
 from tests.support.harness import (
     BootOptions,
     RankFailure,
@@ -146,7 +146,7 @@ def _model_draws_across_a_resume(use_device_stream: bool) -> bool:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from torch.utils.data import DataLoader
 
-    from nemo_lw_fp8.cpu.standins import DEVICE_RNG
+    from nemo_lw_fp8.cpu.megatron.standins import DEVICE_RNG
 
     assert hasattr(GPTModel.forward, "__wrapped__")  # the model's forward runs on the stream
     model = DEVICE_RNG.active if use_device_stream else contextlib.nullcontext

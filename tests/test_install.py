@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from nemo_lw_fp8 import doctor, tested_env
+from nemo_lw_fp8.cli import doctor, tested_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ def test_doctor_names_the_drift(tmp_path, monkeypatch, capsys):
 def test_doctor_names_nvfp4_support():
     """``doctor`` says what NVFP4 can do here: TE's kernels only on SM 10.0+, otherwise the CPU
     emulation's share, with the refusals and layer-wise Muon's standing."""
-    from nemo_lw_fp8.emulation import te_extension_nvfp4
+    from nemo_lw_fp8.cpu.te.tex import cast_nvfp4 as te_extension_nvfp4
 
     assert doctor.nvfp4_support({"kind": "cuda", "compute_capability": "10.0"})["gpu_kernels"]
     assert not doctor.nvfp4_support({"kind": "cuda", "compute_capability": "9.0"})["gpu_kernels"]

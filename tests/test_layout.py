@@ -1,4 +1,4 @@
-"""nemo_lw_fp8.layout: Newton-Schulz cost, ownership, compact packing, stock reference."""
+"""nemo_lw_fp8.layout.packing: Newton-Schulz cost, ownership, compact packing, stock reference."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from nemo_lw_fp8 import layout as lo
-from nemo_lw_fp8.models import param_shapes
+from nemo_lw_fp8.layout import packing as lo
+from nemo_lw_fp8.planner import param_shapes
 
 # ----------------------------------------------------------------------------- cost
 
@@ -262,7 +262,8 @@ def test_split_modules_import_neither_layout_nor_each_other_circularly():
     import ast
     from pathlib import Path
 
-    from nemo_lw_fp8 import ns_cost, stock_layout
+    from nemo_lw_fp8.layout import ns_cost
+    from nemo_lw_fp8.layout import stock as stock_layout
 
     allowed = {"ns_cost": set(), "stock_layout": {"ns_cost"}}
     for module in (ns_cost, stock_layout):

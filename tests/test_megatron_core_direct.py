@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges, assert_fp8_gather_parity
 from tests.support.scenarios import Scenario
@@ -81,7 +81,7 @@ def test_control_staging_keyed_on_the_optimizer_config_diverges():
 
 def guard_message(scenario: Scenario) -> str:
     """Build the optimizer; return the plugin's rule message (empty if none fired)."""
-    from nemo_lw_fp8.guards import ConfigError
+    from nemo_lw_fp8.errors import ConfigError
     from tests.support.scenarios import build_model
     from tests.support.training import wrap_and_build_optimizer
 

@@ -15,7 +15,7 @@ import contextlib
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, RankFailure, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.parity import assert_fp8_gather_parity as assert_bitwise

@@ -18,9 +18,9 @@ from fractions import Fraction
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import mxfp8 as mx
-from nemo_lw_fp8.emulation import mxfp8_format as mxf
-from nemo_lw_fp8.emulation import mxfp8_sharded_cast as mxs
+from nemo_lw_fp8.cpu.formats import mxfp8 as mx
+from nemo_lw_fp8.cpu.formats import mxfp8_layout as mxf
+from nemo_lw_fp8.cpu.formats import mxfp8_sharded_cast as mxs
 from tests.te_test_support import ThreadedMaxAllReduce
 
 E4M3 = torch.float8_e4m3fn
@@ -658,7 +658,7 @@ def test_empty_tensors():
 
 
 def test_mxfp8_linear_bf16_weights():
-    from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear, quantize_dequantize
+    from nemo_lw_fp8.cpu.layers.mxfp8_linear import MXFP8Linear, quantize_dequantize
 
     torch.manual_seed(3)
     layer = MXFP8Linear(64, 96, fp8_params=False)

@@ -18,7 +18,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import nvfp4 as fp4
+from nemo_lw_fp8.cpu.formats import nvfp4 as fp4
 from tests.te_test_support import needs_te, run_te_script
 
 # --------------------------------------------------------------------------------------------
@@ -582,17 +582,17 @@ def test_rht_refuses_what_te_refuses():
 
 TE_SCRIPT = r"""
 import json
-from nemo_lw_fp8.emulation import activate
+from nemo_lw_fp8.cpu.te import activate
 R = {"backend": activate()}
 import torch
-from nemo_lw_fp8.cpu import te_device
+from nemo_lw_fp8.cpu.te import device as te_device
 # NVFP4 is a Blackwell recipe: TE's device questions (NVFP4Quantizer.__init__ asks
 # torch.cuda.current_device for its Hadamard tensors) get the B200's answers, as in a run.
 SCOPE = te_device.target_gpu(te_device.BLACKWELL)  # kept: a dropped one exits
 SCOPE.__enter__()
 from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer, NVFP4Tensor
 from transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage import NVFP4TensorStorage
-from nemo_lw_fp8.emulation import nvfp4 as fp4
+from nemo_lw_fp8.cpu.formats import nvfp4 as fp4
 
 NAMES = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv",
          "amax_rowwise", "amax_columnwise")

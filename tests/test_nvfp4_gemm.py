@@ -3,7 +3,7 @@ operands, and TE 2.20.2's ``Linear`` training under ``NVFP4BlockScaling`` with t
 Hadamard transform and stochastic rounding off, and with the RHT on (SR off).
 
 Everything TE runs in one subprocess (this process never imports TE). The references are built
-in the script from the plain-torch cast (:mod:`nemo_lw_fp8.emulation.nvfp4`, itself checked
+in the script from the plain-torch cast (:mod:`nemo_lw_fp8.cpu.formats.nvfp4`, itself checked
 against a scalar reference in ``test_nvfp4_emulation.py``) and code written here: the swizzled
 byte position of each compact scale from cuBLAS's layout formula, E2M1 nibbles decoded through
 a table of their values, E4M3 bytes through torch's ``float8_e4m3fn``, the GEMM alpha from the
@@ -21,17 +21,17 @@ TE_SCRIPT = r"""
 import json, os
 os.environ["NVTE_NVFP4_DISABLE_RHT"] = "1"
 os.environ["NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"] = "1"
-from nemo_lw_fp8.emulation import activate
+from nemo_lw_fp8.cpu.te import activate
 R = {"backend": activate()}
 import torch
-from nemo_lw_fp8.cpu import te_device
+from nemo_lw_fp8.cpu.te import device as te_device
 SCOPE = te_device.target_gpu(te_device.BLACKWELL)  # kept: a dropped one exits
 SCOPE.__enter__()
 import transformer_engine.pytorch as te
 import transformer_engine_torch as tex
 from transformer_engine.common.recipe import NVFP4BlockScaling
 from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer
-from nemo_lw_fp8.emulation import nvfp4 as fp4
+from nemo_lw_fp8.cpu.formats import nvfp4 as fp4
 
 # ---- independent helpers (test-side) ---------------------------------------------------------
 E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])

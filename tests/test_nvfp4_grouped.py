@@ -29,18 +29,18 @@ from tests.te_test_support import needs_te, run_te_script
 TE_SCRIPT = r"""
 import json, os
 os.environ["NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"] = "1"
-from nemo_lw_fp8.emulation import activate
+from nemo_lw_fp8.cpu.te import activate
 R = {"backend": activate()}
 import torch
-from nemo_lw_fp8.cpu import te_device
+from nemo_lw_fp8.cpu.te import device as te_device
 SCOPE = te_device.target_gpu(te_device.BLACKWELL)  # kept: a dropped one exits
 SCOPE.__enter__()
 import transformer_engine.pytorch as te
 import transformer_engine_torch as tex
 from transformer_engine.common.recipe import NVFP4BlockScaling
 from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer
-from nemo_lw_fp8.emulation import nvfp4 as fp4
-from nemo_lw_fp8.emulation import te_kernels_grouped_nvfp4 as G
+from nemo_lw_fp8.cpu.formats import nvfp4 as fp4
+from nemo_lw_fp8.cpu.te.tex import split_quantize_nvfp4 as G
 
 BUFS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv",
         "_amax_rowwise", "_amax_columnwise")
@@ -348,12 +348,12 @@ def _copy_sequential_weights(reference, module) -> None:
 
 
 class _SharedAmaxCast:
-    """The control's mutation of the emulation's plain-torch cast (:mod:`nemo_lw_fp8.emulation.
+    """The control's mutation of the emulation's plain-torch cast (:mod:`nemo_lw_fp8.cpu.te.
     nvfp4`): the rowwise copy of each split cast with the whole tensor's amax, as if TE's
     grouped kernels shared one amax across the experts."""
 
     def __init__(self) -> None:
-        from nemo_lw_fp8.emulation import nvfp4
+        from nemo_lw_fp8.cpu.formats import nvfp4
 
         self.fp4, self.whole = nvfp4, None
 
@@ -384,7 +384,7 @@ def grouped_moe_run(
     import transformer_engine_torch as tex
 
     import tests.test_nvfp4_layer_wise as base
-    from nemo_lw_fp8.emulation import te_kernels_grouped_nvfp4 as grouped_cast
+    from nemo_lw_fp8.cpu.te.tex import split_quantize_nvfp4 as grouped_cast
     from tests.support import scenarios
 
     grouped = experts == "grouped"

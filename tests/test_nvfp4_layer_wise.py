@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.resumable import assert_same_run
@@ -78,7 +78,7 @@ def nvfp4_run(
     GEMMs ran and took NVFP4 operands."""
 
     import nemo_lw_fp8
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
     from tests.support import resumable, training
     from tests.support.scenarios import Scenario
 

@@ -2,7 +2,7 @@
 
 TE 2.20.2's ``LayerNormLinear`` hands its input quantizer to ``tex.rmsnorm_fwd`` /
 ``tex.layernorm_fwd``; TE's C++ (``normalization.cpp``) has no NVFP4 norm kernel: it writes the
-norm in the input's dtype and casts that (``te_extension.NVFP4_OUTPUT_IS_THE_CAST`` says why
+norm in the input's dtype and casts that (``nemo_lw_fp8.cpu.te.tex.cast.NVFP4_OUTPUT_IS_THE_CAST`` says why
 both of its paths give the plain cast). So the claim, bitwise: ``LayerNormLinear(x)`` equals TE's
 own norm module followed by TE's ``Linear`` with the same weights (output, dx, dW, the norm's
 dgamma / dbeta), with the recipe's RHT on the input's columnwise copy and stochastic rounding
@@ -21,15 +21,15 @@ from tests.te_test_support import needs_te, run_te_script
 TE_SCRIPT = r"""
 import json, os
 os.environ["NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"] = "1"
-from nemo_lw_fp8.emulation import activate
+from nemo_lw_fp8.cpu.te import activate
 R = {"backend": activate()}
 import torch
-from nemo_lw_fp8.cpu import te_device
+from nemo_lw_fp8.cpu.te import device as te_device
 SCOPE = te_device.target_gpu(te_device.BLACKWELL)  # kept: a dropped one exits
 SCOPE.__enter__()
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import NVFP4BlockScaling
-from nemo_lw_fp8.emulation import te_kernels_norm
+from nemo_lw_fp8.cpu.te.tex import normalization as te_kernels_norm
 
 RECIPE = NVFP4BlockScaling(disable_rht=False, disable_stochastic_rounding=True)
 TOKENS, HIDDEN, OUT = 64, 128, 96

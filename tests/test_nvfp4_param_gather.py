@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, RankFailure, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.resumable import assert_same_run
@@ -95,7 +95,7 @@ def fp4_run(
     from ``fp4_param``."""
 
     import nemo_lw_fp8
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
     from nemo_lw_fp8.mechanics import nvfp4_gather, owner_gather
     from tests.support import resumable, training
     from tests.support.scenarios import Scenario
@@ -232,7 +232,7 @@ def test_weights_with_1x16_blocks_are_refused():
     with its own blocks along the other dim, which receivers could not derive; 16x16 passes."""
     from types import SimpleNamespace
 
-    from nemo_lw_fp8.guards import ConfigError
+    from nemo_lw_fp8.errors import ConfigError
     from nemo_lw_fp8.mechanics import nvfp4_gather
 
     def weight(shape, two_d):
@@ -246,10 +246,10 @@ def test_weights_with_1x16_blocks_are_refused():
 CODEC_SCRIPT = r"""
 import json, os
 os.environ["NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"] = "1"
-from nemo_lw_fp8.emulation import activate
+from nemo_lw_fp8.cpu.te import activate
 R = {"backend": activate()}
 import torch
-from nemo_lw_fp8.cpu import te_device
+from nemo_lw_fp8.cpu.te import device as te_device
 SCOPE = te_device.target_gpu(te_device.BLACKWELL)  # kept: a dropped one exits
 SCOPE.__enter__()
 from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer

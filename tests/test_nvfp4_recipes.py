@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_lw_fp8 import recipes, twins
+from nemo_lw_fp8 import recipes
+from nemo_lw_fp8.recipes import twins
 from tests.support import bridge_runs as br
 
 NVFP4 = ("deepseek_v3_nvfp4", "qwen3_235b_a22b_nvfp4")
@@ -67,7 +68,7 @@ def test_planner_counts_persistent_nvfp4_weights(name):
     recipe plans discrete experts. (Qwen3-235B's busiest rank holds bf16-kept layers.)"""
     import re
 
-    from nemo_lw_fp8.models import pipeline, plan_parts, recipe_plan, weight_bytes
+    from nemo_lw_fp8.planner import pipeline, plan_parts, recipe_plan, weight_bytes
 
     setup = recipe_plan.recipe_setup(name)
     planned = (setup.weight_format, setup.single_grouped_weight, setup.gpu)

@@ -1,6 +1,6 @@
 """NVFP4 on TE 2.20.2's op-fuser grouped-tensor path on CPU (issue 30): ``tex.group_quantize``
 with NVFP4 quantizers and the grouped-tensor GEMMs on NVFP4 members
-(``nemo_lw_fp8/emulation/te_kernels_grouped_tensor_nvfp4.py``), on the B200 target, stochastic
+(``nemo_lw_fp8/cpu/te/tex/grouped_tensor_nvfp4.py``), on the B200 target, stochastic
 rounding off and the RHT on (TE's predicate sends NVFP4 to this path only then).
 
 What TE itself allows, read from its C++ (docs/nvfp4.md, "Single grouped weights (the
@@ -49,7 +49,7 @@ class _Cast:
     copy without the RHT (``no_rht``)."""
 
     def __init__(self, what: str) -> None:
-        from nemo_lw_fp8.emulation import nvfp4
+        from nemo_lw_fp8.cpu.formats import nvfp4
 
         self.fp4, self.what, self.whole = nvfp4, what, None
 
@@ -74,7 +74,7 @@ def _mutate(mp: pytest.MonkeyPatch, mutation: str | None) -> None:
     gradients). ``member_order``: the grouped GEMMs pair each expert's tokens with the next
     expert's grouped weight. ``weight_amax``: every grouped weight member read with the first
     member's amaxes (one global scale for all experts' weights)."""
-    from nemo_lw_fp8.emulation import te_kernels_grouped_tensor_nvfp4 as grouped
+    from nemo_lw_fp8.cpu.te.tex import grouped_tensor_nvfp4 as grouped
 
     if mutation in ("shared_amax", "no_rht"):
         shim, real = _Cast(mutation), grouped.group_quantize_nvfp4
@@ -142,7 +142,7 @@ def _single_grouped_once(mutation: str | None, fuse_wgrad: bool) -> dict[str, An
     ``gradient_accumulation_fusion``), else they return bf16 ``.grad``."""
     import transformer_engine.pytorch as te
 
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     experts = len(SPLITS)
     gen = torch.Generator().manual_seed(30)
@@ -222,7 +222,7 @@ def _discrete_bf16_once(mutation: str | None) -> dict[str, Any]:
     per expert); an expert without tokens included."""
     import transformer_engine.pytorch as te
 
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     experts = len(SPLITS)
     gen = torch.Generator().manual_seed(29)
@@ -277,8 +277,8 @@ def group_quantize_kernels() -> dict[str, Any]:
     from transformer_engine.common.recipe import NVFP4BlockScaling
     from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer
 
-    from nemo_lw_fp8.cpu import te_device
-    from nemo_lw_fp8.emulation import nvfp4 as fp4
+    from nemo_lw_fp8.cpu.formats import nvfp4 as fp4
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     def quantizer(rht: bool = True, two_d: bool = False, optimize: bool = True) -> Any:
         q = NVFP4Quantizer(with_rht=rht, with_post_rht_amax=rht, with_2d_quantization=two_d)
@@ -478,7 +478,7 @@ def _megatron_experts_once(single: bool, fp4_param: bool, mutation: str | None) 
     import traceback
 
     import tests.test_nvfp4_layer_wise as base
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
     from tests.support import scenarios
     from tests.test_nvfp4_grouped import _build_gpt_grouped_experts
 

@@ -1,4 +1,4 @@
-"""nemo_lw_fp8.models.shapes, nemo_lw_fp8.models.planner and nemo_lw_fp8.models.plan_cli."""
+"""nemo_lw_fp8.planner.shapes, nemo_lw_fp8.planner.rank_plan and nemo_lw_fp8.cli.plan."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import math
 
 import pytest
 
-from nemo_lw_fp8.models import plan_cli, planner
-from nemo_lw_fp8.models.shapes import SPECS, ModelSpec, ParamSpec, param_shapes, total_params
+from nemo_lw_fp8.cli import plan as plan_cli
+from nemo_lw_fp8.planner import rank_plan as planner
+from nemo_lw_fp8.planner.shapes import SPECS, ModelSpec, ParamSpec, param_shapes, total_params
 
 # ----------------------------------------------------------------------------- model shapes
 
@@ -310,10 +311,10 @@ def test_mxfp8_weight_bytes():
 #: TE's own NVFP4 weight buffers over the emulation (a subprocess: no TE in this process).
 NVFP4_BUFFERS_SCRIPT = r"""
 import json
-from nemo_lw_fp8.emulation import activate
+from nemo_lw_fp8.cpu.te import activate
 activate()
 import torch
-from nemo_lw_fp8.cpu import te_device
+from nemo_lw_fp8.cpu.te import device as te_device
 scope = te_device.target_gpu(te_device.BLACKWELL)
 scope.__enter__()
 from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer
@@ -424,7 +425,7 @@ def test_plan_arguments_and_main(capsys):
     assert plan_cli.main(["tiny-moe", "--dp", "2", "--no-fp8-param-gather"]) == 0
     out = capsys.readouterr().out
     assert "stock_padded" in out and "Newton-Schulz max/mean" in out
-    from nemo_lw_fp8.cli import UsageError
+    from nemo_lw_fp8.errors import UsageError
 
     with pytest.raises(UsageError, match="ep dividing dp"):
         plan_cli.main(["tiny-moe", "--dp", "3", "--ep", "2"])
@@ -439,7 +440,7 @@ def test_plan_arguments_and_main(capsys):
 def test_recipe_plan_pipeline_and_grouped_weights():
     """A tiny recipe at PP 2 plans both pipeline ranks, reports the busiest, groups the experts
     into single (E, m, n) weights and gives a verdict against the GPU."""
-    from nemo_lw_fp8.models import recipe_plan
+    from nemo_lw_fp8.planner import recipe_plan
 
     setup = recipe_plan.recipe_setup(
         "tiny_qwen3_30b_a3b",
@@ -485,7 +486,7 @@ def test_recipe_plan_bad_input(capsys, overrides, message):
 def test_recipe_plan_tiny_hopper_has_discrete_experts():
     """``tiny_<model>_hopper`` plans the tiny architecture with the Hopper variant's discrete
     expert weights (the blockwise gather handles no grouped tensors)."""
-    from nemo_lw_fp8.models import recipe_plan
+    from nemo_lw_fp8.planner import recipe_plan
 
     hopper = recipe_plan.recipe_setup("tiny_deepseek_v3_hopper")
     mxfp8 = recipe_plan.recipe_setup("tiny_deepseek_v3")
@@ -506,7 +507,7 @@ def test_compact_buckets_end_where_megatron_padded_buckets_end(dp):
     """No cap: the compact buckets hold the same parameters as megatron's padded buckets (its
     own layout code), so the compact layout has as many bucket groups; cap 0: megatron's plain
     DDP buckets."""
-    from nemo_lw_fp8 import layout as lo
+    from nemo_lw_fp8.layout import packing as lo
 
     shapes = [(4096, 9216), (8192, 4096), (128, 4096), (1536, 4096), (4096, 1536)] * 6
     numels = [math.prod(s) for s in shapes][::-1]
@@ -527,7 +528,7 @@ def test_owner_reduce_traffic_by_hand():
     group, an exact reduce-scatter) in one reduce per owner, in place; the all-reduce path sends
     twice that. One matrix four
     times larger: the padded layout pads every shard to it, the owner-reduce path does not."""
-    from nemo_lw_fp8.models.traffic import rank_traffic
+    from nemo_lw_fp8.planner.traffic import rank_traffic
 
     even = rank_traffic([_matrices([(64, 64)] * 4)], 4, bucket_size=10**9)
     assert even["compact_owner_reduce"]["grad_wire_over_exact"] == 1.0
@@ -557,7 +558,7 @@ def test_traffic_lays_out_each_virtual_pipeline_chunk_on_its_own():
     """megatron buckets only chunk 0 of pipeline rank 0 and gives every later chunk one bucket
     group; the padded layout pads each chunk's buffer on its own, so two chunks of one matrix
     each pad twice where one merged buffer would pad once. Ownership spans both chunks."""
-    from nemo_lw_fp8.models.traffic import rank_traffic
+    from nemo_lw_fp8.planner.traffic import rank_traffic
 
     chunk = _matrices([(256, 256)])
     two = rank_traffic([chunk, chunk], 4, pp_rank=1)
@@ -573,7 +574,7 @@ def test_traffic_lays_out_each_virtual_pipeline_chunk_on_its_own():
 def test_refine_owners_beats_lpt_where_lpt_is_not_optimal():
     """LPT puts 3, 2, 2 on one rank (7) where 3 + 3 | 2 + 2 + 2 gives 6; the local search after
     it finds 6. Deterministic, and never worse than LPT."""
-    from nemo_lw_fp8 import layout as lo
+    from nemo_lw_fp8.layout import packing as lo
 
     costs = [3, 3, 2, 2, 2]
     lpt = lo.assign_owners(costs, 2)
@@ -587,7 +588,7 @@ def test_refine_owners_beats_lpt_where_lpt_is_not_optimal():
 def test_expert_owners_start_from_each_members_dense_work():
     """A rank that drew the big dense matrix gets fewer experts: the busiest total is lower than
     balancing each kind on its own. Expert groups outside the data-parallel group fall back."""
-    from nemo_lw_fp8 import layout as lo
+    from nemo_lw_fp8.layout import packing as lo
 
     dense = [8, 1, 1, 1]
     experts = [2] * 8
@@ -611,11 +612,11 @@ def test_expert_owners_start_from_each_members_dense_work():
 )
 def test_plan_cli_prints_the_traffic_model(capsys, argv):
     """``nemo-lw-fp8 plan`` prints, for the configuration asked, the per-chunk traffic rows of
-    :func:`nemo_lw_fp8.models.traffic.rank_traffic` (every pipeline rank; the numbers
+    :func:`nemo_lw_fp8.planner.traffic.rank_traffic` (every pipeline rank; the numbers
     benchmarks/layout.py prints), in JSON and as text."""
-    from nemo_lw_fp8.models import traffic
-    from nemo_lw_fp8.models.pipeline import chunk_param_specs
-    from nemo_lw_fp8.models.recipe_plan import group_experts, model_setup, recipe_setup
+    from nemo_lw_fp8.planner import traffic
+    from nemo_lw_fp8.planner.pipeline import chunk_param_specs
+    from nemo_lw_fp8.planner.recipe_plan import group_experts, model_setup, recipe_setup
 
     if argv[0] == "--recipe":
         setup = recipe_setup(argv[1])
@@ -648,7 +649,7 @@ def test_plan_cli_prints_the_traffic_model(capsys, argv):
 def test_main_table_grad_sync_is_the_owner_reduce_of_the_traffic_rows(dp, ep):
     """The compact column plans the default gradient sync: its wire bytes are the traffic
     model's owner-reduce rows for the same parameters (one chunk), not the all-reduce ones."""
-    from nemo_lw_fp8.models import traffic
+    from nemo_lw_fp8.planner import traffic
 
     specs = param_shapes("tiny-moe")
     compact = planner.plan("tiny-moe", dp, ep)["layouts"]["compact"]["grad_sync"]

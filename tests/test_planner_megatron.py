@@ -5,7 +5,7 @@ extension) at PP 2 x DP 2 and EP 2 x DP 2 (and single grouped expert weights own
 runs of experts), each rank builds its part of the model, wraps it in megatron DDP and builds
 the layer-wise optimizer (padded and compact layouts); the planner, given the whole model's
 parameter list (read from the same model built at PP = EP = 1), cuts the rank's share
-(:func:`nemo_lw_fp8.models.pipeline.specs_on_rank`, :meth:`ParamSpec.local`) and must predict,
+(:func:`nemo_lw_fp8.planner.pipeline.specs_on_rank`, :meth:`ParamSpec.local`) and must predict,
 rank by rank: every DDP buffer (elements including padding, buckets, parameters), the fp32
 master and optimizer-state bytes, and the Newton-Schulz work.
 """
@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
 from tests.support.scenarios import TE_BOOT, Scenario
 
@@ -68,7 +68,7 @@ def allocation(scenario: Scenario) -> dict:
     """What megatron allocated on this rank: DDP buffers, fp32 masters, Newton-Schulz work."""
     from megatron.core import parallel_state
 
-    from nemo_lw_fp8 import layout
+    from nemo_lw_fp8.layout import packing as layout
     from nemo_lw_fp8.mechanics import qkv_parts
     from nemo_lw_fp8.mechanics.compact import newton_schulz_cost
     from nemo_lw_fp8.mechanics.expert_slices import is_slice
@@ -119,7 +119,7 @@ def allocation(scenario: Scenario) -> dict:
 
 
 def _specs(rows: list[dict]):
-    from nemo_lw_fp8.models import ParamSpec
+    from nemo_lw_fp8.planner import ParamSpec
 
     return [ParamSpec(**row) for row in rows]
 
@@ -169,8 +169,8 @@ def _plans(
     specs: list, scenario: Scenario, parallel: ParallelSpec, layout: str, **settings: object
 ) -> list[dict]:
     """The planner's ``layout`` for every pipeline stage, from the whole model."""
-    from nemo_lw_fp8.models import plan
-    from nemo_lw_fp8.models.pipeline import specs_on_rank
+    from nemo_lw_fp8.planner import plan
+    from nemo_lw_fp8.planner.pipeline import specs_on_rank
 
     pp, ep, tp = parallel.pp, parallel.ep, parallel.tp
     etp = tp if parallel.etp is None else parallel.etp

@@ -1,4 +1,4 @@
-"""Q/K/V split ownership in the planner (nemo_lw_fp8.models.qkv_split, .ownership, .traffic)."""
+"""Q/K/V split ownership in the planner (nemo_lw_fp8.planner.qkv_split, .ownership, .traffic)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from nemo_lw_fp8 import layout as lo
-from nemo_lw_fp8.models import plan_cli, planner
-from nemo_lw_fp8.models.owner_sync import bucket_spans
-from nemo_lw_fp8.models.ownership import our_owners
-from nemo_lw_fp8.models.qkv_split import qkv_parts, unit_costs
-from nemo_lw_fp8.models.shapes import SPECS, ParamSpec, param_shapes
-from nemo_lw_fp8.models.traffic import rank_traffic
+from nemo_lw_fp8.cli import plan as plan_cli
+from nemo_lw_fp8.layout import packing as lo
+from nemo_lw_fp8.planner import rank_plan as planner
+from nemo_lw_fp8.planner.owner_sync import bucket_spans
+from nemo_lw_fp8.planner.ownership import our_owners
+from nemo_lw_fp8.planner.qkv_split import qkv_parts, unit_costs
+from nemo_lw_fp8.planner.shapes import SPECS, ParamSpec, param_shapes
+from nemo_lw_fp8.planner.traffic import rank_traffic
 
 
 def _qkv(name: str, groups: int, split: tuple[int, ...], hidden: int) -> ParamSpec:
@@ -159,8 +160,8 @@ def test_recipe_plans_resolve_auto_as_the_run_does():
     """``plan --recipe``: the default ``auto`` plans Q / K / V parts on MXFP8 recipes and whole
     weights on blockwise (Hopper) ones, as the compact layout owns them; an explicit ``split``
     on a blockwise recipe is one line naming the flag and the fix (the run refuses it too)."""
-    from nemo_lw_fp8.cli import UsageError
-    from nemo_lw_fp8.models import recipe_plan
+    from nemo_lw_fp8.errors import UsageError
+    from nemo_lw_fp8.planner import recipe_plan
 
     mxfp8 = recipe_plan.recipe_setup("qwen3_235b_a22b_mxfp8", [])
     hopper = recipe_plan.recipe_setup("qwen3_235b_a22b_hopper", [])

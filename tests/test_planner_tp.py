@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_lw_fp8 import layout as lo
-from nemo_lw_fp8.models import planner
-from nemo_lw_fp8.models.shapes import ParamSpec, param_shapes
-from nemo_lw_fp8.models.tensor_parallel import StageRanks, ns_cost, pad_vocab, tp_shard
-from nemo_lw_fp8.models.traffic import rank_traffic
+from nemo_lw_fp8.layout import packing as lo
+from nemo_lw_fp8.planner import rank_plan as planner
+from nemo_lw_fp8.planner.shapes import ParamSpec, param_shapes
+from nemo_lw_fp8.planner.tensor_parallel import StageRanks, ns_cost, pad_vocab, tp_shard
+from nemo_lw_fp8.planner.traffic import rank_traffic
 
 H, FFN, E = 64, 128, 4
 L = "decoder.layers.0"
@@ -242,7 +242,7 @@ def test_tp_traffic_is_what_newton_schulz_tp_sends(monkeypatch, mode, name, shap
     import torch
     from emerging_optimizers.orthogonalized_optimizers import muon_utils
 
-    from nemo_lw_fp8.models.tensor_parallel import NS_STEPS, tp_comm_bytes
+    from nemo_lw_fp8.planner.tensor_parallel import NS_STEPS, tp_comm_bytes
 
     tp = 2
     spec = tp_shard(_matrix(f"{L}.mlp.{name}.weight", *shape), tp=tp, etp=tp)
@@ -285,7 +285,7 @@ def test_gradient_traffic_is_per_tp_shard():
 def test_recipe_plans_at_tp_2():
     """``plan --recipe`` takes the recipe's TP: the tiny DeepSeek-V3 recipe (2 ranks) at TP 2
     plans one DP rank per TP rank, holding less than at TP 1, and prints its traffic rows."""
-    from nemo_lw_fp8.models import recipe_plan
+    from nemo_lw_fp8.planner import recipe_plan
 
     base = recipe_plan.plan_recipe(recipe_plan.recipe_setup("tiny_deepseek_v3"))
     setup = recipe_plan.recipe_setup("tiny_deepseek_v3", ["model.tensor_model_parallel_size=2"])
@@ -295,7 +295,7 @@ def test_recipe_plans_at_tp_2():
     assert result["tp"] == 2 and result["stage_ranks"] == 2
     per_rank = result["layouts"]["compact"]["bytes_per_rank"]["params"]
     assert per_rank < base["layouts"]["compact"]["bytes_per_rank"]["params"]
-    from nemo_lw_fp8.models import traffic
+    from nemo_lw_fp8.planner import traffic
 
     rows = traffic.pipeline_rows("tiny", setup.arch, setup.par, single_grouped_weight=False)
     assert rows and all(r["tp"] == 2 and "TP2 ETP1" in r["config"] for r in rows)
@@ -305,7 +305,7 @@ def test_single_grouped_weights_at_expert_tp_2_are_refused_with_the_fix():
     """Single grouped expert weights exist only through TE's op fuser, which megatron-core
     0.19.2 runs at expert TP 1 only: ``plan --recipe`` of an MXFP8 recipe at ETP 2 is refused
     naming both fixes; control: the same plan with discrete expert weights is made, at ETP 2."""
-    from nemo_lw_fp8.models import recipe_plan
+    from nemo_lw_fp8.planner import recipe_plan
 
     at_etp2 = ["model.expert_tensor_parallel_size=2", "model.expert_model_parallel_size=32"]
     setup = recipe_plan.recipe_setup("deepseek_v3_mxfp8", at_etp2)
@@ -325,7 +325,7 @@ def test_shipped_tp_2_recipe_plans_at_its_tp():
     at TP 2 x PP 8 leave dense DP 16; EP 32 x ETP 1 x PP 8 leave expert DP 1. Per rank it
     holds less than the same recipe at TP 1 (the dense matrices are halved) but more than half
     (the experts, at ETP 1, are not split)."""
-    from nemo_lw_fp8.models import recipe_plan
+    from nemo_lw_fp8.planner import recipe_plan
 
     result = recipe_plan.plan_recipe(recipe_plan.recipe_setup("qwen3_235b_a22b_hopper"))
     world, tp, pp, ep = 32 * 8, 2, 8, 32
@@ -344,7 +344,7 @@ def test_deepseek_v3_hopper_plans_at_bridges_tp_2_and_fits():
     expert DP 2. Per rank less than the same recipe at TP 1 (MLA's up projections, linear_proj
     and the dense / shared FFN are halved) but more than half (the experts, at ETP 1, and the
     duplicated down projections are not split); the compact peak fits an 80 GB H100."""
-    from nemo_lw_fp8.models import recipe_plan
+    from nemo_lw_fp8.planner import recipe_plan
 
     result = recipe_plan.plan_recipe(recipe_plan.recipe_setup("deepseek_v3_hopper"))
     world, tp, pp, ep = 128 * 8, 2, 8, 64
@@ -364,7 +364,7 @@ def test_plan_cli_model_form_at_tp_2(capsys):
     orthogonalize their shards (the work ownership balances), with its traffic rows."""
     import json
 
-    from nemo_lw_fp8.models import plan_cli
+    from nemo_lw_fp8.cli import plan as plan_cli
 
     argv = ["tiny-deepseek-v3", "--dp", "2", "--tp", "2", "--muon-tp-mode", "blockwise"]
     assert plan_cli.main([*argv, "--json"]) == 0

@@ -159,8 +159,8 @@ def test_planner_counts_the_parts_reduces():
     """The planner (``models.traffic``) lays a split QKV weight's gradient out as the mechanism
     does: the reduces per step it plans for the worst rank are the ones the ranks issue
     (counted through ``torch.distributed``, DP 4), with parts and without."""
-    from nemo_lw_fp8.models import ParamSpec
-    from nemo_lw_fp8.models.traffic import rank_traffic
+    from nemo_lw_fp8.planner import ParamSpec
+    from nemo_lw_fp8.planner.traffic import rank_traffic
     from tests.test_compact_grad_sync import count_grad_sync
     from tests.test_planner_megatron import model_params
 

@@ -25,7 +25,7 @@ NAMES = tuple(sorted(name for name in recipes.RECIPES if name.startswith("tiny_"
 _SCRIPT = """
 import inspect, json, os
 import torch.distributed as dist
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 te_backend.activate()
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
 dist.init_process_group("gloo", rank=0, world_size=1)

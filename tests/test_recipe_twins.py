@@ -1,4 +1,4 @@
-"""Recipe-faithful twins (nemo_lw_fp8/twins.py) trained by ``nemo-lw-fp8 pretrain --cpu`` (ranks
+"""Recipe-faithful twins (nemo_lw_fp8/recipes/twins.py) trained by ``nemo-lw-fp8 pretrain --cpu`` (ranks
 forked from one warmed-up process, tests/fork_run.py; the flagship resume test launches with
 torchrun too): each full recipe's parallelism structure (PP 2 with its
 layout or accounting, VPP 2, EP over TP x DP 2; TP and sequence parallelism as shipped: TP 2 + SP
@@ -22,7 +22,8 @@ import math
 
 import pytest
 
-from nemo_lw_fp8 import recipes, twins
+from nemo_lw_fp8 import recipes
+from nemo_lw_fp8.recipes import twins
 from tests.support import bridge_runs as br
 
 pytestmark = pytest.mark.usefixtures("bridge_installed")
@@ -131,7 +132,7 @@ def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
         assert all(r["blockwise_weights"] == 0 == r["blockwise_groups"] for r in off["probe"])
 
 
-#: The project's CPU layers (``--cpu-modules project``: cpu/layers.py, the earlier CPU path, kept
+#: The project's CPU layers (``--cpu-modules project``: cpu/layers/specs.py, the earlier CPU path, kept
 #: as a cross-check of TE's modules) under the same parity, extended tier. The project's layers run
 #: TP 1 only: the Hopper check uses the DeepSeek-V2-Lite twin (MLA, blockwise, discrete experts),
 #: the DeepSeek-V3 Hopper twin ships TP 2.

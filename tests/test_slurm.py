@@ -23,9 +23,10 @@ from unittest import mock
 
 import pytest
 
-from nemo_lw_fp8.launch import slurm_cli, slurm_nemo_run
-from nemo_lw_fp8.launch.slurm import write_sbatch
-from nemo_lw_fp8.launch.slurm_settings import SlurmConfigError
+from nemo_lw_fp8.cli.slurm import command as slurm_cli
+from nemo_lw_fp8.cli.slurm import nemo_run_executor as slurm_nemo_run
+from nemo_lw_fp8.cli.slurm.sbatch import write_sbatch
+from nemo_lw_fp8.cli.slurm.settings import SlurmConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES_DIR = REPO / "recipes" / "slurm"
@@ -257,7 +258,9 @@ def test_bad_inputs_name_the_flag(kwargs: dict, flag: str) -> None:
 def _errors_without_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutation for the controls below: every refusal keeps its reason but drops the flag
     (``config_error`` is imported by name into the modules that raise)."""
-    from nemo_lw_fp8.launch import slurm, slurm_env, slurm_settings
+    from nemo_lw_fp8.cli.slurm import environment as slurm_env
+    from nemo_lw_fp8.cli.slurm import sbatch as slurm
+    from nemo_lw_fp8.cli.slurm import settings as slurm_settings
 
     def unnamed(flag: str, message: str) -> SlurmConfigError:
         return SlurmConfigError(message)
@@ -392,8 +395,8 @@ def _tiny_recipe_missing() -> str | None:
         return "nemo_lw_fp8.recipes does not exist yet (the pretrain CLI's recipes)"
     if "tiny_deepseek_v3" not in names:
         return "nemo_lw_fp8.recipes has no tiny_deepseek_v3 yet"
-    if '"pretrain"' not in (REPO / "nemo_lw_fp8" / "cli.py").read_text():
-        return "nemo_lw_fp8/cli.py has no pretrain command yet"
+    if '"pretrain"' not in (REPO / "nemo_lw_fp8" / "cli" / "__init__.py").read_text():
+        return "nemo_lw_fp8/cli/__init__.py has no pretrain command yet"
     return None
 
 
@@ -545,7 +548,7 @@ def test_registered_in_nemo_lw_fp8_cli(capsys) -> None:
     from nemo_lw_fp8 import cli
 
     if "add_slurm_subcommand" not in Path(cli.__file__).read_text():
-        pytest.skip("nemo_lw_fp8/cli.py does not register the slurm sub-command yet")
+        pytest.skip("nemo_lw_fp8/cli/__init__.py does not register the slurm sub-command yet")
     assert cli.main(["slurm", "r", "--nodes", "1"]) == 0
     assert capsys.readouterr().out.startswith("#!/bin/bash\n")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_lw_fp8.launch import state_by_name
+from nemo_lw_fp8.mechanics import state_by_name
 
 
 @pytest.mark.parametrize(

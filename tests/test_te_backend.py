@@ -15,13 +15,13 @@ import sys
 
 import pytest
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.te_test_support import TE_PATH, needs_te, run_te_script
 
 MAIN_SCRIPT = r"""
 import os, sys, json, pickle, io, random, threading
 os.environ.pop("NVTE_PROJECT_BUILDING", None)
-from nemo_lw_fp8.emulation import activate, active_backend, is_emulated, te_backend
+from nemo_lw_fp8.cpu.te import activate, active_backend, backend as te_backend, is_emulated
 R = {}
 R["before"] = active_backend()
 R["backend"] = activate()
@@ -39,8 +39,8 @@ from transformer_engine.pytorch import MXFP8Quantizer, MXFP8Tensor
 from transformer_engine.pytorch.tensor.storage.mxfp8_tensor_storage import MXFP8TensorStorage
 from transformer_engine.pytorch.tensor.utils import (
     cast_master_weights_to_fp8, post_all_gather_processing, quantize_master_weights)
-from nemo_lw_fp8.emulation import mxfp8 as mx
-from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear, quantize_dequantize
+from nemo_lw_fp8.cpu.formats import mxfp8 as mx
+from nemo_lw_fp8.cpu.layers.mxfp8_linear import MXFP8Linear, quantize_dequantize
 R["te_version"] = transformer_engine.__version__
 R["dtype_members"] = {m.name: int(m) for m in tex.DType}
 
@@ -332,7 +332,7 @@ def test_megatron_imported_first_is_refused():
     import megatron.core.fp8_utils as fu
     assert fu.HAVE_TE is False
     del sys.modules["transformer_engine"]
-    from nemo_lw_fp8.emulation import te_backend
+    from nemo_lw_fp8.cpu.te import backend as te_backend
     try:
         te_backend.activate()
         out = "no error"
@@ -444,9 +444,9 @@ def test_emulation_matches_te_kernels_on_blackwell():
     from transformer_engine.pytorch import MXFP8Quantizer
     from transformer_engine.pytorch.optimizers.multi_tensor_apply import multi_tensor_applier
 
-    from nemo_lw_fp8.emulation import mxfp8 as mx
-    from nemo_lw_fp8.emulation import mxfp8_format as mxf
-    from nemo_lw_fp8.emulation import mxfp8_sharded_cast as mxs
+    from nemo_lw_fp8.cpu.formats import mxfp8 as mx
+    from nemo_lw_fp8.cpu.formats import mxfp8_layout as mxf
+    from nemo_lw_fp8.cpu.formats import mxfp8_sharded_cast as mxs
 
     torch.manual_seed(0)
     cases = []

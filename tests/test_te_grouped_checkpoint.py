@@ -26,7 +26,7 @@ import unittest.mock
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process

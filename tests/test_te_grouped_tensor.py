@@ -1,6 +1,6 @@
 """TE 2.20.2's op-fuser ``GroupedLinear`` on its grouped-tensor path (issue 28): single grouped
 MXFP8 weights, as the MXFP8 recipes' ``TEGroupedMLP`` runs them on an SM 10.0 target, with only
-``transformer_engine_torch`` emulated (``nemo_lw_fp8/emulation/te_kernels_grouped_tensor.py``),
+``transformer_engine_torch`` emulated (``nemo_lw_fp8/cpu/te/tex/grouped_tensor.py``),
 against the project's ``MXFP8Linear`` applied to each expert's split of the tokens, bitwise.
 
 Each parity has a control kept in the suite that must make the same comparison fail by
@@ -29,7 +29,8 @@ def _mutate(mp: pytest.MonkeyPatch, mutation: str | None) -> None:
     """Controls. ``usage``: the grouped GEMMs read each quantized operand in the other usage
     (where both copies exist). ``member_order``: the grouped GEMM pairs each input member with
     the next expert's weight."""
-    from nemo_lw_fp8.emulation import te_kernels_gemm, te_kernels_grouped_tensor
+    from nemo_lw_fp8.cpu.te.tex import gemm as te_kernels_gemm
+    from nemo_lw_fp8.cpu.te.tex import grouped_tensor as te_kernels_grouped_tensor
 
     if mutation == "usage":
         real = te_kernels_gemm.dequantize_operand
@@ -66,13 +67,13 @@ def op_grouped_linear_run(mutation: str | None, fuse_wgrad: bool) -> dict[str, A
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import MXFP8BlockScaling
 
-    from nemo_lw_fp8.cpu import te_device
-    from nemo_lw_fp8.emulation.fp8_linear import (
+    from nemo_lw_fp8.cpu.layers.mxfp8_linear import (
         MXFP8Linear,
         _quantize_dequantize,
         grad_fp8_dtype,
         mxfp8_backward,
     )
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     experts = len(SPLITS)
     gen = torch.Generator().manual_seed(17)
@@ -176,8 +177,8 @@ def grouped_tensor_kernels() -> dict[str, Any]:
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 
-    from nemo_lw_fp8.cpu import te_device
-    from nemo_lw_fp8.emulation import mxfp8 as mx
+    from nemo_lw_fp8.cpu.formats import mxfp8 as mx
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     r: dict[str, Any] = {}
     splits = torch.tensor([256, 0, 128], dtype=torch.int64)

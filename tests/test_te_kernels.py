@@ -1,6 +1,6 @@
 """The kernels of ``transformer_engine_torch`` emulated for TE 2.20.2's own modules (issue 28),
 one by one, called through TE's own Python wrappers where TE has one, and the scoped device
-answers (``nemo_lw_fp8.cpu.te_device``).
+answers (``nemo_lw_fp8.cpu.te.device``).
 
 Exact kernels (operand dequantization, quantized outputs, quantized ``dy``) are compared bit for
 bit with the project's references; stand-ins (GEMM accumulation, norms, SwiGLU, softmax) with a
@@ -48,8 +48,8 @@ def _quantizer(kind: str, usage: tuple[bool, bool] = (True, True)) -> Any:
 
 def _reference_dequantize(kind: str, x: torch.Tensor, usage: str) -> torch.Tensor:
     """The project's exact quantize + dequantize of ``x`` in ``usage``, fp32."""
-    from nemo_lw_fp8.emulation import blockwise as bw
-    from nemo_lw_fp8.emulation import mxfp8 as mx
+    from nemo_lw_fp8.cpu.formats import blockwise as bw
+    from nemo_lw_fp8.cpu.formats import mxfp8 as mx
 
     if kind.startswith("mxfp8"):
         data = mx.quantize(x, torch.float8_e4m3fn, rowwise=True, columnwise=True)
@@ -64,7 +64,7 @@ def gemm_operands(kind: str) -> dict[str, Any]:
     reads; and the same GEMM read in the other usage, which must differ (the data are spread)."""
     from transformer_engine.pytorch.cpp_extensions import general_gemm
 
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     gen = torch.Generator().manual_seed(3)
     w, x, dy = _spread(128, 256, gen), _spread(256, 256, gen), _spread(256, 128, gen)
@@ -115,8 +115,8 @@ def gemm_epilogues() -> dict[str, Any]:
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.cpp_extensions import general_gemm
 
-    from nemo_lw_fp8.cpu import te_device
-    from nemo_lw_fp8.emulation import mxfp8 as mx
+    from nemo_lw_fp8.cpu.formats import mxfp8 as mx
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     gen = torch.Generator().manual_seed(4)
     K = 96
@@ -273,7 +273,7 @@ def bgrad_quantize_case() -> dict[str, Any]:
     """``tex.bgrad_quantize`` with an MXFP8 quantizer (TE's MXFP8 backward)."""
     import transformer_engine_torch as tex
 
-    from nemo_lw_fp8.emulation import mxfp8 as mx
+    from nemo_lw_fp8.cpu.formats import mxfp8 as mx
 
     gen = torch.Generator().manual_seed(5)
     dy = _spread(96, 64, gen)
@@ -495,7 +495,7 @@ def device_answers() -> dict[str, Any]:
     from transformer_engine.common.recipe import Float8BlockScaling, MXFP8BlockScaling
     from transformer_engine.pytorch import quantization, utils
 
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     r: dict[str, Any] = {"losses": []}
     te_frame = {"__name__": "transformer_engine.pytorch.module.base", "torch": torch}
@@ -557,8 +557,8 @@ def grouped_data_movement() -> dict[str, Any]:
     that is not a multiple of 32 for blockwise)."""
     import transformer_engine_torch as tex
 
-    from nemo_lw_fp8.emulation import blockwise as bw
-    from nemo_lw_fp8.emulation import mxfp8 as mx
+    from nemo_lw_fp8.cpu.formats import blockwise as bw
+    from nemo_lw_fp8.cpu.formats import mxfp8 as mx
 
     gen = torch.Generator().manual_seed(9)
     r: dict[str, Any] = {"losses": []}

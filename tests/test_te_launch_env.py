@@ -1,4 +1,4 @@
-"""The recipes' launch environment (``nemo_lw_fp8/launch/te_env.py``): what their TE layers need,
+"""The recipes' launch environment (``nemo_lw_fp8/recipes/te_env.py``): what their TE layers need,
 carried by every launcher, checked by a guard, and enough to build each MXFP8 recipe's model from
 megatron's Transformer Engine spec.
 
@@ -15,10 +15,11 @@ import unittest.mock
 
 import pytest
 
-from nemo_lw_fp8 import guards, recipes
-from nemo_lw_fp8.launch import te_env
-from nemo_lw_fp8.launch.slurm import write_sbatch
-from nemo_lw_fp8.launch.slurm_settings import SlurmConfigError
+from nemo_lw_fp8 import recipes
+from nemo_lw_fp8 import rules as guards
+from nemo_lw_fp8.cli.slurm.sbatch import write_sbatch
+from nemo_lw_fp8.cli.slurm.settings import SlurmConfigError
+from nemo_lw_fp8.recipes import te_env
 from tests.support.harness import BootOptions, run_on_ranks
 
 MXFP8_TINY = [recipes.tiny_name(model) for model in recipes.MODELS]
@@ -40,7 +41,7 @@ def test_every_recipe_needs_what_its_experts_take(name):
     elif name.endswith("_hopper"):
         assert needed == {}
     else:
-        assert needed == {te_env.SINGLE_PARAM_ENV: "1", te_env.CUTEDSL_ENV: "1"}
+        assert needed == {te_env.SINGLE_GROUPED_WEIGHT_ENV: "1", te_env.CUTEDSL_ENV: "1"}
         assert [v.name for v in te_env.for_recipe(name) if v.before_import] == [te_env.CUTEDSL_ENV]
 
 
@@ -77,8 +78,8 @@ def test_export_for_launch_fills_only_unset_and_import_time_variables():
 
 
 def test_doctor_and_plan_say_which_expert_path(capsys):
-    from nemo_lw_fp8 import doctor
-    from nemo_lw_fp8.models import plan_cli
+    from nemo_lw_fp8.cli import doctor
+    from nemo_lw_fp8.cli import plan as plan_cli
 
     rows = doctor.collect()["expert_path"]["rows"]
     cute = [r for r in rows if r["recipes"] == "*_mxfp8" and r["path"].startswith("TE CuTe-DSL")]
@@ -135,8 +136,8 @@ def test_guard_refuses_op_fuser_glu_experts_without_the_variable(monkeypatch):
 
 def test_check_environment_names_the_variable():
     with pytest.raises(guards.ConfigError, match=te_env.CUTEDSL_ENV):
-        te_env.check_environment("deepseek_v3_mxfp8", {te_env.SINGLE_PARAM_ENV: "1"})
-    with pytest.raises(guards.ConfigError, match=te_env.SINGLE_PARAM_ENV):
+        te_env.check_environment("deepseek_v3_mxfp8", {te_env.SINGLE_GROUPED_WEIGHT_ENV: "1"})
+    with pytest.raises(guards.ConfigError, match=te_env.SINGLE_GROUPED_WEIGHT_ENV):
         te_env.check_environment("deepseek_v3_mxfp8", {te_env.CUTEDSL_ENV: "1"})
     te_env.check_environment("deepseek_v3_hopper", {})
 
@@ -164,15 +165,15 @@ def test_sbatch_exports_the_recipe_environment(name):
 
 def test_sbatch_on_cpu_leaves_the_import_time_variable_to_pretrain():
     text = write_sbatch("tiny_deepseek_v3", nodes=1, cpu=True)
-    assert f"export {te_env.SINGLE_PARAM_ENV}=1" in text
+    assert f"export {te_env.SINGLE_GROUPED_WEIGHT_ENV}=1" in text
     assert te_env.CUTEDSL_ENV not in text
 
 
 def test_sbatch_refuses_a_contradicting_env():
     with pytest.raises(SlurmConfigError, match=f"^--env: .*{te_env.CUTEDSL_ENV}"):
         write_sbatch("deepseek_v3_mxfp8", nodes=2, env={te_env.CUTEDSL_ENV: "0"})
-    with pytest.raises(SlurmConfigError, match=f"^--env: .*{te_env.SINGLE_PARAM_ENV}"):
-        write_sbatch("tiny_qwen3_30b_a3b", nodes=1, env={te_env.SINGLE_PARAM_ENV: "0"})
+    with pytest.raises(SlurmConfigError, match=f"^--env: .*{te_env.SINGLE_GROUPED_WEIGHT_ENV}"):
+        write_sbatch("tiny_qwen3_30b_a3b", nodes=1, env={te_env.SINGLE_GROUPED_WEIGHT_ENV: "0"})
     # a user value that agrees is exported once
     text = write_sbatch("deepseek_v3_mxfp8", nodes=2, env={te_env.CUTEDSL_ENV: "1"})
     assert text.count(f"export {te_env.CUTEDSL_ENV}=") == 1
@@ -180,12 +181,12 @@ def test_sbatch_refuses_a_contradicting_env():
 
 def test_nemo_run_executor_carries_the_recipe_environment():
     pytest.importorskip("nemo_run", exc_type=ImportError)
-    from nemo_lw_fp8.launch import slurm_nemo_run
+    from nemo_lw_fp8.cli.slurm import nemo_run_executor as slurm_nemo_run
 
     ex = slurm_nemo_run.slurm_executor(nodes=2, gpus_per_node=4, gpu_arch="blackwell",
                                        recipe="qwen3_235b_a22b_mxfp8")  # fmt: skip
     assert ex.env_vars[te_env.CUTEDSL_ENV] == "1"
-    assert ex.env_vars[te_env.SINGLE_PARAM_ENV] == "1"
+    assert ex.env_vars[te_env.SINGLE_GROUPED_WEIGHT_ENV] == "1"
     ex = slurm_nemo_run.slurm_executor(nodes=2, recipe="qwen3_235b_a22b_hopper")
     assert te_env.CUTEDSL_ENV not in ex.env_vars
 
@@ -208,7 +209,7 @@ def build_recipe_model(name: str, with_env: bool) -> str:
     provider.finalize()
     assert provider.transformer_impl == "transformer_engine" and provider.fp8_recipe == "mxfp8"
     wanted = te_env.as_dict(te_env.for_config(cfg)) if with_env else {}
-    names = (te_env.CUTEDSL_ENV, te_env.SINGLE_PARAM_ENV)
+    names = (te_env.CUTEDSL_ENV, te_env.SINGLE_GROUPED_WEIGHT_ENV)
     before = {key: os.environ.pop(key, None) for key in names}
     os.environ.update(wanted)
     model_parallel_cuda_manual_seed(1234)
@@ -257,7 +258,7 @@ def test_pretrain_exports_before_transformer_engine_is_imported():
     code = (
         "import os, sys\n"
         "os.environ.pop('NVTE_CUTEDSL_FUSED_GROUPED_MLP', None)\n"
-        "from nemo_lw_fp8.launch import pretrain, te_env\n"
+        "from nemo_lw_fp8.cli import pretrain, te_env\n"
         "pretrain.check_command_line('deepseek_v3_mxfp8', None, [])\n"
         "print(te_env.export_for_launch('deepseek_v3_mxfp8', []),\n"
         "      os.environ['NVTE_CUTEDSL_FUSED_GROUPED_MLP'],\n"

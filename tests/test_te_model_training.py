@@ -3,7 +3,7 @@ Muon (issue 28, "one model path"): TE 2.20.2's own ``TELayerNormColumnParallelLi
 ``TERowParallelLinear``, ``TEDotProductAttention`` (unfused backend) and ``TEGroupedMLP`` through
 the op fuser with single grouped MXFP8 expert weights (``ops.GroupedLinear`` + ``ScaledSwiGLU`` on
 the grouped-tensor path), with only ``transformer_engine_torch`` emulated and the device questions
-answered as a GB200 would (``nemo_lw_fp8.cpu.te_device.target_gpu(BLACKWELL)``).
+answered as a GB200 would (``nemo_lw_fp8.cpu.te.device.target_gpu(BLACKWELL)``).
 
 The claim: FP8 param gather ON (persistent MXFP8 weights from ``quantized_model_init``, the owners'
 MXFP8 weights gathered over data parallel) = OFF (bf16 weights quantized by TE at each forward),
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges, assert_same_losses_and_masters
 from tests.support.te_helpers import rowwise_only_refresh
@@ -105,7 +105,7 @@ def te_moe_run(
     from megatron.core import parallel_state
 
     import nemo_lw_fp8
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
     from tests.support import dist_checkpoints, training
     from tests.support.resume_controls import nudge_first_layer_wise_master
     from tests.support.scenarios import Scenario

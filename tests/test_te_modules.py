@@ -1,6 +1,6 @@
 """TE 2.20.2's own modules on CPU (issue 28): ``Linear`` and ``LayerNormLinear`` with only
 ``transformer_engine_torch`` emulated and the device questions answered as the recipe's GPU
-(``nemo_lw_fp8.cpu.te_device``), against the project's CPU layers, bitwise.
+(``nemo_lw_fp8.cpu.te.device``), against the project's CPU layers, bitwise.
 
 Each parity has a control kept in the suite: a mutation that must make the same comparison fail
 by divergence (``tests.support.parity.assert_diverges``), never by a crash."""
@@ -39,7 +39,7 @@ def _mutate(mp: pytest.MonkeyPatch, mutation: str | None) -> None:
     """Controls: ``usage`` reads each GEMM operand in the other usage where it holds both copies
     (the forward GEMM then reads the weight's and the input's columnwise copies);
     ``bias_after_cast`` adds the bias after the output's cast (megatron's local order)."""
-    from nemo_lw_fp8.emulation import te_kernels_gemm
+    from nemo_lw_fp8.cpu.te.tex import gemm as te_kernels_gemm
 
     if mutation == "usage":
         real = te_kernels_gemm.dequantize_operand
@@ -88,14 +88,14 @@ def _reference_wgrad32(recipe: str, x: torch.Tensor, dy: torch.Tensor) -> torch.
     """The project's fp32 wgrad before its cast: what ``main_grad`` accumulates."""
     if recipe == "bf16":
         return torch.matmul(dy.float().t(), x.float())
-    from nemo_lw_fp8.emulation.fp8_linear import grad_fp8_dtype
+    from nemo_lw_fp8.cpu.layers.mxfp8_linear import grad_fp8_dtype
 
     if recipe == "mxfp8":
-        from nemo_lw_fp8.emulation.fp8_linear import _quantize_dequantize, mxfp8_backward
+        from nemo_lw_fp8.cpu.layers.mxfp8_linear import _quantize_dequantize, mxfp8_backward
 
         x_col = _quantize_dequantize(x, torch.float8_e4m3fn, "columnwise")
         return mxfp8_backward(dy, x_col, None, grad_fp8_dtype())[1]
-    from nemo_lw_fp8.emulation.blockwise_linear import _columnwise_input, blockwise_backward
+    from nemo_lw_fp8.cpu.layers.blockwise_linear import _columnwise_input, blockwise_backward
 
     return blockwise_backward(dy, _columnwise_input(x), None, grad_fp8_dtype())[1]
 
@@ -105,9 +105,9 @@ def linear_run(recipe: str, bias: bool, fp8_params: bool, fuse: bool, mutation: 
     (or ``main_grad`` after fused accumulation) and bias grad of each."""
     import transformer_engine.pytorch as te
 
-    from nemo_lw_fp8.cpu import te_device
-    from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
-    from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear
+    from nemo_lw_fp8.cpu.layers.blockwise_linear import BlockwiseFP8Linear
+    from nemo_lw_fp8.cpu.layers.mxfp8_linear import MXFP8Linear
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     fp8_recipe, target = te_recipe(recipe)
     d = _data(bias)
@@ -240,9 +240,12 @@ def norm_linear_run(recipe: str, normalization: str, zero_centered: bool, mutati
     import transformer_engine.pytorch as te
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from nemo_lw_fp8.cpu import te_device
-    from nemo_lw_fp8.cpu.norm_linear import CPULayerNormColumnParallelLinear, _NormBeforeLinear
-    from nemo_lw_fp8.emulation import te_kernels_norm
+    from nemo_lw_fp8.cpu.layers.norm_linear import (
+        CPULayerNormColumnParallelLinear,
+        _NormBeforeLinear,
+    )
+    from nemo_lw_fp8.cpu.te import device as te_device
+    from nemo_lw_fp8.cpu.te.tex import normalization as te_kernels_norm
 
     fp8_recipe, target = te_recipe(recipe)
     bias = recipe != "bf16"  # megatron's bf16 linear adds its bias after the cast (see doc)
@@ -403,9 +406,9 @@ def grouped_linear_run(recipe: str, mutation: str | None) -> dict[str, Any]:
     none)."""
     import transformer_engine.pytorch as te
 
-    from nemo_lw_fp8.cpu import te_device
-    from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
-    from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear
+    from nemo_lw_fp8.cpu.layers.blockwise_linear import BlockwiseFP8Linear
+    from nemo_lw_fp8.cpu.layers.mxfp8_linear import MXFP8Linear
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     fp8_recipe, target = te_recipe(recipe)
     cpu_linear = MXFP8Linear if recipe == "mxfp8" else BlockwiseFP8Linear
@@ -477,9 +480,9 @@ def megatron_te_linear_run(recipe: str, kind: str, fuse: bool, bias: bool = True
     from megatron.core.extensions import transformer_engine as mte
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from nemo_lw_fp8.cpu import te_device
-    from nemo_lw_fp8.cpu.layers import FP8_LINEARS
-    from nemo_lw_fp8.cpu.norm_linear import CPULayerNormColumnParallelLinear
+    from nemo_lw_fp8.cpu.layers.norm_linear import CPULayerNormColumnParallelLinear
+    from nemo_lw_fp8.cpu.layers.parallel_linears import FP8_LINEARS
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     fp8_recipe, target = te_recipe(recipe)
     d = _data(bias)
@@ -574,7 +577,7 @@ def attention_run() -> dict[str, Any]:
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     sq, b, heads, dim = 64, 2, 4, 32
     config = TransformerConfig(

@@ -1,6 +1,6 @@
 """TE 2.20.2's fused MoE permutation (``moe_permute_fusion``) on CPU: TE's own
 ``transformer_engine.pytorch.permutation`` functions over the stand-ins of its Triton launch
-wrappers (``nemo_lw_fp8.emulation.te_triton_permutation``), against per-token loop references
+wrappers (``nemo_lw_fp8.cpu.te.triton_permutation``), against per-token loop references
 written from the kernels' definition (expert-major destination rows; an fp32 accumulator per
 token over its routed rows in descending row order, rounded once).
 
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
@@ -68,7 +68,7 @@ def permutation_case() -> dict[str, Any]:
     from transformer_engine.pytorch import permutation as te_perm
     from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     gen = torch.Generator().manual_seed(5)
     routing = _routing(gen)
@@ -152,12 +152,12 @@ def order_case(ascending: bool) -> dict[str, Any]:
     summed from the largest, 1 + 2^-23 from the smallest."""
     from transformer_engine.pytorch import permutation as te_perm
 
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     if ascending:  # the control: each token's rows ascending, so its sum runs the other way
         import transformer_engine.pytorch.triton.permutation as te_triton
 
-        from nemo_lw_fp8.emulation import te_triton_permutation as stand_in
+        from nemo_lw_fp8.cpu.te import triton_permutation as stand_in
 
         original = stand_in.make_row_id_map
 

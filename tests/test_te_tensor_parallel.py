@@ -50,8 +50,8 @@ def tp_pair_run(recipe: str, sequence_parallel: bool, mutation: str | None = Non
     from megatron.core.extensions import transformer_engine as mte
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from nemo_lw_fp8.cpu import te_device
-    from nemo_lw_fp8.emulation import te_extension
+    from nemo_lw_fp8.cpu.te import device as te_device
+    from nemo_lw_fp8.cpu.te import tex as te_extension
 
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     fp8_recipe, target = te_recipe(recipe)

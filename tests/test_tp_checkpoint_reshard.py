@@ -11,7 +11,7 @@ data-parallel size stays what A saved with, so the one thing that changes is TP 
 is proven in tests/test_twin_resharding.py), and two ranks cost half of four on this machine.
 
 Compared: every entry of B's per-parameter state right after the load (tensors behind
-:mod:`nemo_lw_fp8.launch.state_by_name`) with A's final state (= what it saved) merged over its
+:mod:`nemo_lw_fp8.mechanics.state_by_name`) with A's final state (= what it saved) merged over its
 TP ranks as megatron's ``sharded_state_dict`` lays the shards out (tests/support/tp_merge.py):
 the same names, kinds, shapes, dtypes and bits. B then trains iteration 3 (a finite loss, its
 state moves). Not claimed: that iteration equals a TP-1 run that never stopped, or TP 2 going on
@@ -262,7 +262,7 @@ def test_dp_reshardable_checkpoint_of_another_tp_is_refused_naming_the_fix():
     Adam's buckets flat over this TP rank's shards; loaded at TP 1, megatron stopped inside the
     load (``Global shape mismatch for loaded (torch.Size([66432])) and expected ((131968,))``,
     measured with this file's TP-2 run saved ``dp_reshardable``)."""
-    from nemo_lw_fp8 import guards
+    from nemo_lw_fp8 import rules as guards
 
     message = guards.checkpoint_tp_resplit(False, 2, 1, BUCKETS, WHERE)
     assert message is not None and len(message.splitlines()) == 1 and WHERE in message
@@ -283,7 +283,7 @@ def test_bridge_load_check_refuses_a_dp_reshardable_checkpoint_of_another_tp(tmp
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from nemo_lw_fp8 import guards
+    from nemo_lw_fp8 import rules as guards
     from nemo_lw_fp8.mechanics import checkpointing
 
     buffer = "chained_1.optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16)"

@@ -31,7 +31,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_lw_fp8.emulation import te_backend
+from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
 from tests.support.parity import assert_diverges, assert_same_losses_and_masters
 from tests.support.te_helpers import stale_columnwise
@@ -124,7 +124,7 @@ def tp_gather_run(
     from megatron.core import parallel_state
 
     import nemo_lw_fp8
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
     from tests.support import training
     from tests.support.scenarios import Scenario
     from tests.support.te_helpers import te_recipe
@@ -253,8 +253,8 @@ def refusal_at_build(ffn_hidden_size: int) -> str:
     """Build the blockwise TP-2 GPT with persistent weights and ``ffn_hidden_size`` and its
     layer-wise optimizer with FP8 gather; the guards' refusal ("" if none)."""
     import nemo_lw_fp8
-    from nemo_lw_fp8.cpu import te_device
-    from nemo_lw_fp8.guards import ConfigError
+    from nemo_lw_fp8.cpu.te import device as te_device
+    from nemo_lw_fp8.errors import ConfigError
     from tests.support import training
     from tests.support.scenarios import Scenario
 

@@ -9,7 +9,7 @@ Three runs: A (DP 2, 4 ranks, whole ownership) trains 2 iterations and saves; B 
 expert-run ownership: each grouped weight's experts split over the 2 ranks of its
 expert-data-parallel group, which DP 2 does not have) loads it, trains iteration 3 and saves;
 C (DP 2, whole ownership again) loads B's checkpoint. After each load the fp32 masters, Muon
-momentum and Adam moments, per parameter and expert (:mod:`nemo_lw_fp8.launch.state_by_name`,
+momentum and Adam moments, per parameter and expert (:mod:`nemo_lw_fp8.mechanics.state_by_name`,
 which does not depend on who owns what), equal the state the saving run ended with, bit for bit.
 
 Control: C again with each rank's first layer-wise master moved by one ulp right after the load

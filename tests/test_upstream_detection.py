@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from nemo_lw_fp8 import cli, doctor
-from nemo_lw_fp8.upstream import detect
+from nemo_lw_fp8 import cli
+from nemo_lw_fp8.cli import doctor
+from nemo_lw_fp8.patches.upstream import detect
 
 NATIVE_IN_0_19_2 = {3524: True, 4987: False, 4994: True, 5464: True, 5388: False}
 
@@ -101,8 +102,8 @@ def test_detectors_read_the_same_answer_from_source():
     process reads) as from the imported modules."""
     import importlib
 
-    from nemo_lw_fp8 import symbols
-    from nemo_lw_fp8.upstream import megatron_core_changes
+    from nemo_lw_fp8.patches import symbols
+    from nemo_lw_fp8.patches.upstream import megatron_core_changes
 
     for name in (
         "megatron.core.distributed.param_and_grad_buffer",

@@ -90,7 +90,7 @@ COMPACT_UPSTREAM = """
         DistributedDataParallelConfig as Config,
     )
     from megatron.core.distributed import param_and_grad_buffer as pg
-    from nemo_lw_fp8.upstream import detect
+    from nemo_lw_fp8.patches.upstream import detect
 
     fields = dict(Config.__dataclass_fields__)
     fields["use_layer_wise_param_layout"] = dataclasses.field(default=False)
@@ -112,7 +112,7 @@ def test_upstream_compact_setting_keeps_the_plugin_layout(interpreters):
 BRIDGE_LATER = """
     import sys
     import nemo_lw_fp8
-    from nemo_lw_fp8.emulation import te_backend
+    from nemo_lw_fp8.cpu.te import backend as te_backend
 
     te_backend.activate()
     status = nemo_lw_fp8.apply()

@@ -12,7 +12,7 @@ Pieces:
   ``provide()`` hook, which applies the plugin's patches and builds megatron's layer-wise Muon.
 * :func:`finalize`: run when the ``ConfigContainer`` is validated (patched into
   ``ConfigContainer.validate`` by ``patches/bridge_config_guards.py``, and called by the plugin's
-  launchers): applies the patches, runs every guard of :mod:`nemo_lw_fp8.guards` on the whole
+  launchers): applies the patches, runs every guard of :mod:`nemo_lw_fp8.rules` on the whole
   container, and hands the layout to the DDP config.
 * :func:`settings_from_config`: the flat guard view of a ``ConfigContainer``.
 """
@@ -44,11 +44,12 @@ from megatron.bridge.training.config import (  # noqa: E402
 )
 from megatron.bridge.training.config import SchedulerConfig  # noqa: E402
 
-from ..config import (  # noqa: E402
+from nemo_lw_fp8.config import (  # noqa: E402
     DEFAULT_GATHER_PADDING_TOLERANCE,
     LAYER_WISE_LAYOUTS,
     LayerWiseConfig,
 )
+from nemo_lw_fp8.vocabulary import SINGLE_GROUPED_WEIGHT_ENV  # noqa: E402
 
 LAYOUTS = LAYER_WISE_LAYOUTS
 
@@ -208,7 +209,7 @@ def uses_plugin(cfg: Any) -> bool:
 
 def settings_from_config(cfg: Any) -> Any:
     """The guards' flat view of a Bridge ``ConfigContainer`` (model, ddp, optimizer, precision)."""
-    from .. import guards
+    from nemo_lw_fp8 import rules as guards
 
     names = {f.name for f in dataclasses.fields(guards.Settings)} - {"sources"}
     values: dict[str, Any] = {}
@@ -236,7 +237,7 @@ def settings_from_config(cfg: Any) -> Any:
     values["ddp_overlap_param_gather"] = bool(getattr(cfg.ddp, "overlap_param_gather", False))
     # TE's switch: Bridge exports cfg.env_vars before it builds (values already in the process
     # environment win), so the rule sees what the model build will see.
-    switch = "NVTE_GROUPED_LINEAR_SINGLE_PARAM"
+    switch = SINGLE_GROUPED_WEIGHT_ENV
     if switch not in os.environ and switch in getattr(cfg, "env_vars", {}):
         values["grouped_linear_single_param"] = str(cfg.env_vars[switch]) == "1"
     return guards.Settings(**values)
@@ -245,12 +246,11 @@ def settings_from_config(cfg: Any) -> Any:
 def finalize(cfg: Any) -> Any:
     """Apply the patches, check every rule on ``cfg``, hand the layout to the DDP config.
 
-    Idempotent; raises :class:`nemo_lw_fp8.guards.ConfigError` for an unsupported combination
+    Idempotent; raises :class:`nemo_lw_fp8.rules.ConfigError` for an unsupported combination
     (nothing is corrected silently).
     """
     import nemo_lw_fp8
-
-    from .. import guards
+    from nemo_lw_fp8 import rules as guards
 
     if not uses_plugin(cfg):
         return cfg

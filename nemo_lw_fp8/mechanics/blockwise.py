@@ -34,11 +34,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import config as plugin_config
-from .. import guards
-from .. import layout as layout_math
-from ..state import group_state, peek
-from . import bucket_owners, expert_slices, masters, nvfp4_gather, owner_gather, te_classes
+from nemo_lw_fp8 import config as plugin_config
+from nemo_lw_fp8 import rules as guards
+from nemo_lw_fp8.layout import packing as layout_math
+from nemo_lw_fp8.mechanics import (
+    bucket_owners,
+    expert_slices,
+    masters,
+    nvfp4_gather,
+    owner_gather,
+    te_classes,
+)
+from nemo_lw_fp8.state import group_state, peek
 
 BLOCK = 128
 

@@ -99,7 +99,7 @@ def loading_dir() -> str | None:
 
 
 def _current_fields(cfg: Any) -> dict[str, dict[str, Any]]:
-    from ..guards import CHECKPOINT_FIXED_FIELDS
+    from nemo_lw_fp8.rules import CHECKPOINT_FIXED_FIELDS
 
     current: dict[str, dict[str, Any]] = {}
     for section, name in CHECKPOINT_FIXED_FIELDS:
@@ -150,7 +150,7 @@ def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
     ``checkpoint-truncated-shard``)."""
     import os
 
-    from ..guards import (
+    from nemo_lw_fp8.rules import (
         ConfigError,
         checkpoint_bucket_resplit,
         checkpoint_mismatch,

@@ -5,7 +5,7 @@
   (parameters keep their own storage). Sibling non-Muon buffers (embeddings,
   biases, norms) keep the standard DistributedOptimizer layout; bucket groups never mix the two.
 * Whole-parameter ownership minimises the largest per-rank Newton-Schulz cost
-  (:func:`nemo_lw_fp8.layout.choose_pieces`), deterministic on every rank and after a resume.
+  (:func:`nemo_lw_fp8.layout.packing.choose_pieces`), deterministic on every rank and after a resume.
   Single grouped expert weights can instead be owned in runs of experts by several ranks
   (:mod:`.expert_slices`); the gather then assembles an MXFP8 grouped weight whole before
   quantizing it.
@@ -32,10 +32,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import config as plugin_config
-from .. import layout as layout_math
-from ..state import group_state, optimizer_state, peek
-from . import expert_slices, grouped, owner_gather, owner_reduce, qkv_parts
+from nemo_lw_fp8 import config as plugin_config
+from nemo_lw_fp8.layout import packing as layout_math
+from nemo_lw_fp8.mechanics import expert_slices, grouped, owner_gather, owner_reduce, qkv_parts
+from nemo_lw_fp8.state import group_state, optimizer_state, peek
 
 # --------------------------------------------------------------------------- buffers
 
@@ -65,7 +65,7 @@ def unpadded_layer_wise_layouts(
 ) -> Any:
     """Replace the layer-wise buffers' layouts in megatron's full layout by unpadded ones.
 
-    Buckets end where :func:`nemo_lw_fp8.layout.compact_bucket_counts` says: by default where
+    Buckets end where :func:`nemo_lw_fp8.layout.packing.compact_bucket_counts` says: by default where
     megatron's padded layout ends them (as many bucket groups, so as many gather and gradient
     launches per step), capped by the config's ``bucket_cap_numel``.
     """
@@ -87,7 +87,7 @@ def unpadded_layer_wise_layouts(
 
 def _bucketed_layout(params: list[Any], bucket_size: Any, world: int, cap: int | None) -> Any:
     """megatron's unpadded DDP layout (params back to back in backprop order), with the bucket
-    boundaries of :func:`nemo_lw_fp8.layout.compact_bucket_counts`."""
+    boundaries of :func:`nemo_lw_fp8.layout.packing.compact_bucket_counts`."""
     from megatron.core.optimizer.param_layout import PerBufferParamLayout
 
     backprop = params[::-1]
@@ -283,7 +283,7 @@ def shard(
     record = optimizer_state(optimizer)
     blockwise = _blockwise_fp8(record.model_chunks or [])
     if qkv_ownership == "split" and blockwise:  # explicit: refused, never dropped
-        from ..guards import ConfigError, qkv_split_blockwise_message
+        from nemo_lw_fp8.rules import ConfigError, qkv_split_blockwise_message
 
         raise ConfigError("qkv-split-blockwise", qkv_split_blockwise_message())
     split = layout_math.resolve_qkv_ownership(qkv_ownership, "compact", blockwise) == "split"
@@ -328,7 +328,7 @@ def _muon_splits_qkv(optimizers: list[Any]) -> frozenset[int]:
     and V parts (megatron's ``muon_split_qkv``, on by default, tags them ``is_qkv``). Blockwise
     FP8 weights stay whole: their owner quantizes whole 128 x 128 tiles, which span the parts;
     so do NVFP4 primary weights, whose per-tensor amax spans the whole matrix."""
-    from .blockwise import is_owner_quantized
+    from nemo_lw_fp8.mechanics.blockwise import is_owner_quantized
 
     found = set()
     for opt in optimizers:

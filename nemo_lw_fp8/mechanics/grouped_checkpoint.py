@@ -52,7 +52,7 @@ def _expert_tensors(data: Any, count: int) -> list[torch.Tensor]:
     storage; MXFP8 members stay quantized, megatron's writer dequantizes them), else rows."""
     from megatron.core.fp8_utils import get_grouped_quantized_members, is_grouped_tensor
 
-    from . import expert_slices
+    from nemo_lw_fp8.mechanics import expert_slices
 
     if is_grouped_tensor(data):
         view = expert_slices.expert_view(data)
@@ -165,7 +165,7 @@ def run_entries(model_sharded_state_dict: Any, params: list[torch.Tensor]) -> di
     from its grouped weight's entry in the model's sharded state dict."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    from . import expert_slices
+    from nemo_lw_fp8.mechanics import expert_slices
 
     runs = [p for p in params if expert_slices.is_slice(p)]
     if not runs:

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ..state import optimizer_state
-from . import tp_duplicated
+from nemo_lw_fp8.mechanics import tp_duplicated
+from nemo_lw_fp8.state import optimizer_state
 
 
 class StepTable:

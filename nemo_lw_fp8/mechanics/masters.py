@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import expert_slices, qkv_parts
+from nemo_lw_fp8.mechanics import expert_slices, qkv_parts
 
 
 def float16_children(optimizer: Any) -> list[Any]:

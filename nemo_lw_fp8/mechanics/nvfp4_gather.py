@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import expert_slices, te_classes
+from nemo_lw_fp8.mechanics import expert_slices, te_classes
 
 #: NVFP4 block length, and the 2D tile edge of weights.
 TILE = 16
@@ -270,7 +270,7 @@ def gather_on(ddp_config: Any) -> bool:
 def check(params: list[torch.nn.Parameter]) -> None:
     """What only the built weights can tell: 16x16 blocks (a 1x16 weight's columnwise blocks run
     along the other dim, so receivers could not derive them) and shapes of whole tiles."""
-    from .. import guards
+    from nemo_lw_fp8 import rules as guards
 
     singles = [m for p in params for m in (grouped_members(p) or [p])]
     one_d = [tuple(p.shape) for p in singles if not uses_2d_blocks(p)]

@@ -22,7 +22,7 @@ replaced, for the length of the call, by the reduces to the owners; megatron's
 
 The layout order and the wire arithmetic (a ring reduce: every rank but the destination sends
 the span once) are here too, as functions of sizes and owners, so the planner's model
-(:mod:`nemo_lw_fp8.models.traffic`) and the mechanism compute the same spans.
+(:mod:`nemo_lw_fp8.planner.traffic`) and the mechanism compute the same spans.
 """
 
 from __future__ import annotations

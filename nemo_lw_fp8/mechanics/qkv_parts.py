@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .expert_slices import PartOfWeight, _quantized, _shape_only
+from nemo_lw_fp8.mechanics.expert_slices import PartOfWeight, _quantized, _shape_only
 
 
 def split_shapes(param: torch.Tensor) -> list[int] | None:

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .. import config as plugin_config
-from .. import guards
+from nemo_lw_fp8 import config as plugin_config
+from nemo_lw_fp8 import rules as guards
 
 #: TE's quantized parameter classes -> the FP8 recipe that builds them.
 _RECIPE_OF_CLASS = {
@@ -123,7 +123,7 @@ def read(optimizer: Any) -> guards.Settings:
     if values.get("moe_single_grouped_weight"):
         # The model is built: whether TE's switch took effect is read from the parameters (the
         # environment may have held it only while the model was built).
-        from . import grouped
+        from nemo_lw_fp8.mechanics import grouped
 
         # A pipeline stage without MoE layers (dense first layers, embedding) holds no routed
         # experts (megatron's MoELayer.experts): the stages that hold them judge.

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from ..state import add_weak, chunk_state, optimizer_state, peek
-from . import expert_slices, masters, run_settings
+from nemo_lw_fp8.mechanics import expert_slices, masters, run_settings
+from nemo_lw_fp8.state import add_weak, chunk_state, optimizer_state, peek
 
 
 def fp8_gather_active(optimizer: Any) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import masters
+from nemo_lw_fp8.mechanics import masters
 
 #: megatron's "not partitioned" value of ``partition_dim``.
 UNPARTITIONED = -1

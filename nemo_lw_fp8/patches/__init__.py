@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from .framework import (
+from nemo_lw_fp8.patches.framework import (
     ALLOW_UNTESTED_ENV,
     LateApplyWarning,
     Override,

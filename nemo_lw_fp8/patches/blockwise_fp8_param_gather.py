@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import inspect
 
-from ..mechanics import blockwise, lifecycle
-from .framework import Override, Patch, register
+from nemo_lw_fp8.mechanics import blockwise, lifecycle
+from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "blockwise_fp8_param_gather"
 

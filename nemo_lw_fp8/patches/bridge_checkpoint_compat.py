@@ -8,7 +8,7 @@ read it while the others wait in a collective. With this patch the load stops fi
 rank, with a message naming each differing field (model shapes, FP8 recipe, optimizer) or the
 missing or truncated files, and the fix:
 :func:`nemo_lw_fp8.mechanics.checkpointing.check_loadable`, rules ``checkpoint-mismatch``,
-``checkpoint-missing-shard`` and ``checkpoint-truncated-shard`` in :mod:`nemo_lw_fp8.guards`.
+``checkpoint-missing-shard`` and ``checkpoint-truncated-shard`` in :mod:`nemo_lw_fp8.rules`.
 
 Mirrors: no upstream change.
 
@@ -26,8 +26,14 @@ import inspect
 import sys
 from typing import Any
 
-from ..mechanics import checkpointing
-from .framework import Override, Patch, bridge_module, register, unpatched_own_attr
+from nemo_lw_fp8.mechanics import checkpointing
+from nemo_lw_fp8.patches.framework import (
+    Override,
+    Patch,
+    bridge_module,
+    register,
+    unpatched_own_attr,
+)
 
 FEATURE = "bridge_checkpoint_compat"
 _CHECKPOINTING = "megatron.bridge.training.checkpointing"

@@ -3,7 +3,7 @@
 Behaviour: Bridge's ``pretrain`` finalises its config (mixed-precision preset copied onto the
 model, DDP and optimizer configs, then ``ConfigContainer.validate()``) before anything is built.
 With this patch, a config whose optimizer is the plugin's ``LayerWiseMuonConfig`` is then passed
-to :func:`nemo_lw_fp8.bridge.finalize`: every rule of :mod:`nemo_lw_fp8.guards` is checked on the
+to :func:`nemo_lw_fp8.bridge.finalize`: every rule of :mod:`nemo_lw_fp8.rules` is checked on the
 whole container (an unsupported combination fails here, naming the flag and the fix, before a
 model exists) and the layer-wise layout is handed to the DDP config. Other configs are untouched.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from .framework import Override, Patch, register
+from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "bridge_config_guards"
 _CONFIG_MODULE = "megatron.bridge.training.config"

@@ -26,8 +26,8 @@ import inspect
 import sys
 from typing import Any
 
-from .. import config as plugin_config
-from .framework import Override, Patch, register, unpatched_own_attr
+from nemo_lw_fp8 import config as plugin_config
+from nemo_lw_fp8.patches.framework import Override, Patch, register, unpatched_own_attr
 
 FEATURE = "bridge_layer_wise_wrap"
 _PROVIDER_MODULE = "megatron.bridge.models.model_provider"

@@ -28,8 +28,14 @@ import inspect
 import sys
 from typing import Any
 
-from ..mechanics import checkpointing
-from .framework import Override, Patch, bridge_module, register, unpatched_own_attr
+from nemo_lw_fp8.mechanics import checkpointing
+from nemo_lw_fp8.patches.framework import (
+    Override,
+    Patch,
+    bridge_module,
+    register,
+    unpatched_own_attr,
+)
 
 FEATURE = "bridge_save_param_sync"
 _TRAIN = "megatron.bridge.training.train"

@@ -35,9 +35,8 @@ megatron the patch still applies over it, or refuses when the objects it wraps c
 
 from __future__ import annotations
 
-from .. import config as plugin_config
-from .. import symbols
-from ..mechanics import (
+from nemo_lw_fp8 import config as plugin_config
+from nemo_lw_fp8.mechanics import (
     checkpointing,
     compact,
     grouped_checkpoint,
@@ -47,8 +46,9 @@ from ..mechanics import (
     param_groups_load,
     qkv_parts,
 )
-from ..state import optimizer_state
-from .framework import Override, Patch, register
+from nemo_lw_fp8.patches import symbols
+from nemo_lw_fp8.patches.framework import Override, Patch, register
+from nemo_lw_fp8.state import optimizer_state
 
 FEATURE = "compact_layout"
 #: Where the expert runs' entries join the model's sharded state dict the optimizer reads.

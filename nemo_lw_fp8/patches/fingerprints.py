@@ -16,52 +16,10 @@ Regenerate the record after a deliberate upgrade (then run the suite on it)::
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import sys
 from pathlib import Path
-from typing import Any
 
-#: What an override's target held when the attribute did not exist.
-ABSENT = "absent"
-
-
-class UpstreamChanged(RuntimeError):
-    """An object a patch wraps differs from the one it was tested over."""
-
-
-def fingerprint(obj: Any, missing: Any) -> str:
-    """A short hash of ``obj``'s source text (``missing``: the attribute did not exist).
-
-    Methods stored as ``staticmethod`` / ``classmethod`` / ``property`` objects are hashed by
-    the function inside; an object without source (a builtin, a constant) by its type's name.
-    """
-    if obj is missing:
-        return ABSENT
-    target = obj
-    if isinstance(obj, (staticmethod, classmethod)):
-        target = obj.__func__
-    elif isinstance(obj, property):
-        target = obj.fget
-    try:
-        text = inspect.getsource(target)
-    except (TypeError, OSError):
-        text = f"<{type(obj).__module__}.{type(obj).__qualname__}>"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def target_name(owner: Any, attr: str) -> str:
-    """``module.Class.attr`` or ``module.attr``: how the record names an override's target."""
-    if isinstance(owner, type):
-        return f"{owner.__module__}.{owner.__qualname__}.{attr}"
-    return f"{getattr(owner, '__name__', type(owner).__qualname__)}.{attr}"
-
-
-def recorded(version_key: str, patch_name: str) -> dict[str, str] | None:
-    """The fingerprints recorded for ``patch_name`` at ``version_key`` (None: not recorded)."""
-    from .upstream_fingerprints import FINGERPRINTS
-
-    return FINGERPRINTS.get(version_key, {}).get(patch_name)
+from nemo_lw_fp8.patches.record import fingerprint, target_name
 
 
 def current() -> dict[str, dict[str, dict[str, str]]]:
@@ -70,12 +28,12 @@ def current() -> dict[str, dict[str, dict[str, str]]]:
     Builds each patch's overrides without applying them; the Bridge patches need Megatron-Bridge
     imported (done here, over the CPU emulation when no GPU stack is present).
     """
-    from nemo_lw_fp8.emulation import te_backend
+    from nemo_lw_fp8.cpu.te import backend as te_backend
 
     te_backend.activate()
     import megatron.bridge.training.config  # noqa: F401
 
-    from . import PATCH_MODULES, framework, load_all
+    from nemo_lw_fp8.patches import PATCH_MODULES, framework, load_all
 
     load_all()
     table: dict[str, dict[str, dict[str, str]]] = {}
@@ -117,7 +75,7 @@ def render(table: dict[str, dict[str, dict[str, str]]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from .upstream_fingerprints import FINGERPRINTS
+    from nemo_lw_fp8.patches.upstream_fingerprints import FINGERPRINTS
 
     # Versions recorded on other installs stay; this install's versions are recorded afresh.
     text = render({**FINGERPRINTS, **current()})

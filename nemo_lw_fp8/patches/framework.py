@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fingerprints import UpstreamChanged, fingerprint, recorded, target_name
+from nemo_lw_fp8.patches.record import UpstreamChanged, fingerprint, recorded, target_name
 
 #: Set to 1 to apply patches on a megatron-core version they were not tested on.
 ALLOW_UNTESTED_ENV = "NEMO_LW_FP8_ALLOW_UNTESTED_MEGATRON"

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from .. import symbols
-from ..mechanics import grouped
-from .framework import Override, Patch, register
+from nemo_lw_fp8.mechanics import grouped
+from nemo_lw_fp8.patches import symbols
+from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "grouped_weight_layerwise"
 

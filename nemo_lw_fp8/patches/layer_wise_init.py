@@ -16,8 +16,8 @@ Detection: never native.
 
 from __future__ import annotations
 
-from ..mechanics import lifecycle
-from .framework import Override, Patch, register
+from nemo_lw_fp8.mechanics import lifecycle
+from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "layer_wise_init"
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import inspect
 
-from ..mechanics import checkpointing, param_groups_load
-from .framework import Override, Patch, register
+from nemo_lw_fp8.mechanics import checkpointing, param_groups_load
+from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "layer_wise_load_rederive"
 

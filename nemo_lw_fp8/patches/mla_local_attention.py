@@ -23,7 +23,7 @@ import inspect
 import math
 from typing import Any
 
-from .framework import Override, Patch, register, unpatched_own_attr
+from nemo_lw_fp8.patches.framework import Override, Patch, register, unpatched_own_attr
 
 FEATURE = "mla_local_attention"
 

@@ -9,7 +9,7 @@ is bitwise identical to FP8 param gather off (with the same FP8 compute).
 Mirrors Megatron-LM PR #4987 (areas 1-4), adapted to megatron-core 0.19.2: master numerics
 (:mod:`nemo_lw_fp8.mechanics.masters`), staging under DistributedOptimizer's method names
 (:mod:`nemo_lw_fp8.mechanics.staging`), per-bucket ownership of mixed bucket groups
-(:mod:`nemo_lw_fp8.mechanics.bucket_owners`), and the rules of :mod:`nemo_lw_fp8.guards` when the
+(:mod:`nemo_lw_fp8.mechanics.bucket_owners`), and the rules of :mod:`nemo_lw_fp8.rules` when the
 optimizer is built and in megatron-training's ``validate_args``.
 
 Patches: TE's ``_attach_high_precision_init_val`` (``module.base`` / ``module.grouped_linear``,
@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from .. import guards, symbols
-from ..mechanics import bucket_owners, lifecycle, masters, run_settings, staging
-from .framework import Override, Patch, register
+from nemo_lw_fp8 import rules as guards
+from nemo_lw_fp8.mechanics import bucket_owners, lifecycle, masters, run_settings, staging
+from nemo_lw_fp8.patches import symbols
+from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "muon_fp8_param_gather"
 

@@ -30,9 +30,9 @@ DistributedOptimizer part of #4994 is detected on its own (:func:`_detect_distop
 
 from __future__ import annotations
 
-from .. import symbols
-from ..mechanics import staging
-from .framework import Override, Patch, register
+from nemo_lw_fp8.mechanics import staging
+from nemo_lw_fp8.patches import symbols
+from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "restage_forced_sync"
 

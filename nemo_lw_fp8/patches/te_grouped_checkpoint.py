@@ -28,9 +28,9 @@ parameters (0.19.2's does not).
 
 from __future__ import annotations
 
-from .. import symbols
-from ..mechanics import grouped_checkpoint
-from .framework import Override, Patch, register
+from nemo_lw_fp8.mechanics import grouped_checkpoint
+from nemo_lw_fp8.patches import symbols
+from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "te_grouped_checkpoint"
 

@@ -1,10 +1,10 @@
-"""Regenerate the example sbatch scripts in this folder from nemo_lw_fp8.launch.slurm.
+"""Regenerate the example sbatch scripts in this folder from nemo_lw_fp8.cli.slurm.sbatch.
 
     python recipes/slurm/generate.py          # rewrite every example
     python recipes/slurm/generate.py --check  # exit 1 if any example differs (tests run this)
 
 Each full-size example takes its node count and GPUs per node from the recipe's own
-parallelism (:func:`nemo_lw_fp8.models.parallelism`, from Megatron-Bridge 0.6.2's perf
+parallelism (:func:`nemo_lw_fp8.planner.parallelism`, from Megatron-Bridge 0.6.2's perf
 recipes: DeepSeek-V3 GB200 256 GPUs = 64 x 4, DeepSeek-V3 H100 1024 = 128 x 8, Qwen3-235B-A22B
 H100 256 = 32 x 8), so the scripts follow the recipes. Recipe names are those of
 :mod:`nemo_lw_fp8.recipes` (``<model>_mxfp8`` and ``<model>_nvfp4`` for Blackwell,
@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nemo_lw_fp8.launch.slurm import write_sbatch
-from nemo_lw_fp8.models import parallelism
+from nemo_lw_fp8.cli.slurm.sbatch import write_sbatch
+from nemo_lw_fp8.planner import parallelism
 
 HERE = Path(__file__).resolve().parent
 #: An enroot squashfs of the NeMo container with `pip install 'nemo-lw-fp8[bridge]'` added

@@ -7,7 +7,7 @@ optional mutation that switches one fix off.
 :func:`pretrain` returns the run's record: ``train`` (per iteration: reduced ``lm loss`` and
 ``grad norm``), ``eval`` (per evaluation), ``ranks`` (each rank's digest of its fp32 masters
 and optimizer state at the end), ``state`` (``{"start" | "end": {parameter: {kind: sha}}}``:
-the per-parameter record of :mod:`nemo_lw_fp8.launch.state_by_name`, the union over ranks,
+the per-parameter record of :mod:`nemo_lw_fp8.mechanics.state_by_name`, the union over ranks,
 which must agree where several hold an entry; ``start`` is taken after a load), and the
 grouped-weight ownership facts.
 """
@@ -88,7 +88,7 @@ def pretrain(
     )
     assert done.returncode == 0, f"{tag} failed:\n" + (done.stdout + done.stderr)[-4000:]
     run = json.loads((tmp / f"{tag}.json").read_text())
-    from nemo_lw_fp8.launch.state_by_name import union
+    from nemo_lw_fp8.mechanics.state_by_name import union
 
     per_rank = [json.loads((tmp / f"{tag}.json.rank{rank}").read_text()) for rank in range(nproc)]
     run["ranks"] = [record["optimizer_state"] for record in per_rank]

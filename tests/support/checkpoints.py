@@ -102,7 +102,7 @@ def save_named_checkpoint(model: list, optimizer, directory: str) -> None:
     here, identical in both layouts) as :func:`save_checkpoint`."""
     import torch.distributed as dist
 
-    from nemo_lw_fp8.grouped_weights import grouped_to_discrete
+    from nemo_lw_fp8.mechanics.grouped_weights import grouped_to_discrete
 
     module = model[0].module
     grouped = _grouped_names(module)
@@ -140,7 +140,7 @@ def load_named_checkpoint(model: list, optimizer, directory: str) -> None:
 
     import torch.distributed as dist
 
-    from nemo_lw_fp8.grouped_weights import discrete_to_grouped
+    from nemo_lw_fp8.mechanics.grouped_weights import discrete_to_grouped
 
     module = model[0].module
     grouped = _grouped_names(module)

@@ -138,8 +138,8 @@ def weight_values(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What the GEMMs read from every parameter: an MXFP8 weight's rowwise *and* columnwise
     values (dequantized: a bf16 round trip may store the same values with another block
     exponent), other parameters' bytes."""
-    from nemo_lw_fp8.emulation import mxfp8
-    from nemo_lw_fp8.emulation.te_extension_common import torch_dtype
+    from nemo_lw_fp8.cpu.formats import mxfp8
+    from nemo_lw_fp8.cpu.te.tex.common import torch_dtype
 
     out: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters():

@@ -3,7 +3,7 @@
 Design (see ``docs/testing.md``):
 
 * A :class:`RankPool` starts ``world_size`` worker processes once. Each joins a gloo process
-  group, installs the CPU stand-ins (:mod:`nemo_lw_fp8.cpu.standins`), imports megatron-core and
+  group, installs the CPU stand-ins (:mod:`nemo_lw_fp8.cpu.megatron.standins`), imports megatron-core and
   then serves tasks. The ranks are forked from a "zygote" (:class:`_Zygote`), one process per
   boot (:class:`BootOptions`) and test session that has imported torch, the TE emulation, the
   stand-ins and megatron-core once, so a rank does not import them again: a rank of the default

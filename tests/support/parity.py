@@ -41,7 +41,7 @@ def assert_fp8_gather_parity(off: list[dict], on: list[dict]) -> None:
 
 def as_discrete(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename a single-grouped run's per-parameter tensors to the discrete layout's names."""
-    from nemo_lw_fp8.grouped_weights import grouped_prefixes, grouped_to_discrete
+    from nemo_lw_fp8.mechanics.grouped_weights import grouped_prefixes, grouped_to_discrete
 
     shapes = {name: tuple(value.shape) for name, value in named.items()}
     return grouped_to_discrete(named, grouped_prefixes(named, shapes))

@@ -228,13 +228,13 @@ def _import_stack(boot: BootOptions, megatron: bool) -> None:
 
     torch.set_num_threads(1)
     if boot.fp8_emulation:
-        from nemo_lw_fp8.emulation import te_backend
+        from nemo_lw_fp8.cpu.te import backend as te_backend
 
         te_backend.activate()
     if not megatron:
         return
     import nemo_lw_fp8  # noqa: F401 - its NVRx shim must precede megatron's import
-    from nemo_lw_fp8.cpu import standins
+    from nemo_lw_fp8.cpu.megatron import standins
 
     standins.install(boot.standins)
     for name in PREIMPORTED_MODULES:
@@ -269,7 +269,7 @@ def _serve_rank(
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
-        from nemo_lw_fp8.cpu import standins
+        from nemo_lw_fp8.cpu.megatron import standins
 
         standins.install(boot.standins)  # a no-op in a forked rank: the zygote installed them
         _init_parallel_state(ParallelSpec())

@@ -146,7 +146,7 @@ class TinyFP8MLP(TinyMLP):
     widths are multiples of 32, as MXFP8 needs."""
 
     def __init__(self, widths: tuple[int, ...] = (32, 64, 64, 96, 64, 32)):
-        from nemo_lw_fp8.emulation.fp8_linear import MXFP8Linear
+        from nemo_lw_fp8.cpu.layers.mxfp8_linear import MXFP8Linear
 
         super().__init__(widths, linear=MXFP8Linear, norm_dtype=torch.bfloat16)
 
@@ -157,7 +157,7 @@ class TinyBlockwiseMLP(TinyMLP):
     TE's scale buffers carry round-up padding."""
 
     def __init__(self, widths: tuple[int, ...] = (128, 256, 384, 128, 256, 128)):
-        from nemo_lw_fp8.emulation.blockwise_linear import BlockwiseFP8Linear
+        from nemo_lw_fp8.cpu.layers.blockwise_linear import BlockwiseFP8Linear
 
         super().__init__(widths, linear=BlockwiseFP8Linear, norm_dtype=torch.bfloat16)
 
@@ -190,29 +190,29 @@ def _build_fp8_mlp(scenario: Scenario) -> torch.nn.Module:
 
 def single_param_env(enabled: bool):
     """Context manager setting TE's switch ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` while building."""
-    from nemo_lw_fp8.cpu.grouped_experts import SINGLE_PARAM_ENV
+    from nemo_lw_fp8.vocabulary import SINGLE_GROUPED_WEIGHT_ENV
 
     @contextlib.contextmanager
     def scope():
-        before = os.environ.get(SINGLE_PARAM_ENV)
+        before = os.environ.get(SINGLE_GROUPED_WEIGHT_ENV)
         if enabled:
-            os.environ[SINGLE_PARAM_ENV] = "1"
+            os.environ[SINGLE_GROUPED_WEIGHT_ENV] = "1"
         else:
-            os.environ.pop(SINGLE_PARAM_ENV, None)
+            os.environ.pop(SINGLE_GROUPED_WEIGHT_ENV, None)
         try:
             yield
         finally:
             if before is None:
-                os.environ.pop(SINGLE_PARAM_ENV, None)
+                os.environ.pop(SINGLE_GROUPED_WEIGHT_ENV, None)
             else:
-                os.environ[SINGLE_PARAM_ENV] = before
+                os.environ[SINGLE_GROUPED_WEIGHT_ENV] = before
 
     return scope()
 
 
 #: model "moe_grouped": hidden and expert FFN widths. TE's grouped MXFP8 path needs every
 #: expert member's rows and columns in multiples of 128 (its kernel and its Python lay the
-#: members' scales out alike only then; ``nemo_lw_fp8/emulation/te_kernels_grouped_tensor.py``);
+#: members' scales out alike only then; ``nemo_lw_fp8/cpu/te/tex/grouped_tensor.py``);
 #: the bf16 runs use the same model so every precision trains one architecture.
 MOE_GROUPED_HIDDEN = 128
 MOE_GROUPED_FFN = 128
@@ -231,7 +231,7 @@ def _build_moe_grouped(scenario: Scenario, **overrides: Any):
     ``weight0..weight3``; ``fp8``: MXFP8 compute; ``fp8_param_gather``: persistent MXFP8
     weights from ``quantized_model_init``; ``grad_accum_fusion``: megatron's
     ``gradient_accumulation_fusion`` (TE's linears accumulate their wgrads into ``main_grad``;
-    megatron's own output layer uses the APEX stand-in, :mod:`nemo_lw_fp8.cpu.apex_wgrad`).
+    megatron's own output layer uses the APEX stand-in, :mod:`nemo_lw_fp8.cpu.megatron.apex_wgrad`).
 
     Built with ``use_cpu_initialization=False``: TE initialises the weights itself, so the
     preserved high-precision init values of persistent MXFP8 weights are the weights' own
@@ -253,7 +253,7 @@ def _build_moe_grouped(scenario: Scenario, **overrides: Any):
             fp8="e4m3", fp8_recipe=scenario.fp8_recipe, fp8_param=scenario.fp8_param_gather
         )
     if scenario.grad_accum_fusion:
-        from nemo_lw_fp8.cpu import apex_wgrad
+        from nemo_lw_fp8.cpu.megatron import apex_wgrad
 
         # megatron's output layer (its own ColumnParallelLinear) refuses the fusion without
         # APEX's kernel; the stand-in stays for the pool (it serves only fused configs).
@@ -415,15 +415,15 @@ def boot_for(scenario: Scenario) -> BootOptions:
 
 def te_scope(scenario: Scenario) -> contextlib.AbstractContextManager:
     """Where a TE-spec model is built and run: TE's device questions answered as the GPU of the
-    scenario's FP8 recipe (:func:`nemo_lw_fp8.cpu.te_device.target_gpu`: ``BLACKWELL``; an H100,
+    scenario's FP8 recipe (:func:`nemo_lw_fp8.cpu.te.device.target_gpu`: ``BLACKWELL``; an H100,
     ``HOPPER``, for blockwise FP8, which TE converts to MXFP8 on SM 10.0), for ``moe_grouped``
     with TE's grouped-linear switches set (:func:`single_param_env`, :data:`MOE_GROUPED_ENV`);
     nothing for other models. Refuses a rank whose pool was not booted with :data:`TE_BOOT`
     (megatron would otherwise fall back to its local modules without a word)."""
     if scenario.model not in TE_MODELS:
         return contextlib.nullcontext()
-    from nemo_lw_fp8.cpu import te_device
-    from nemo_lw_fp8.emulation import te_backend
+    from nemo_lw_fp8.cpu.te import backend as te_backend
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     if not te_backend.is_emulated():
         raise RuntimeError(

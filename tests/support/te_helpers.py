@@ -15,7 +15,7 @@ def te_recipe(name: str) -> tuple[Any, Any]:
     Imports TE: call it inside a rank."""
     from transformer_engine.common.recipe import Float8BlockScaling, MXFP8BlockScaling
 
-    from nemo_lw_fp8.cpu import te_device
+    from nemo_lw_fp8.cpu.te import device as te_device
 
     return {
         "bf16": (None, te_device.BLACKWELL),

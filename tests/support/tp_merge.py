@@ -29,7 +29,7 @@ places them in the checkpoint's global tensors (the load at TP 1 reads those glo
   every group, group-major (``nemo_lw_fp8/mechanics/qkv_parts.py``); the TP-1 part is the
   ranks' parts end to end along 0.
 
-Names follow :mod:`nemo_lw_fp8.launch.state_by_name`: ``pp<p>/chunk<c>/[ep<e>/]tp<r>/<name>``
+Names follow :mod:`nemo_lw_fp8.mechanics.state_by_name`: ``pp<p>/chunk<c>/[ep<e>/]tp<r>/<name>``
 for a TP-sharded parameter, without ``tp<r>/`` otherwise (and at TP 1).
 """
 
@@ -155,7 +155,7 @@ def bitwise_differences(a: State, b: State) -> list[str]:
 
 def without_expert_rank(state: State) -> State:
     """``state`` with the ``ep0/`` of expert parameters dropped, for runs at expert-parallel
-    size 1. Why: :mod:`nemo_lw_fp8.launch.state_by_name` names a parameter by its EP rank when
+    size 1. Why: :mod:`nemo_lw_fp8.mechanics.state_by_name` names a parameter by its EP rank when
     megatron gives it the expert process groups (``allreduce`` False), and TE's linears do that
     only at ``EP > 1`` or expert TP != TP: at TP 2 / expert TP 1 the experts are ``ep0/...``, at
     TP 1 the same experts are not. At EP 1 the rank says nothing."""

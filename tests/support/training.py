@@ -260,13 +260,13 @@ def _uses_quantized_storage(param: torch.Tensor) -> bool:
 
 def effective_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What each MXFP8 linear layer's GEMM actually uses: the weight after MXFP8 rounding."""
-    from nemo_lw_fp8.emulation import mxfp8 as mx
-    from nemo_lw_fp8.emulation.blockwise_linear import (
+    from nemo_lw_fp8.cpu.formats import mxfp8 as mx
+    from nemo_lw_fp8.cpu.layers.blockwise_linear import (
         BlockwiseFP8Linear,
         _columnwise_weight,
         quantize_dequantize_weight,
     )
-    from nemo_lw_fp8.emulation.fp8_linear import (
+    from nemo_lw_fp8.cpu.layers.mxfp8_linear import (
         MXFP8Linear,
         quantize_dequantize,
         weight_columnwise,

@@ -1,0 +1,251 @@
+"""``nemo-lw-fp8 doctor``: what is installed, which FP8 backend is in use, what upstream has.
+
+For each tracked upstream change the status is one of:
+
+``native``       the installed megatron-core already behaves as wanted (detected, not assumed);
+``patched``      megatron-core lacks it and the plugin's patch is applied in this process;
+``patchable``    megatron-core lacks it and the plugin has a patch (``nemo_lw_fp8.apply()``);
+``native (extended)``  megatron-core has it for some optimizers and the plugin's extension to the
+                 others is applied (``native (extendable)``: available, not applied);
+``unavailable``  megatron-core lacks it and this plugin version cannot bring it (reason given).
+
+The report reads package versions from their metadata, and names every package whose version
+differs from the environment the suite passed in (:mod:`nemo_lw_fp8.cli.tested_env`, the
+constraints file ``make`` installs from) and the upstream status from the patch
+detectors. The detectors read megatron-core's definitions from its source files when megatron is
+not imported (:mod:`nemo_lw_fp8.patches.symbols`), so a fresh ``doctor`` process imports torch (for the
+accelerator) and the plugin's patch modules, never megatron-core: about 2 s of CPU instead of
+the 17 s that importing ``megatron.core`` and ``megatron.training`` cost on a shared 2-core box.
+Third-party warnings printed meanwhile (torch's pynvml notice) are held back
+(:mod:`nemo_lw_fp8.cli.quiet`): one summary line, ``--verbose`` prints them.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from dataclasses import asdict, dataclass
+
+PACKAGES = (
+    ("torch", "torch"),
+    ("megatron-core", "megatron-core"),
+    ("transformer-engine", "transformer-engine"),
+    ("megatron-bridge", "megatron-bridge"),
+    ("nemo-run", "nemo-run"),
+    ("emerging-optimizers", "emerging-optimizers"),
+)
+
+
+@dataclass
+class ChangeStatus:
+    pr: int
+    title: str
+    status: str
+    reason: str
+
+
+def accelerator() -> dict[str, object]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"kind": "cpu", "name": platform.processor() or platform.machine()}
+    index = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    return {
+        "kind": "cuda",
+        "name": torch.cuda.get_device_name(index),
+        "compute_capability": f"{major}.{minor}",
+        "mxfp8_kernels": major == 10,
+    }
+
+
+def fp8_backend() -> dict[str, str]:
+    """Which FP8 implementation this process would use, without importing TE."""
+    import torch
+
+    from nemo_lw_fp8.cpu.te import backend as te_backend
+
+    active = te_backend.active_backend()
+    if active is not None:
+        return {"backend": active, "reason": "activated in this process"}
+    dirs = te_backend.te_package_dirs()
+    if dirs is None:
+        return {"backend": "none", "reason": "Transformer Engine's Python package is not installed"}
+    where = dirs[0] if dirs else "site-packages"
+    if torch.cuda.is_available() and not dirs:
+        return {"backend": "transformer_engine", "reason": "Transformer Engine with a CUDA device"}
+    return {
+        "backend": "emulated (on activation)",
+        "reason": f"no usable TE kernels here; TE {te_backend.pinned_te_version}'s classes in "
+        f"{where} run over the exact MXFP8 emulation",
+    }
+
+
+def upstream_status() -> list[ChangeStatus]:
+    """One row per tracked megatron-core change: the patch registry plus the changes that need
+    no patch (:mod:`nemo_lw_fp8.patches.upstream`)."""
+    from nemo_lw_fp8.patches.upstream import megatron_core_changes
+
+    rows = []
+    for pr, (title, detect, patch) in megatron_core_changes().items():
+        try:
+            native, reason = detect()
+        except Exception as exc:  # noqa: BLE001 - a detector failure is itself a finding
+            rows.append(ChangeStatus(pr, title, "unavailable", f"detector failed: {exc}"))
+            continue
+        if native and patch is not None and not patch.detect_native()[0]:
+            # Upstream has the change for some optimizers; the plugin extends it further.
+            status = "native (extended)" if patch.applied else "native (extendable)"
+            reason = f"{reason}; layer-wise extension: {patch.summary}"
+        elif native:
+            status = "native"
+        elif patch is not None:
+            status = "patched" if patch.applied else "patchable"
+        else:
+            status = "unavailable"
+            reason = f"{reason}; the plugin has no patch for it"
+        rows.append(ChangeStatus(pr, title, status, reason))
+    return rows
+
+
+def expert_paths() -> dict[str, object]:
+    """Which expert implementation the recipes' MoE layers take on which GPU (TE's CuTe-DSL
+    fused grouped MLP or the op fuser's unfused ops; :mod:`nemo_lw_fp8.recipes.te_env`), and on
+    this machine with its environment."""
+    import os
+
+    from nemo_lw_fp8.recipes import te_env
+
+    capability, frontend = te_env.this_machine()
+    rows = []
+    for variant, recipe in (("mxfp8", "deepseek_v3_mxfp8"), ("hopper", "deepseek_v3_hopper")):
+        for gpu, path in te_env.recipe_paths(recipe):
+            rows.append({"recipes": f"*_{variant}", "gpu": gpu, "path": path})
+        # The launchers export what the recipe needs unless the environment says otherwise.
+        env_set = not te_env.contradictions(te_env.for_recipe(recipe), os.environ)
+        here = te_env.expert_path(te_env.recipe_model(recipe), capability, frontend, env_set)
+        rows.append({"recipes": f"*_{variant}", "gpu": "this machine (launched)", "path": here})
+    return {
+        "compute_capability": None if capability is None else "{}.{}".format(*capability),
+        "cudnn_frontend": frontend,
+        "environment": {
+            name: os.environ.get(name) for name in (te_env.CUTEDSL_ENV, te_env.SINGLE_GROUPED_WEIGHT_ENV)
+        },
+        "rows": rows,
+    }
+
+
+def nvfp4_support(accelerator_report: dict[str, object]) -> dict[str, object]:
+    """What NVFP4 can do here: TE's kernels on a Blackwell GPU, else the CPU emulation's share
+    of TE's NVFP4 (docs/nvfp4.md), and where layer-wise Muon stands with it."""
+    from nemo_lw_fp8.cpu.te.tex import cast_nvfp4 as te_extension_nvfp4
+
+    capability = accelerator_report.get("compute_capability")
+    return {
+        # TE's NVFP4 kernels need SM 10.0 or newer (Blackwell).
+        "gpu_kernels": capability is not None and int(str(capability).split(".")[0]) >= 10,
+        "cpu_emulation": list(te_extension_nvfp4.EMULATED),
+        "refused_on_cpu": list(te_extension_nvfp4.REFUSED),
+        "layer_wise_muon": "NVFP4 compute with bf16 weights trains (TE-spec GPT, experts as "
+        "SequentialMLP or TEGroupedMLP with discrete weights, stochastic "
+        "rounding off); bf16 single grouped NVFP4 expert weights refused (rule "
+        "grouped-weight-nvfp4-layer-wise), FP4 primary ones train; NVFP4 primary "
+        "weights (fp4_param + "
+        "fp4_param_gather) train with FP4 bytes on the data-parallel wire (owner-quantized codes "
+        "+ 16x16 tile scales + amax, about 0.25x of bf16), bitwise like bf16 weights, at TP 1 on "
+        "the padded or compact layout; the rest refused (rule fp4-primary-weights-layer-wise); "
+        "NVFP4 recipes: deepseek_v3_nvfp4, qwen3_235b_a22b_nvfp4 (discrete experts, "
+        "stochastic rounding off; docs/nvfp4.md, NVFP4 recipes)",
+    }
+
+
+def collect() -> dict[str, object]:
+    from nemo_lw_fp8.cli import tested_env
+
+    installed = tested_env.installed_versions()
+    versions = {"python": platform.python_version()}
+    # Looked up by normalized name, so TE's package in <venv>/te-emulation counts as installed.
+    versions.update({label: installed.get(tested_env.normalize(dist)) for label, dist in PACKAGES})
+    device = accelerator()
+    return {
+        "versions": versions,
+        "drift": [asdict(row) for row in tested_env.drift(installed=installed)],
+        "accelerator": device,
+        "nvfp4": nvfp4_support(device),
+        "fp8_backend": fp8_backend(),
+        "upstream": [asdict(row) for row in upstream_status()],
+        "expert_path": expert_paths(),
+    }
+
+
+def render(report: dict[str, object]) -> str:
+    lines = ["nemo_lw_fp8 doctor", ""]
+    lines.append("versions:")
+    for name, value in report["versions"].items():
+        lines.append(f"  {name:<20} {value or 'not installed'}")
+    drift = report.get("drift")
+    if drift is not None:
+        lines.append("")
+        if not drift:
+            lines.append("tested environment:    no drift (every package at its recorded version)")
+        else:
+            lines.append(
+                f"tested environment:    {len(drift)} package(s) differ from "
+                "nemo_lw_fp8/tested-constraints.txt (docs/install.md):"
+            )
+            for row in drift:
+                lines.append(
+                    f"  {row['package']:<28} tested {row['tested']:<14} "
+                    f"installed {row['installed'] or 'none'}"
+                )
+    acc = report["accelerator"]
+    lines.append("")
+    detail = ", ".join(f"{k}={v}" for k, v in acc.items() if k != "kind")
+    lines.append(f"accelerator:           {acc['kind']} ({detail})")
+    backend = report["fp8_backend"]
+    lines.append(f"fp8 backend:           {backend['backend']} - {backend['reason']}")
+    fp4 = report.get("nvfp4")
+    if fp4:
+        lines.append("")
+        lines.append("nvfp4 (docs/nvfp4.md):")
+        here = "yes" if fp4["gpu_kernels"] else "no (needs SM 10.0+)"
+        lines.append(f"  TE's GPU kernels here: {here}")
+        lines += [f"  emulated on CPU:       {item}" for item in fp4["cpu_emulation"]]
+        lines += [f"  refused on CPU:        {item}" for item in fp4["refused_on_cpu"]]
+        lines.append(f"  layer-wise Muon:       {fp4['layer_wise_muon']}")
+    lines.append("")
+    lines.append(f"{'change':<7} {'status':<20} {'what':<52} reason")
+    for row in report["upstream"]:
+        lines.append(f"#{row['pr']:<6} {row['status']:<20} {row['title']:<52} {row['reason']}")
+    paths = report.get("expert_path")
+    if paths:
+        env = ", ".join(
+            f"{k}={v if v is not None else 'unset'}" for k, v in paths["environment"].items()
+        )
+        lines += ["", "expert path (the recipes' MoE layers; docs/recipes.md, Launch environment):"]
+        lines.append(
+            f"  here: compute capability {paths['compute_capability'] or 'none (no GPU)'}, "
+            f"nvidia-cudnn-frontend {paths['cudnn_frontend'] or 'not installed'}, {env}"
+        )
+        for row in paths["rows"]:
+            lines.append(f"  {row['recipes']:<9} {row['gpu']:<38} {row['path']}")
+    return "\n".join(lines)
+
+
+def main(as_json: bool = False, verbose: bool = False) -> int:
+    """Print the report; third-party warnings as one line (``verbose``: every one)."""
+    from nemo_lw_fp8.cli.quiet import held_back
+
+    with held_back() as held:
+        report = collect()
+    if as_json:
+        report["hidden_warnings"] = held.messages
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+        return 0
+    lines = [render(report)]
+    if held.messages:
+        lines.append("")
+        lines += held.messages if verbose else [held.summary()]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0

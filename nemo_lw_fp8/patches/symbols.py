@@ -1,0 +1,185 @@
+"""What an installed module defines, read from the live module or from its source text.
+
+The patch detectors ask megatron-core questions such as "does ``LayerWiseDistributedOptimizer``
+itself define ``prepare_model_params_for_param_sync``" or "what does the source of
+``TensorParallelMuon.orthogonalize`` say". Importing megatron-core to answer them costs seconds
+(``megatron.core`` pulls in torch's compiler stack, ``megatron.training`` most of megatron), which
+``nemo-lw-fp8 doctor`` paid for nothing. So each question goes through :func:`module`:
+
+* when the module is already imported, the live objects answer, ignoring what a plugin patch
+  installed (:func:`nemo_lw_fp8.patches.framework.unpatched_own_attr`), so a test that changes a
+  symbol changes the answer;
+* otherwise its source file is located without importing anything (``find_spec`` of the top-level
+  package only, then the path) and parsed: module-level definitions (through ``if`` / ``try`` /
+  ``with`` blocks), class bodies, function sources and parameters, dataclass fields.
+
+Both read the same definitions; ``tests/test_upstream_detection.py`` checks that every detector
+gives the same answer either way. :func:`from_source` forces the source reading (for that test).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+_FORCE_SOURCE = False
+
+
+@contextlib.contextmanager
+def from_source() -> Iterator[None]:
+    """Answer from source text even for modules already imported."""
+    global _FORCE_SOURCE
+    before, _FORCE_SOURCE = _FORCE_SOURCE, True
+    try:
+        yield
+    finally:
+        _FORCE_SOURCE = before
+
+
+def source_path(name: str) -> Path | None:
+    """The file of module ``name``, found without importing it or its parent packages."""
+    top, *rest = name.split(".")
+    spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+    if spec is None:
+        return None
+    for root in spec.submodule_search_locations or []:
+        base = Path(root, *rest)
+        for candidate in (base.parent / f"{base.name}.py", base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _definitions(body: list[ast.stmt]) -> dict[str, ast.AST]:
+    """Names a block defines (later definitions win, as at run time), looking through ``if``,
+    ``try`` and ``with`` blocks but not into functions or classes."""
+    found: dict[str, ast.AST] = {}
+    for stmt in body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found[stmt.name] = stmt
+        elif isinstance(stmt, ast.Assign):
+            for target in stmt.targets:
+                if isinstance(target, ast.Name):
+                    found[target.id] = stmt
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            found[stmt.target.id] = stmt
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            for alias in stmt.names:
+                found[(alias.asname or alias.name).split(".")[0]] = stmt
+        elif isinstance(stmt, (ast.If, ast.Try, ast.With)):
+            blocks = [stmt.body, getattr(stmt, "orelse", []), getattr(stmt, "finalbody", [])]
+            blocks += [handler.body for handler in getattr(stmt, "handlers", [])]
+            for block in blocks:
+                found.update(_definitions(block))
+    return found
+
+
+@cache
+def _parsed(path: Path) -> tuple[str, ast.Module]:
+    text = path.read_text(encoding="utf-8")
+    return text, ast.parse(text, filename=str(path))
+
+
+class _SourceModule:
+    """Answers from a module's source file."""
+
+    def __init__(self, name: str) -> None:
+        path = source_path(name)
+        if path is None:
+            raise ModuleNotFoundError(f"no source file for {name}")
+        self.name = name
+        self.text, self.tree = _parsed(path)
+
+    def _node(self, qualname: str) -> ast.AST | None:
+        body: list[ast.stmt] = self.tree.body
+        node: ast.AST | None = None
+        for part in qualname.split("."):
+            node = _definitions(body).get(part)
+            if node is None:
+                return None
+            body = node.body if isinstance(node, ast.ClassDef) else []
+        return node
+
+    def has(self, qualname: str) -> bool:
+        return self._node(qualname) is not None
+
+    def source(self, qualname: str) -> str:
+        node = self._node(qualname)
+        if node is None:
+            raise AttributeError(f"{self.name} defines no {qualname}")
+        return ast.get_source_segment(self.text, node) or ""
+
+    def parameters(self, qualname: str) -> list[str]:
+        node = self._node(qualname)
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            raise AttributeError(f"{self.name}.{qualname} is not a function defined there")
+        args = node.args
+        names = [a.arg for a in (*args.posonlyargs, *args.args)]
+        names += [a.arg for a in (args.vararg,) if a is not None]
+        names += [a.arg for a in args.kwonlyargs]
+        names += [a.arg for a in (args.kwarg,) if a is not None]
+        return names
+
+    def fields(self, qualname: str) -> set[str]:
+        node = self._node(qualname)
+        if not isinstance(node, ast.ClassDef):
+            return set()
+        return {
+            stmt.target.id
+            for stmt in node.body
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+        }
+
+
+class _LiveModule:
+    """Answers from an imported module, ignoring the plugin's own patches."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def _lookup(self, qualname: str) -> Any:
+        from nemo_lw_fp8.patches.framework import MISSING, unpatched_own_attr
+
+        owner = self.module
+        for part in qualname.split("."):
+            owner = unpatched_own_attr(owner, part)
+            if owner is MISSING:
+                return MISSING
+        return owner
+
+    def has(self, qualname: str) -> bool:
+        from nemo_lw_fp8.patches.framework import MISSING
+
+        return self._lookup(qualname) is not MISSING
+
+    def _object(self, qualname: str) -> Any:
+        from nemo_lw_fp8.patches.framework import MISSING
+
+        found = self._lookup(qualname)
+        if found is MISSING:
+            raise AttributeError(f"{self.module.__name__} defines no {qualname}")
+        return found
+
+    def source(self, qualname: str) -> str:
+        return inspect.getsource(self._object(qualname))
+
+    def parameters(self, qualname: str) -> list[str]:
+        return list(inspect.signature(self._object(qualname)).parameters)
+
+    def fields(self, qualname: str) -> set[str]:
+        return set(getattr(self._object(qualname), "__dataclass_fields__", {}))
+
+
+def module(name: str) -> _LiveModule | _SourceModule:
+    """The definitions of module ``name``: live when it is imported, else from its source."""
+    loaded = sys.modules.get(name)
+    if loaded is not None and not _FORCE_SOURCE:
+        return _LiveModule(loaded)
+    return _SourceModule(name)
