@@ -5,7 +5,7 @@ Muon-managed matrix shape is gathered once on 2 CPU ranks over gloo, through the
 gather code, and the bytes are counted by wrapping ``torch.distributed.all_gather`` /
 ``all_gather_into_tensor`` (bytes of the received buffers):
 
-* **bf16**: the compact layout's gather (``compact.dispatch``): the owner's weight as bf16, what
+* **bf16**: the compact layout's gather (``compact_gather.dispatch``): the owner's weight as bf16, what
   FP4 param gather off (NVFP4 compute on bf16 parameters) ships;
 * **NVFP4**: the owner-packed gather (``blockwise._dispatch`` with ``nvfp4_gather``'s packing):
   for each TE linear weight (``quantized``, both dims multiples of 16) the FP4 codes, one E4M3

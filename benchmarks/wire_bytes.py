@@ -4,7 +4,7 @@ shape on 2 gloo ranks through the plugin's real gather code, and the bytes count
 Each shape is gathered twice from rank 0, and the received bytes are counted by wrapping
 ``torch.distributed.all_gather`` / ``all_gather_into_tensor``:
 
-* **bf16**: the compact layout's gather (``compact.dispatch``), the owner's weight as bf16: what
+* **bf16**: the compact layout's gather (``compact_gather.dispatch``), the owner's weight as bf16: what
   the MXFP8 layer-wise gather and FP8 / FP4 param gather off ship;
 * **quantized**: the owner-packed gather (``blockwise._dispatch``) of a TE weight of the
   benchmark's kind, built empty (wire bytes do not depend on the values, so the owner skips
@@ -125,7 +125,7 @@ def measure(shapes: list[tuple[tuple[int, ...], bool]], kind: str) -> list[dict[
 
     from nemo_lw_fp8.cpu.te import device as te_device
     from nemo_lw_fp8.layout import packing as layout
-    from nemo_lw_fp8.mechanics import blockwise, compact
+    from nemo_lw_fp8.mechanics import blockwise, compact, compact_gather
     from nemo_lw_fp8.state import group_state
 
     if kind not in KINDS:
@@ -145,7 +145,7 @@ def measure(shapes: list[tuple[tuple[int, ...], bool]], kind: str) -> list[dict[
             bf16_group = _Group(plain, group)
             group_state(bf16_group).compact = state
             counted["bytes"] = 0
-            compact.dispatch(bf16_group, async_op=False)
+            compact_gather.dispatch(bf16_group, async_op=False)
             bf16 = counted["bytes"]
 
             weight = _quantized_weight(kind, shape, quantized)

@@ -158,10 +158,10 @@ def install_mutation(mutation: str) -> None:
         # old ones (finite values; the weights of the ranks then differ).
         import torch
 
-        import nemo_lw_fp8.mechanics.compact as compact
+        import nemo_lw_fp8.mechanics.compact_gather as compact_gather
         from nemo_lw_fp8.mechanics import expert_slices
 
-        _unpack = compact.unpack
+        _unpack = compact_gather.unpack
 
         @torch.no_grad()
         def _unpack_keeping_own_runs(group, plan, gathered) -> None:
@@ -174,7 +174,7 @@ def install_mutation(mutation: str) -> None:
                 offset += piece.numel()
             _unpack(group, plan, gathered)
 
-        compact.unpack = _unpack_keeping_own_runs
+        compact_gather.unpack = _unpack_keeping_own_runs
     elif mutation == "tp_duplicated_partitioned":
         # The masters of TP-duplicated weights (MLA's down projections) keep the partition
         # dimension TE tagged them with: Muon gathers the identical copies over TP and

@@ -488,7 +488,7 @@ def test_owner_layout_moves_gradients_with_their_params():
     weight owned in runs of experts by two ranks gives one span per run."""
     from types import SimpleNamespace
 
-    from nemo_lw_fp8.mechanics import compact, expert_slices
+    from nemo_lw_fp8.mechanics import compact_grads, expert_slices
 
     def param(*shape):
         return torch.nn.Parameter(torch.zeros(shape))
@@ -518,7 +518,7 @@ def test_owner_layout_moves_gradients_with_their_params():
     bucket = SimpleNamespace(
         params_list=order, grad_data=grad_data, param_to_index=to_index, offset=2
     )
-    spans = compact.lay_out_grads_by_owner(bucket, record, [index_map])
+    spans = compact_grads.lay_out_grads_by_owner(bucket, record, [index_map])
     # b (owner 0) first, then a, the grouped weight's first run and d (owner 1), then its
     # second run (owner 0).
     assert spans == [(0, 0, 4), (1, 4, 24), (0, 24, 32), (1, 32, 38)]

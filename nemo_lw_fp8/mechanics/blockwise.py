@@ -44,6 +44,7 @@ from nemo_lw_fp8.mechanics import (
     nvfp4_gather,
     owner_gather,
     te_classes,
+    wire,
 )
 from nemo_lw_fp8.state import group_state, peek
 
@@ -72,14 +73,14 @@ def _tiles(param: torch.Tensor) -> tuple[int, int]:
 
 
 def param_wire_bytes(param: torch.Tensor) -> int:
-    """Bytes one parameter occupies on the wire: FP8 codes plus one fp32 scale per 128x128 tile
-    for blockwise weights, its own dtype's bytes for anything else."""
-    if is_blockwise(param):
-        m_tiles, k_tiles = _tiles(param)
-        return param.numel() + 4 * m_tiles * k_tiles
-    if nvfp4_gather.is_fp4_weight(param):
-        return nvfp4_gather.param_wire_bytes(param)
-    return param.numel() * param.element_size()
+    """Bytes one parameter occupies on the wire, as its codec says (:mod:`.wire`)."""
+    return wire.codec_of(param).wire_bytes(param)
+
+
+def blockwise_wire_bytes(param: torch.Tensor) -> int:
+    """FP8 codes plus one fp32 scale per 128x128 tile."""
+    m_tiles, k_tiles = _tiles(param)
+    return param.numel() + 4 * m_tiles * k_tiles
 
 
 # --------------------------------------------------------------------------- the group state
@@ -167,7 +168,7 @@ def attach_groups(optimizer: Any) -> int:
                         )
                     segments[rank].append(param)
                 sizes = [sum(param_wire_bytes(p) for p in seg) for seg in segments]
-                # Takes over from a compact group's own (bf16) gather (compact.plan_of).
+                # Takes over from a compact group's own (bf16) gather (compact_gather.plan_of).
                 group_state(group).blockwise = BlockwiseGroup(
                     segments, sizes, layout_math.even_gather_fits(sizes, tolerance), process_group
                 )
@@ -200,25 +201,23 @@ def pack_owned(state: BlockwiseGroup, rank: int, out: torch.Tensor) -> None:
     """Quantize this rank's owned weights and write their wire bytes into ``out`` (uint8)."""
     offset = 0
     for param in state.segments[rank]:
-        master = _master(param)
-        if nvfp4_gather.is_fp4_weight(param):
-            n = nvfp4_gather.param_wire_bytes(param)
-            nvfp4_gather.pack_param(param, master, out[offset : offset + n])
-            offset += n
-        elif is_blockwise(param):
-            if master is not None:
-                quantize_owned(param, master)
-            codes = param._rowwise_data.reshape(-1).view(torch.uint8)
-            out[offset : offset + codes.numel()].copy_(codes)
-            offset += codes.numel()
-            scales = _scale_bytes(param)
-            out[offset : offset + scales.numel()].copy_(scales)
-            offset += scales.numel()
-        else:
-            source = master if master is not None else param
-            raw = source.detach().to(param.dtype).reshape(-1).contiguous().view(torch.uint8)
-            out[offset : offset + raw.numel()].copy_(raw)
-            offset += raw.numel()
+        codec = wire.codec_of(param)
+        n = codec.wire_bytes(param)
+        codec.pack(param, _master(param), out[offset : offset + n])
+        offset += n
+
+
+def pack_blockwise(
+    param: torch.nn.Parameter, master: torch.Tensor | None, out: torch.Tensor
+) -> None:
+    """The owner's blockwise bytes: quantize from the master (where there is one), then the
+    rowwise codes and the valid tile scales."""
+    if master is not None:
+        quantize_owned(param, master)
+    codes = param._rowwise_data.reshape(-1).view(torch.uint8)
+    out[: codes.numel()].copy_(codes)
+    scales = _scale_bytes(param)
+    out[codes.numel() : codes.numel() + scales.numel()].copy_(scales)
 
 
 # --------------------------------------------------------------------------- receiver side
@@ -232,14 +231,14 @@ def write_scales(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
 
 
 def _unpack_param(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
-    if nvfp4_gather.is_fp4_weight(param):
-        nvfp4_gather.unpack_param(param, payload)
-    elif is_blockwise(param):
-        n = param.numel()
-        param._rowwise_data.view(-1).copy_(payload[:n])
-        write_scales(param, payload[n:])
-    else:
-        param.data.view(-1).copy_(payload.clone().view(param.dtype))
+    wire.codec_of(param).unpack(param, payload)
+
+
+def unpack_blockwise(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
+    """Receiver: the owner's codes into the rowwise data, its tile scales into scale_inv."""
+    n = param.numel()
+    param._rowwise_data.view(-1).copy_(payload[:n])
+    write_scales(param, payload[n:])
 
 
 def unpack(state: BlockwiseGroup, gathered: torch.Tensor, my_rank: int) -> None:
@@ -252,17 +251,20 @@ def unpack(state: BlockwiseGroup, gathered: torch.Tensor, my_rank: int) -> None:
 
 
 def derive_columnwise(params: list[torch.nn.Parameter]) -> None:
+    """Every codec derives the columnwise copies of its weights among ``params``, in the
+    codecs' order (:func:`.wire.codecs`)."""
+    for codec in wire.codecs():
+        own = [param for param in params if wire.codec_of(param) is codec]
+        if own:
+            codec.derive_columnwise(own)
+
+
+def derive_blockwise_columnwise(params: list[torch.nn.Parameter]) -> None:
     """Columnwise codes and scales from the rowwise ones (128x128 tiles: the exact transpose),
-    through megatron's post-all-gather hook, i.e. TE's ``_create_columnwise``; NVFP4 weights
-    by :func:`.nvfp4_gather.derive_columnwise`."""
+    through megatron's post-all-gather hook, i.e. TE's ``_create_columnwise``."""
     from megatron.core.fp8_utils import post_all_gather_processing
 
-    for param in params:
-        if nvfp4_gather.is_fp4_weight(param):  # grouped weights and their expert runs too
-            nvfp4_gather.derive_columnwise(param)
-    blockwise = [p for p in params if is_blockwise(p)]
-    if blockwise:
-        post_all_gather_processing(blockwise)
+    post_all_gather_processing(params)
 
 
 # --------------------------------------------------------------------------- the collective
@@ -387,3 +389,29 @@ def set_up(optimizer: Any) -> None:
     masters.init_masters_from_high_precision(optimizer)
     masters.skip_requantize_on_inner_step(optimizer)
     attach_groups(optimizer)
+
+
+class _BlockwiseCodec:
+    """Blockwise FP8 (Hopper) weights on the wire: codes + one fp32 scale per 128x128 tile."""
+
+    name = "blockwise FP8"
+
+    def claims(self, param: torch.Tensor) -> bool:
+        return is_blockwise(param)
+
+    def wire_bytes(self, param: torch.Tensor) -> int:
+        return blockwise_wire_bytes(param)
+
+    def pack(
+        self, param: torch.nn.Parameter, master: torch.Tensor | None, out: torch.Tensor
+    ) -> None:
+        pack_blockwise(param, master, out)
+
+    def unpack(self, param: torch.nn.Parameter, payload: torch.Tensor) -> None:
+        unpack_blockwise(param, payload)
+
+    def derive_columnwise(self, params: list[torch.nn.Parameter]) -> None:
+        derive_blockwise_columnwise(params)
+
+
+wire.register(_BlockwiseCodec())

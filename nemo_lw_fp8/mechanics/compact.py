@@ -16,10 +16,8 @@
   Every rank copies the gathered values into its weights (quantizing into MXFP8 weights from the
   same bf16 bytes), which also serves MXFP8 param gather without staging in the grad buffer.
 
-* Gradients: once ownership is known, each bucket's gradients are laid out in owner order inside
-  the persistent grad buffer (bucket membership and bounds unchanged), and each owner's span is
-  reduced there in place to that owner only, one coalesced launch per bucket group
-  (:mod:`.owner_reduce`; ``grad_sync="all_reduce"``: megatron's all-reduce instead).
+* Gradients: once ownership is known, each owner's gradients are reduced to it alone
+  (:mod:`.compact_grads`).
 
 Settings come from :class:`nemo_lw_fp8.config.LayerWiseConfig` on the DDP config.
 """
@@ -34,7 +32,13 @@ import torch
 
 from nemo_lw_fp8 import config as plugin_config
 from nemo_lw_fp8.layout import packing as layout_math
-from nemo_lw_fp8.mechanics import expert_slices, grouped, owner_gather, owner_reduce, qkv_parts
+from nemo_lw_fp8.mechanics import (
+    compact_grads,
+    expert_slices,
+    grouped,
+    owner_gather,
+    qkv_parts,
+)
 from nemo_lw_fp8.state import group_state, optimizer_state, peek
 
 # --------------------------------------------------------------------------- buffers
@@ -392,7 +396,7 @@ def attach_groups(optimizer: Any, model_chunks: list[Any]) -> None:
             plan = CompactGroup(segments, numel, layout_math.even_gather_fits(numel, tolerance))
             if plugin_config.grad_sync(group.ddp_config) == "reduce_to_owner":  # grads_to_owners
                 plan.grad_spans = [
-                    lay_out_grads_by_owner(bucket, record, index_maps) for bucket in group.buckets
+                    compact_grads.lay_out_grads_by_owner(bucket, record, index_maps) for bucket in group.buckets
                 ]
             group_state(group).compact = plan
 
@@ -402,199 +406,3 @@ def owns_expert_runs(optimizer: Any) -> bool:
     record = peek(optimizer)
     pieces = record.pieces if record is not None else {}
     return any(expert_slices.is_slice(p) for group in pieces.values() for p in group)
-
-
-# --------------------------------------------------------------------------- the gather
-
-
-def _source(param: torch.nn.Parameter) -> torch.Tensor:
-    """What the owner ships: its fp32 master if it has one, else the param itself."""
-    master = getattr(param, "main_param", None)
-    return master if master is not None else param
-
-
-def unpack(group: Any, plan: CompactGroup, gathered: torch.Tensor) -> None:
-    """Write the gathered segments into the weights. Expert slices and QKV parts of a quantized
-    (MXFP8) weight are assembled into one bf16 tensor first and quantized once, from the same
-    bytes a whole owner would have sent."""
-    from megatron.core.distributed.param_and_grad_buffer import (
-        _param_uses_quantized_storage,
-        copy_tensor_to_quantized_param,
-    )
-
-    assembled: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
-    for rank in owner_gather.ranks_to_unpack(plan, group.data_parallel_group.rank()):
-        offset = plan.segment_start(rank)
-        for piece in plan.segments[rank]:
-            values = gathered[offset : offset + piece.numel()]
-            offset += piece.numel()
-            if expert_slices.is_part_of_weight(piece) and piece.quantized_parent:
-                parent = piece.parent
-                _, whole = assembled.setdefault(
-                    id(parent), (parent, values.new_empty(parent.numel()))
-                )
-                if qkv_parts.is_part(piece):
-                    qkv_parts.write_back(piece, whole, values)
-                else:
-                    start, end = piece.flat_range
-                    whole[start:end].copy_(values)
-            elif qkv_parts.is_part(piece):
-                qkv_parts.write_back(piece, piece.parent.data, values)
-            elif _param_uses_quantized_storage(piece):
-                copy_tensor_to_quantized_param(piece, values.view(piece.shape))
-            else:
-                piece.data.copy_(values.view(piece.shape))
-    for parent, whole in assembled.values():
-        copy_tensor_to_quantized_param(parent, whole.view(parent.shape))
-
-
-def dispatch(group: Any, async_op: bool) -> None:
-    """Pack this rank's owned masters (bf16) and issue the group's single gather collective."""
-    record = group_state(group)
-    plan: CompactGroup = record.compact
-    process_group = group.data_parallel_group
-    rank = process_group.rank()
-    dtype = group.buckets[0].params_list[0].dtype
-    device = group.buckets[0].grad_data.device
-    gathered = torch.empty(plan.gather_numel, dtype=dtype, device=device)
-    send = torch.zeros(
-        max(plan.segment_numel) if plan.even else plan.segment_numel[rank],
-        dtype=dtype,
-        device=device,
-    )
-    offset = 0
-    with torch.no_grad():
-        for param in plan.segments[rank]:
-            send[offset : offset + param.numel()].copy_(_source(param).detach().reshape(-1))
-            offset += param.numel()
-    work = owner_gather.all_gather_segments(
-        gathered, send, plan.segment_numel, plan.even, process_group, async_op
-    )
-    record.pending = gathered
-    group.param_gather_handle = work if async_op else None
-    if not async_op:
-        unpack_pending(group)
-
-
-def unpack_pending(group: Any) -> None:
-    record = group_state(group)
-    gathered = record.pending
-    if gathered is not None:
-        record.pending = None
-        with torch.no_grad():
-            unpack(group, record.compact, gathered)
-
-
-def plan_of(group: Any) -> CompactGroup | None:
-    """The compact gather plan of ``group`` (``None``: megatron gathers it)."""
-    record = peek(group)
-    return None if record is None or record.blockwise is not None else record.compact
-
-
-#: One all_gather(_into_tensor) of owner-packed bf16 values per bucket group, under megatron's
-#: start/finish contract (:mod:`.owner_gather`).
-SYNC = owner_gather.OwnerPackedSync(
-    dispatch=lambda group, async_op: dispatch(group, async_op),
-    unpack=lambda group: unpack_pending(group),
-    empty=lambda group: group_state(group).compact.gather_numel == 0,
-)
-
-
-# --------------------------------------------------------------------------- the gradient sync
-
-
-def _owner_runs(param: torch.nn.Parameter, record: Any, numel: int) -> list[tuple[int, int]]:
-    """``(owner, elements)`` of ``param``'s gradient in flattened order: one run for a whole
-    param, one per run of experts, one per query group and part of a split QKV weight."""
-    runs = []
-    for piece in record.pieces[param]:
-        if qkv_parts.is_part(piece):
-            ranges = piece.flat_ranges
-        elif expert_slices.is_slice(piece):
-            ranges = [piece.flat_range]
-        else:
-            ranges = [(0, numel)]
-        runs += [(lo, hi, record.owner_of[piece]) for lo, hi in ranges]
-    runs.sort()
-    return [(owner, hi - lo) for lo, hi, owner in runs]
-
-
-def lay_out_grads_by_owner(
-    bucket: Any, record: Any, index_maps: list[dict]
-) -> list[tuple[int, int, int]]:
-    """Re-lay ``bucket``'s gradients in owner order inside its own grad buffer and return the
-    owner reduce's spans ``(owner, start, end)`` (bucket-relative).
-
-    The bucket keeps its params and bounds (so its launches, readiness and the gather are as
-    before; compact buffers have no param buffer, params keep their own storage); only where
-    each param's gradient sits inside the bucket changes: ``main_grad`` (or, for a param with a
-    separate fp32 ``main_grad``, ``main_grad_copy_in_grad_buffer``), the bucket's
-    ``param_to_index`` and the buffer's ``param_index_map`` are re-pointed. Runs before the first
-    backward, when ownership is set; gradients already accumulated move with their params.
-    Deterministic (owners are), so every rank lays a bucket out the same way.
-    """
-    params = list(bucket.params_list)
-    order = owner_reduce.owner_order(
-        [_owner_runs(p, record, p.numel())[0][0] for p in params]
-    )
-    grad = bucket.grad_data
-    old = grad.clone() if bool(torch.count_nonzero(grad)) else None
-    pieces: list[tuple[int, int]] = []
-    start = 0
-    with torch.no_grad():
-        for i in order:
-            param = params[i]
-            extra = hasattr(param, "main_grad_copy_in_grad_buffer")
-            current = param.main_grad_copy_in_grad_buffer if extra else param.main_grad
-            numel = current.numel()
-            slot = grad[start : start + numel]
-            if old is not None:
-                was, _ = bucket.param_to_index[param]
-                slot.copy_(old[was : was + numel])
-            view = slot.view(current.shape)
-            if extra:
-                param.main_grad_copy_in_grad_buffer = view
-            else:
-                param.main_grad = view
-            bucket.param_to_index[param] = (start, start + numel)
-            for index_map in index_maps:
-                if param in index_map:
-                    bucket_id = index_map[param][2]
-                    index_map[param] = (bucket.offset + start, bucket.offset + start + numel,
-                                        bucket_id)  # fmt: skip
-            pieces += _owner_runs(param, record, numel)
-            start += numel
-    if start != grad.numel():
-        raise RuntimeError(f"a compact bucket holds {grad.numel()} elements, its params {start}")
-    spans, offset = [], 0
-    for owner, numel in owner_reduce.owner_spans(pieces):
-        spans.append((owner, offset, offset + numel))
-        offset += numel
-    return spans
-
-
-def grads_to_owners(group: Any) -> bool:
-    """Whether ``group``'s gradients are reduced to their owners (else megatron all-reduces)."""
-    record = peek(group)
-    if record is None or record.compact is None:
-        return False
-    return plugin_config.grad_sync(group.ddp_config) == "reduce_to_owner"
-
-
-def dispatch_grads(group: Any, op: Any, async_op: bool) -> owner_reduce.ReduceWork | None:
-    """Reduce each owner's span of the group's buckets, in place, to that owner."""
-    plan: CompactGroup = group_state(group).compact
-    process_group = group.data_parallel_group
-    if process_group.size() == 1:
-        # The local gradients are the reduced ones; an overlapped sync still hands megatron a
-        # handle to wait on, as its own one-rank all-reduce does.
-        return owner_reduce.ReduceWork([]) if async_op else None
-    if len(plan.grad_spans) != len(group.buckets):
-        raise RuntimeError("a compact bucket group reduced to its owners has no owner layout")
-    spans = [
-        (owner, bucket.grad_data[start:end])
-        for bucket, bucket_spans in zip(group.buckets, plan.grad_spans, strict=True)
-        for owner, start, end in bucket_spans
-    ]
-    works = owner_reduce.reduce_spans(spans, op, process_group, async_op)
-    return owner_reduce.ReduceWork(works) if async_op else None

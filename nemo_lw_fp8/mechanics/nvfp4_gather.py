@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from nemo_lw_fp8.mechanics import expert_slices, te_classes
+from nemo_lw_fp8.mechanics import expert_slices, te_classes, wire
 
 #: NVFP4 block length, and the 2D tile edge of weights.
 TILE = 16
@@ -282,3 +282,32 @@ def check(params: list[torch.nn.Parameter]) -> None:
             "columnwise copy cannot be derived from the rowwise one. Fix: keep the recipe's 2D "
             "weight quantization, or drop --fp4-param-gather.",
         )
+
+
+class _NVFP4Codec:
+    """NVFP4 primary weights on the wire: codes + 16x16 tile scales + the amax, per weight or per
+    member of a grouped weight. Calls this module's functions by name, so a test that replaces
+    one (a stale amax, a stale columnwise copy) changes what the gather does."""
+
+    name = "NVFP4"
+
+    def claims(self, param: torch.Tensor) -> bool:
+        return is_fp4_weight(param)
+
+    def wire_bytes(self, param: torch.Tensor) -> int:
+        return param_wire_bytes(param)
+
+    def pack(
+        self, param: torch.nn.Parameter, master: torch.Tensor | None, out: torch.Tensor
+    ) -> None:
+        pack_param(param, master, out)
+
+    def unpack(self, param: torch.nn.Parameter, payload: torch.Tensor) -> None:
+        unpack_param(param, payload)
+
+    def derive_columnwise(self, params: list[torch.nn.Parameter]) -> None:
+        for param in params:
+            derive_columnwise(param)
+
+
+wire.register(_NVFP4Codec())

@@ -5,7 +5,7 @@ gradients and every rank receives every Muon gradient, although only the matrix'
 (the layer-wise optimizer updates, clips and counts its own matrices only). This module replaces
 that all-reduce with one reduce per owner's span of each bucket: the compact layout lays each
 bucket's gradients out in owner order once ownership is known
-(:func:`nemo_lw_fp8.mechanics.compact.lay_out_grads_by_owner`), so an owner's gradients in a
+(:func:`nemo_lw_fp8.mechanics.compact_grads.lay_out_grads_by_owner`), so an owner's gradients in a
 bucket are one contiguous span of the grad buffer, reduced there in place to the owner: no
 transient buffer, no copies. On NCCL the reduces go out under one coalescing manager (one launch
 per bucket group); gloo has no coalescing and runs them one after the other. Other ranks keep

@@ -39,6 +39,8 @@ from nemo_lw_fp8 import config as plugin_config
 from nemo_lw_fp8.mechanics import (
     checkpointing,
     compact,
+    compact_gather,
+    compact_grads,
     grouped_checkpoint,
     lifecycle,
     masters,
@@ -165,8 +167,8 @@ def _make_sharded_state_dict(original):
 
 def _make_start(original):
     def start_param_sync(self, force_sync: bool = False):
-        if compact.plan_of(self) is not None:
-            return compact.SYNC.start(self, force_sync)
+        if compact_gather.plan_of(self) is not None:
+            return compact_gather.SYNC.start(self, force_sync)
         return original(self, force_sync)
 
     start_param_sync.__wrapped__ = original
@@ -175,8 +177,8 @@ def _make_start(original):
 
 def _make_finish(original):
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False):
-        if compact.plan_of(self) is not None:
-            return compact.SYNC.finish(self, skip_next_bucket_dispatch)
+        if compact_gather.plan_of(self) is not None:
+            return compact_gather.SYNC.finish(self, skip_next_bucket_dispatch)
         return original(self, skip_next_bucket_dispatch)
 
     finish_param_sync.__wrapped__ = original
@@ -189,8 +191,8 @@ def _make_start_grad_sync(original):
         its owner: only the bucket collectives megatron issues become the owner reduce, for the
         length of the call. A forced all-reduce (megatron's ``force_all_reduce``: every rank
         wants every gradient) and the ``all_reduce`` setting keep megatron's collectives."""
-        to_owners = not force_all_reduce and compact.grads_to_owners(self)
-        dispatch = compact.dispatch_grads if to_owners else None
+        to_owners = not force_all_reduce and compact_grads.grads_to_owners(self)
+        dispatch = compact_grads.dispatch_grads if to_owners else None
         return owner_reduce.start_grad_sync(self, original, dispatch, force_all_reduce)
 
     start_grad_sync.__wrapped__ = original

@@ -113,7 +113,9 @@ for _model in MODELS:
     for _variant in variants_of(_model):
         RECIPES[tiny_name(_model, _variant)] = _make_tiny(_model, _variant)
     for _variant in variants_of(_model):
-        RECIPES[f"twin_{recipe_key(_model)}_{_variant}"] = _make_twin(f"{recipe_key(_model)}_{_variant}")
+        RECIPES[f"twin_{recipe_key(_model)}_{_variant}"] = _make_twin(
+            f"{recipe_key(_model)}_{_variant}"
+        )
 del _model, _variant
 
 
@@ -121,17 +123,13 @@ def get_recipe(name: str) -> Callable[..., Any]:
     try:
         return RECIPES[recipe_key(name)]
     except KeyError:
-        raise KeyError(
-            f"unknown recipe {name!r}; known: {', '.join(sorted(RECIPES))}"
-        ) from None
+        raise KeyError(f"unknown recipe {name!r}; known: {', '.join(sorted(RECIPES))}") from None
 
 
 def tiny_architecture_of(name: str) -> MoEArchitecture | None:
     """The tiny architecture behind a ``tiny_*`` recipe name (None for full-size recipes)."""
     found = tiny_variant_of(name)
     return None if found is None else tiny(get_architecture(found[0]))
-
-
 
 
 __all__ = [

@@ -205,5 +205,3 @@ def short_run(cfg: Any, train_iters: int) -> None:
     cfg.logger.tensorboard_dir = None
     cfg.train.manual_gc = False
     cfg.dataset.num_workers = 0
-
-

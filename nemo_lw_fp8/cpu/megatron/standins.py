@@ -100,11 +100,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
+from nemo_lw_fp8.cpu.megatron import cuda_runtime
 from nemo_lw_fp8.cpu.megatron.swap import swap_attrs
 
-_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -130,114 +129,6 @@ class StandIn:
         if self._undo is not None:
             self._undo()
             self._undo = None
-
-
-# --------------------------------------------------------------------------- cuda_runtime
-
-
-class _NoOpStream:
-    """Stands for a CUDA stream: work on CPU is synchronous, so every wait is already satisfied."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> _NoOpEvent:
-        return event if event is not None else _NoOpEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class _NoOpEvent:
-    """Stands for a CUDA event: always complete."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other: Any) -> float:
-        return 0.0
-
-
-_DEFAULT_STREAM = _NoOpStream()
-
-
-def _install_cuda_runtime() -> Callable[[], None]:
-    return swap_attrs(
-        torch.cuda,
-        {
-            # The CPU device itself, not 0: ``device=torch.cuda.current_device()`` must land on
-            # the CPU also where the device-redirect mode is not active (autograd backward of
-            # megatron's custom Functions, e.g. ``_gather_along_first_dim`` in MoE dispatch).
-            "current_device": lambda: _CPU,
-            "Stream": _NoOpStream,
-            "Event": _NoOpEvent,
-            "current_stream": lambda device=None: _DEFAULT_STREAM,
-            "default_stream": lambda device=None: _DEFAULT_STREAM,
-            "stream": lambda stream=None: contextlib.nullcontext(),
-            "synchronize": lambda device=None: None,
-            "empty_cache": lambda: None,
-        },
-    )
-
-
-# --------------------------------------------------------------------------- cuda_device
-
-
-def _is_cuda_device(device: Any) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    # A bare int device index means a CUDA ordinal in torch's factory functions.
-    return isinstance(device, int) and not isinstance(device, bool)
-
-
-class CudaToCpuMode(TorchFunctionMode):
-    """Maps CUDA device arguments to the CPU and reports CUDA tensor type strings."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs["device"] = _CPU
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], _CPU, *args[2:])
-        return func(*args, **kwargs)
-
-
-def _install_cuda_device() -> Callable[[], None]:
-    mode = CudaToCpuMode()
-    mode.__enter__()
-
-    def undo() -> None:
-        mode.__exit__(None, None, None)
-
-    return undo
 
 
 # --------------------------------------------------------------------------- uneven_all_gather
@@ -508,8 +399,8 @@ def _install_local_norm_linear() -> Callable[[], None]:
 STANDINS: dict[str, StandIn] = {
     standin.name: standin
     for standin in (
-        StandIn("cuda_runtime", "DDP buffers and streams", _install_cuda_runtime),
-        StandIn("cuda_device", "device='cuda' and param.type() checks", _install_cuda_device),
+        StandIn("cuda_runtime", "DDP buffers and streams", cuda_runtime.install_cuda_runtime),
+        StandIn("cuda_device", "device='cuda' and param.type() checks", cuda_runtime.install_cuda_device),
         StandIn("uneven_all_gather", "layer-wise uneven gathers", _install_uneven_all_gather),
         StandIn("gloo_coalescing", "TE's coalesced TP gathers on gloo", _install_gloo_coalescing),
         StandIn("cpu_rng", "CUDA RNG streams and tracker forks", _install_cpu_rng),
