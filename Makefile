@@ -87,9 +87,9 @@ test-all: env
 # 2 cores (docs/testing.md). Left out: the 0.19.2 suite's longer trainings (the same code paths)
 # and test_apply_after_models_exist_says_so (the framework's warning, not version-dependent).
 MCORE_0190_DIR := $(VENV)/megatron-core-0.19.0
-MCORE_0190_TESTS := tests/test_upstream_fingerprints.py tests/test_patch_framework.py \
-	tests/test_readme_example.py
-MCORE_0190_SKIP := --deselect tests/test_patch_framework.py::test_apply_after_models_exist_says_so
+MCORE_0190_TESTS := tests/patches/test_upstream_fingerprints.py tests/patches/test_patch_framework.py \
+	tests/cli/test_readme_example.py
+MCORE_0190_SKIP := --deselect tests/patches/test_patch_framework.py::test_apply_after_models_exist_says_so
 test-mcore-0.19.0: env
 	@[ -d $(MCORE_0190_DIR) ] || $(PY) -m pip install --quiet --no-deps \
 		--target $(MCORE_0190_DIR) megatron-core==0.19.0

@@ -14,7 +14,7 @@ Counts are multiplied by how often each shape occurs in the model (all experts, 
 divided by the parameter count (the measuring is ``wire_bytes.py``'s, shared with
 ``nvfp4_wire.py``). Wire bytes do not depend on the values, so the owner ships zero-filled
 weights and skips quantising (``main_param`` is unset); the quantising itself is tested bit for
-bit in ``tests/test_blockwise_fp8_param_gather.py``. The uneven gather is used
+bit in ``tests/mechanics/test_blockwise_fp8_param_gather.py``. The uneven gather is used
 (payload only); an even ``all_gather_into_tensor`` adds transient padding bounded by
 ``gather_padding_tolerance`` (see ``nemo-lw-fp8 plan``).
 

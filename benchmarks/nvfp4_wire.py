@@ -17,7 +17,7 @@ divided by the parameter count (the measuring is ``wire_bytes.py``'s, shared wit
 ``fp8_gather_wire.py``). The planner's count (``nemo_lw_fp8.planner.weight_bytes``) must equal
 the bytes counted. Wire bytes do not depend on the values, so the owner ships an
 empty weight and skips quantising (no master); the quantising and the receivers' rebuild are
-tested bit for bit in ``tests/test_nvfp4_param_gather.py``. The uneven gather is used (payload
+tested bit for bit in ``tests/mechanics/test_nvfp4_param_gather.py``. The uneven gather is used (payload
 only).
 
 Run: ``.venv/bin/python benchmarks/nvfp4_wire.py`` (needs TE's Python package, as ``make test``;

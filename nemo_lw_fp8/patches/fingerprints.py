@@ -56,7 +56,7 @@ def render(table: dict[str, dict[str, dict[str, str]]]) -> str:
     lines = [
         '"""Recorded by ``python -m nemo_lw_fp8.patches.fingerprints --write`` (do not edit):',
         "per tested version, per patch, each wrapped upstream object's source fingerprint.",
-        "tests/test_patch_framework.py checks this record against the installed stack.",
+        "tests/patches/test_patch_framework.py checks this record against the installed stack.",
         '"""',
         "",
         "FINGERPRINTS: dict[str, dict[str, dict[str, str]]] = {",

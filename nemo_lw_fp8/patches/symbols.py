@@ -13,7 +13,7 @@ itself define ``prepare_model_params_for_param_sync``" or "what does the source 
   package only, then the path) and parsed: module-level definitions (through ``if`` / ``try`` /
   ``with`` blocks), class bodies, function sources and parameters, dataclass fields.
 
-Both read the same definitions; ``tests/test_upstream_detection.py`` checks that every detector
+Both read the same definitions; ``tests/patches/test_upstream_detection.py`` checks that every detector
 gives the same answer either way. :func:`from_source` forces the source reading (for that test).
 """
 

@@ -131,7 +131,7 @@ def for_config(cfg: Any) -> list[LaunchVar]:
 def recipe_model(name: str) -> dict[str, Any]:
     """The model fields that decide a recipe's environment, without building it (no Bridge
     import): the architecture's experts and the variant's expert presentation, as
-    :func:`nemo_lw_fp8.recipes.build` sets them (``tests/test_te_launch_env.py`` checks every
+    :func:`nemo_lw_fp8.recipes.build` sets them (``tests/recipes/test_te_launch_env.py`` checks every
     recipe's built config gives the same environment)."""
     key = catalogue.recipe_key(name)
     known = catalogue.recipe_names()

@@ -14,7 +14,7 @@ recipe takes, and shrinks only the sizes:
   stage: expert-data-parallel size 1 (each expert's matrices on one rank), so EP 2 at TP 1 and
   EP 4 at TP 2. Every recipe ships expert DP 1 except ``deepseek_v3_hopper`` (EP 64 over a
   stage's 128 TP x DP ranks: expert DP 2), whose twin keeps expert DP 1; expert DP > 1 is
-  what the twins' DP-4 resumes exercise (tests/test_recipe_twins.py);
+  what the twins' DP-4 resumes exercise (tests/recipes/test_recipe_twins.py);
 * TP, sequence parallelism, ETP, CP as shipped (TP 2 with SP for DeepSeek-V3 and Qwen3-235B
   on H100, 1 elsewhere; ETP and CP 1 everywhere), with the tiny model's TP-split widths in
   whole 128-wide blockwise tiles per shard (:func:`nemo_lw_fp8.planner.tiny`'s

@@ -7,7 +7,7 @@ hand) and returns a message when the combination is unsupported. :func:`check` r
 
 Rules run when the configuration is finalised: in megatron-training's ``validate_args`` (patched),
 and when the plugin's patched ``LayerWiseDistributedOptimizer`` is built. ``docs/guards.md`` lists
-them; each has a test in ``tests/test_guards.py`` or ``tests/test_guard_catalogue.py``.
+them; each has a test in ``tests/rules/test_guards.py`` or ``tests/rules/test_guard_catalogue.py``.
 
 The rules themselves live by topic, each module importing only :mod:`.guard_settings`:
 :mod:`.rules_fp8` (FP8 param gather, compact basics), :mod:`.rules_grouped` (single grouped
@@ -56,7 +56,7 @@ SCOPE_RULES: tuple[Rule, ...] = (
          scope_guards.layer_wise_ckpt_format),
 )
 #: The rules of recipes, launchers and the plugin's own settings (their cases are in
-#: tests/test_guard_catalogue.py; the others' in tests/test_guards.py).
+#: tests/rules/test_guard_catalogue.py; the others' in tests/rules/test_guards.py).
 INTEGRATION_RULES: tuple[Rule, ...] = _INTEGRATION_RULES + SCOPE_RULES + LAUNCH_ENV_RULES
 #: Every rule, in the order :func:`check` reports them.
 RULES: tuple[Rule, ...] = FP8_RULES + GROUPED_WEIGHT_RULES + INTEGRATION_RULES

@@ -1,14 +1,14 @@
 """The rules of layer-wise FP8 param gather at tensor parallel > 1 (issue 29).
 
-What is verified (``tests/test_tp_fp8_param_gather.py``, TP 2 x DP 2 on TE's own modules): each
+What is verified (``tests/mechanics/test_tp_fp8_param_gather.py``, TP 2 x DP 2 on TE's own modules): each
 rank's persistent FP8 weights are its TP shards, quantized and gathered over data parallel as
 whole matrices are at TP 1, with MXFP8 (1x32 blocks) and blockwise FP8 (128x128 weight tiles);
 standard attention (fused ``linear_qkv``), dense MLPs, MoE experts whole per rank (expert
 tensor parallel 1) and expert linears split over expert tensor parallel 2, discrete
 (megatron's ``SequentialMLP``) and grouped (TE's ``GroupedLinear`` with discrete weights,
-``tests/test_tp_grouped_fp8_gather.py``; megatron fuses grouped experts and builds single
+``tests/mechanics/test_tp_grouped_fp8_gather.py``; megatron fuses grouped experts and builds single
 grouped weights only at ETP 1: rule ``op-fuser-experts-expert-tensor-parallel``);
-multi-latent attention through Bridge (``tests/test_tp_mla_training.py``: the column-parallel
+multi-latent attention through Bridge (``tests/bridge/test_tp_mla_training.py``: the column-parallel
 q / kv up projections, the row-parallel ``linear_proj`` and the down projections duplicated on
 every TP rank, MXFP8 and blockwise). Two rules:
 

@@ -1,7 +1,7 @@
 """Runs of ``nemo-lw-fp8 pretrain --cpu`` for the Bridge tests, in ranks launched by ``torchrun``
 as a user launches them, or forked from the session's launch server, which imported the stack
-once (``launcher="fork"``, tests/fork_run.py and tests/support/fork_server.py: the same entry
-point and rank environment, without ~20 s of imports per run). tests/bridge_run.py adds an
+once (``launcher="fork"``, tests/support/fork_run.py and tests/support/fork_server.py: the same entry
+point and rank environment, without ~20 s of imports per run). tests/support/bridge_run.py adds an
 optional mutation that switches one fix off.
 
 :func:`pretrain` returns the run's record: ``train`` (per iteration: reduced ``lm loss`` and
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tests.support import fork_server
 
-HERE = Path(__file__).parent.parent
+HERE = Path(__file__).parent
 #: FP8 param gather off, everything else as the recipe ships (the parity reference).
 GATHER_OFF = (
     "mixed_precision.fp8_param_gather=false",
@@ -77,10 +77,10 @@ def pretrain(
     """Train ``recipe`` on ``nproc`` CPU ranks; a failing run fails the test with its log tail
     (a control that crashes is a failure, not a divergence). ``probe``: also record, per rank,
     what the layer-wise optimizer of a blockwise run was built over (``run["probe"]``, see
-    tests/bridge_run.py). ``cpu_modules``: ``pretrain --cpu-modules``: TE's own modules as the
+    tests/support/bridge_run.py). ``cpu_modules``: ``pretrain --cpu-modules``: TE's own modules as the
     GPU builds them (``te``) unless a test asks for the project's CPU layers.
     ``state_tensors``: also keep the tensors behind ``state`` (``run["tensors"]``: per moment,
-    per rank, what tests/bridge_run.py's ``install_state_tensors`` wrote)."""
+    per rank, what tests/support/bridge_run.py's ``install_state_tensors`` wrote)."""
     prefix = str(tmp / f"{tag}-probe") if probe else ""
     kept = str(tmp / f"{tag}-state") if state_tensors else ""
     done = _launch(

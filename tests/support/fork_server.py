@@ -1,4 +1,4 @@
-"""Client of the launch server of tests/fork_run.py (``fork_run.py --serve``): one process per
+"""Client of the launch server of tests/support/fork_run.py (``fork_run.py --serve``): one process per
 test session imports Megatron-Bridge, megatron-core and the TE emulation once, and every Bridge
 run of the suite is forked from it (``bridge_runs.pretrain(launcher="fork")``, the default).
 
@@ -18,8 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-FORK_RUN = Path(__file__).parent.parent / "fork_run.py"
-#: Read per request by tests/bridge_run.py; kept out of the server's own environment.
+FORK_RUN = Path(__file__).parent / "fork_run.py"
+#: Read per request by tests/support/bridge_run.py; kept out of the server's own environment.
 PER_RUN_VARIABLES = (
     "NEMO_LW_FP8_TEST_MUTATION", "NEMO_LW_FP8_TEST_PROBE", "NEMO_LW_FP8_TEST_STATE_TENSORS"
 )

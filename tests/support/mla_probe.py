@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_mla_local_attention.py.
+"""Rank functions for tests/patches/test_mla_local_attention.py.
 
 ``local_attention_probe``: megatron-core's local ``DotProductAttention`` built as MLA builds it
 (``k_channels`` != ``v_channels``), compared with a reference causal softmax attention computed

@@ -235,7 +235,7 @@ def _build_moe_grouped(scenario: Scenario, **overrides: Any):
 
     Built with ``use_cpu_initialization=False``: TE initialises the weights itself, so the
     preserved high-precision init values of persistent MXFP8 weights are the weights' own
-    (``tests/test_te_model_training.py``). Build and run it inside :func:`te_scope`.
+    (``tests/mechanics/test_te_model_training.py``). Build and run it inside :func:`te_scope`.
 
     ``fp8_recipe="blockwise"`` builds what the Hopper recipes run instead: TE's ``GroupedLinear``
     module with discrete weights (no op fuser; TE's grouped-tensor path needs cuBLASLt 13.6 on
@@ -338,7 +338,7 @@ def build_gpt(config) -> torch.nn.Module:
     ``TELayerNormColumnParallelLinear`` (input / pre-MLP norm fused into ``linear_qkv`` /
     ``linear_fc1``), ``TERowParallelLinear``, ``TEDotProductAttention``, TE's norms, and MoE
     experts as megatron's ``SequentialMLP`` of TE linears (``moe_grouped_gemm=False``; TE's
-    grouped path is ``tests/test_te_model_training.py``'s). Build and run it inside
+    grouped path is ``tests/mechanics/test_te_model_training.py``'s). Build and run it inside
     :func:`te_scope` on a pool booted with :data:`TE_BOOT`. With pipeline parallelism, this
     rank's stage."""
     from megatron.core.models.gpt.gpt_layer_specs import (

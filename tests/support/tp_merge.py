@@ -11,7 +11,7 @@ places them in the checkpoint's global tensors (the load at TP 1 reads those glo
   ``partition_dim``: 0 for column-parallel weights (``TELayerNormColumnParallelLinear``,
   ``TEColumnParallelLinear``, ``TELinear`` in ``column`` mode, ``VocabParallelEmbedding``, the
   output layer), 1 for row-parallel ones (``TERowParallelLinear``, ``TELinear`` in ``row``
-  mode). The runs record ``partition_dim`` per parameter (tests/bridge_run.py,
+  mode). The runs record ``partition_dim`` per parameter (tests/support/bridge_run.py,
   ``install_state_tensors``); this module takes the axis from there.
 * ``apply_swiglu_sharded_factory`` (``transformer/mlp.py``): a gated ``linear_fc1`` of a dense
   MLP or shared expert (``[W; V]`` on each rank) is written as two chunks per rank, ``W_r`` at

@@ -1,0 +1,356 @@
+"""FP4 primary single grouped expert weights under layer-wise Muon: the owner's FP4 gather of a
+grouped NVFP4 weight (issue 30; docs/nvfp4.md, "FP4 primary single grouped weights under
+layer-wise Muon").
+
+The model is ``tests/mechanics/test_nvfp4_param_gather.py``'s 2-layer TE-spec MoE GPT (4 experts, top-2,
+NVFP4 compute from megatron's recipe with stochastic rounding off, the RHT on) with megatron's
+``TEGroupedMLP`` through TE's op fuser and FP4 primary weights (``fp4_param`` + DDP's
+``fp4_param_gather``), trained under layer-wise Muon on two data-parallel ranks (the plugin's
+compact layout, owner reduce, overlapped gathers; megatron's padded layout in the extended tier;
+B200 answers).
+
+* ``single``: one ``GroupedTensor`` of ``NVFP4Tensor`` members per expert linear
+  (``moe_single_grouped_weight``); its owner (of the whole weight, or of a run of its experts)
+  quantizes each member from its expert's fp32 master and ships per-member codes, 16x16 tile
+  scales and amaxes (``mechanics/nvfp4_gather.py``).
+* ``discrete``: the same experts as discrete FP4 primary weights through the same op fuser, each
+  gathered by the existing per-weight FP4 gather.
+
+Why single = discrete bitwise: both start from the same bf16 init values (the same seed, the
+same per-expert initialisation), each expert's master takes Muon's per-expert step from the same
+gradient (``mechanics/grouped.orthogonalize_per_expert``), and each owner casts
+``bf16(master)`` of every expert with the same single-tensor quantizer (16x16 blocks, no RHT, no
+SR; the amax of the expert alone), so both runs' GEMMs read the same codes, scales and amaxes.
+FP4 param gather OFF is no reference here: OFF would be bf16 single grouped weights, which TE
+2.20.2 refuses under NVFP4.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from nemo_lw_fp8.cpu.te import backend as te_backend
+from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.parity import assert_diverges
+from tests.support.resumable import assert_same_run
+
+if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
+    pytest.skip("TE's own modules need TE's Python package", allow_module_level=True)
+
+BOOT = BootOptions(fp8_emulation=True)
+
+#: Grouped buffers of a ``GroupedTensor`` compared across ranks and with the owner's cast.
+BUFFERS = ("rowwise_data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax",
+           "columnwise_amax")  # fmt: skip
+#: The same buffers as an ``NVFP4Tensor`` member names them.
+MEMBER_BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data",
+                  "_columnwise_scale_inv", "_amax_rowwise", "_amax_columnwise")  # fmt: skip
+
+
+def _stale_grouped_amax(mp: pytest.MonkeyPatch) -> None:
+    """Receivers of a grouped weight keep every member's previous amaxes (the GEMMs' global
+    scales) after the gather; other weights are unpacked as usual."""
+    from nemo_lw_fp8.mechanics import nvfp4_gather
+
+    real = nvfp4_gather.unpack_param
+
+    def unpack(param, payload):
+        members = nvfp4_gather.grouped_members(param)
+        kept = None if members is None else [
+            (m._amax_rowwise.clone(), m._amax_columnwise.clone()) for m in members
+        ]  # fmt: skip
+        real(param, payload)
+        for member, (row, col) in zip(members or [], kept or [], strict=True):
+            member._amax_rowwise.copy_(row)
+            member._amax_columnwise.copy_(col)
+
+    mp.setattr(nvfp4_gather, "unpack_param", unpack)
+
+
+def _stale_grouped_columnwise(mp: pytest.MonkeyPatch) -> None:
+    """Grouped weights keep their previous columnwise copies (dgrad reads them) after the
+    gather; other weights derive theirs as usual."""
+    from nemo_lw_fp8.mechanics import nvfp4_gather
+
+    real = nvfp4_gather.derive_columnwise
+
+    def derive(param):
+        if not nvfp4_gather.is_grouped_nvfp4(param):
+            real(param)
+
+    mp.setattr(nvfp4_gather, "derive_columnwise", derive)
+
+
+#: mutation name -> what it does to the grouped weights' receivers (controls).
+MUTATIONS = {"stale_amax": _stale_grouped_amax, "stale_columnwise": _stale_grouped_columnwise}
+
+
+def grouped_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every grouped NVFP4 weight's grouped buffers (codes, scales, amaxes of both usages)."""
+    from nemo_lw_fp8.mechanics import nvfp4_gather
+
+    return {
+        f"{name}:{buffer}": getattr(param, buffer).clone()
+        for name, param in module.named_parameters()
+        if nvfp4_gather.is_grouped_nvfp4(param)
+        for buffer in BUFFERS
+    }
+
+
+def owner_cast_differs(
+    optimizer: Any, module: torch.nn.Module
+) -> tuple[int, list[str], list[tuple[int, int]]]:
+    """On the owner of each grouped NVFP4 weight: each member's stored buffers (after the last
+    gather, columnwise copy derived) against TE's single-tensor cast, both usages, of
+    ``bf16(master)`` of that expert with a fresh copy of the member's quantizer. Returns how
+    many members were checked, which buffers differ, and the expert runs (``[lo, hi)``) this
+    rank owns of grouped weights owned in runs."""
+    from nemo_lw_fp8.mechanics import expert_slices, masters, nvfp4_gather
+
+    def children(opt: Any) -> list[Any]:
+        nested = getattr(opt, "chained_optimizers", None) or []
+        own = [opt] if hasattr(opt, "fp32_from_float16_groups") else []
+        return own + [c for child in nested for c in children(child)]
+
+    names = {id(p): n for n, p in module.named_parameters()}
+    checked, differ, runs = 0, [], []
+    for child in children(optimizer):
+        for param, master in masters.model_main_pairs(child):
+            members = nvfp4_gather.grouped_members(param)
+            if members is None:
+                continue
+            if expert_slices.is_slice(param):
+                runs.append((param.lo, param.hi))
+                param = param.parent
+            for i, member in enumerate(members):
+                quantizer = member._quantizer.copy()
+                quantizer.set_usage(rowwise=True, columnwise=True)
+                fresh = quantizer(master[i].detach().to(torch.bfloat16).contiguous())
+                checked += 1
+                for buffer in MEMBER_BUFFERS:
+                    a, b = getattr(member, buffer), getattr(fresh, buffer)
+                    if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                        differ.append(f"{names[id(param)]}[{i}].{buffer}")
+    return checked, differ, sorted(runs)
+
+
+def grouped_fp4_run(
+    single: bool,
+    mutation: str | None = None,
+    steps: tuple[int, int] = (0, 3),
+    save_dir: str | None = None,
+    load_dir: str | None = None,
+    nudge_loaded_master: bool = False,
+    layout: str = "compact",
+    ownership: str = "whole",
+) -> dict[str, Any]:
+    """Layer-wise Muon (compact layout, overlapped gathers, owner reduce) on the op-fuser MoE GPT
+    with FP4 primary expert weights, single grouped (``single``) or discrete: steps
+    ``steps[0]..steps[1]-1`` with an eval after step 0, an optional ``torch_dist`` load (into a
+    build from another seed) before and save after. Returns losses, eval losses, this rank's
+    masters and momenta under discrete names, the grouped kernels TE called, the weight classes
+    of the experts and what each gather sent."""
+    import dataclasses
+    import functools
+
+    import nemo_lw_fp8
+    import tests.mechanics.test_nvfp4_param_gather as base
+    from nemo_lw_fp8.cpu.te import device as te_device
+    from nemo_lw_fp8.mechanics import owner_gather
+    from tests.cpu.test_nvfp4_grouped import _build_gpt_grouped_experts
+    from tests.support import resumable, scenarios, training
+    from tests.support.scenarios import Scenario
+
+    scenario = Scenario(
+        model="gpt", optimizer="muon", plugin=True, seed=5, micro_batch=4,
+        distribution=f"layerwise_{layout}", overlap=layout == "compact", fp4_param_gather=True,
+        grouped_weight_ownership=ownership,
+    )  # fmt: skip
+    nemo_lw_fp8.apply()
+    seen: list[str] = []
+    with contextlib.ExitStack() as stack:
+        mp = stack.enter_context(pytest.MonkeyPatch.context())
+        stack.enter_context(te_device.target_gpu(te_device.BLACKWELL))
+        import transformer_engine_torch as tex
+        from megatron.core import fp4_utils
+
+        recipe = fp4_utils.get_fp4_recipe
+        mp.setattr(
+            fp4_utils,
+            "get_fp4_recipe",
+            lambda config: dataclasses.replace(recipe(config), disable_stochastic_rounding=True),
+        )
+        mp.setenv("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")  # megatron's op-fuser GLU switch
+        mp.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1" if single else "0")
+        moe = dict(
+            base.MOE, moe_grouped_gemm=True, use_transformer_engine_op_fuser=True,
+            moe_single_grouped_weight=single,
+        )  # fmt: skip
+        mp.setattr(base, "MOE", moe)
+        mp.setattr(
+            scenarios, "build_gpt", functools.partial(_build_gpt_grouped_experts, grouped=True)
+        )
+        for name in ("group_quantize", "te_general_grouped_gemm_for_grouped_tensor",
+                     "te_general_grouped_gemm_for_discrete_in", "split_quantize"):  # fmt: skip
+            real = getattr(tex, name)
+
+            def wrapped(*args, _real=real, _name=name, **kwargs):
+                seen.append(_name)
+                return _real(*args, **kwargs)
+
+            mp.setattr(tex, name, wrapped)
+        sends: list[dict[str, Any]] = []
+        original_collective = owner_gather.all_gather_segments
+
+        def recording_collective(gathered, send, sizes, even, process_group, async_op):
+            rank = process_group.rank()
+            sends.append({"payload": sizes[rank], "dtype": str(send.dtype)})
+            return original_collective(gathered, send, sizes, even, process_group, async_op)
+
+        mp.setattr(owner_gather, "all_gather_segments", recording_collective)
+        if mutation is not None:
+            MUTATIONS[mutation](mp)
+        module, config = base.build_gpt(True, seed=5 if load_dir is None else 17, moe=True)
+        kinds = sorted({type(p).__name__ for n, p in module.named_parameters() if "experts" in n})
+        preserved = [
+            n for n, p in module.named_parameters()
+            if "experts" in n and getattr(p, "get_high_precision_init_val", None) is not None
+        ]  # fmt: skip
+        model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
+        losses, eval_losses = resumable.train_steps(
+            scenario, model, optimizer, steps, load_dir=load_dir, save_dir=save_dir,
+            nudge_loaded_master=nudge_loaded_master,
+        )  # fmt: skip
+        state = training.state_by_part(optimizer, model[0].module)
+        buffers = grouped_buffers(module)
+        checked, differ, runs = owner_cast_differs(optimizer, module)
+    return {
+        "buffers": buffers,
+        "owner_cast_checked": checked,
+        "owner_cast_differs": differ,
+        "expert_runs": runs,
+        "losses": losses,
+        "eval_losses": eval_losses,
+        "state": discrete_names(state),
+        "weight_types": kinds,
+        "preserved_init": preserved,
+        "kernels": sorted(set(seen)),
+        "sends": sends,
+    }
+
+
+def discrete_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Masters and momenta of a whole grouped weight (``...experts.linear_fc1.weight``, shape
+    ``(E, out, in)``) under the discrete weights' names (``...weight0`` .. ``weight{E-1}``)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        if re.search(r"\.experts\.linear_fc[12]\.weight$", name) and value.dim() == 3:
+            for i, member in enumerate(value.unbind(0)):
+                out[f"{name}{i}"] = member.clone()
+        else:
+            out[name] = value
+    return out
+
+
+def _same_buffers(a: dict, b: dict) -> None:
+    """Two ranks hold the same grouped NVFP4 bytes (every buffer of every grouped weight)."""
+    assert a.keys() == b.keys() and a, sorted(a)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"grouped buffers differ between ranks: {differ}"
+
+
+@pytest.mark.parametrize(
+    "layout, ownership",
+    [("compact", "whole"), pytest.param("padded", "whole", marks=pytest.mark.extended),
+     pytest.param("compact", "expert", marks=pytest.mark.extended)],
+    ids=["compact-whole", "padded-whole", "compact-expert-runs"],
+)  # fmt: skip
+def test_fp4_single_grouped_equals_discrete_under_layer_wise_muon(layout, ownership):
+    """FP4 primary single grouped weights (one ``GroupedTensor`` per expert linear, the owner's
+    grouped FP4 gather; the compact layout with overlapped gathers, owned whole; in the extended
+    tier megatron's padded layout without overlap, and the compact layout with the grouped
+    weights owned in runs of experts by both ranks) train like FP4 primary discrete weights
+    through the same op fuser, bitwise in losses, the eval loss, every fp32 master and Muon
+    momentum; the single grouped run took TE's grouped-tensor GEMM and shipped uint8 payloads
+    only; after the last gather both ranks hold the same grouped bytes, and they are TE's
+    single-tensor cast of each expert's ``bf16(master)`` (both usages: the receivers' derived
+    columnwise copies included)."""
+    discrete = run_on_ranks(grouped_fp4_run, False, layout=layout, world_size=2, boot=BOOT)
+    single = run_on_ranks(
+        grouped_fp4_run, True, layout=layout, ownership=ownership, world_size=2, boot=BOOT
+    )
+    runs = [run for r in single for run in r["expert_runs"]]
+    if ownership == "whole":
+        assert not runs, runs
+    else:  # every expert of the 4 grouped weights owned as a run, runs on both ranks
+        assert all(r["expert_runs"] for r in single), runs
+        assert sum(hi - lo for lo, hi in runs) == 16, runs
+    for r in single:
+        assert r["weight_types"] == ["GroupedTensor"], r["weight_types"]
+        assert "te_general_grouped_gemm_for_grouped_tensor" in r["kernels"], r["kernels"]
+        assert "te_general_grouped_gemm_for_discrete_in" not in r["kernels"], r["kernels"]
+        assert r["sends"] and {s["dtype"] for s in r["sends"]} == {"torch.uint8"}
+        assert not r["owner_cast_differs"], r["owner_cast_differs"]
+        # the masters start from TE's preserved bf16 init values, as the discrete run's
+        assert len(r["preserved_init"]) == 4, r["preserved_init"]
+    for r in discrete:
+        assert r["weight_types"] == ["NVFP4Tensor"], r["weight_types"]
+        assert len(r["preserved_init"]) == 16, r["preserved_init"]
+        assert r["sends"] and {s["dtype"] for s in r["sends"]} == {"torch.uint8"}
+    # 2 layers x 2 expert linears x 4 experts, each checked on its owner
+    assert sum(r["owner_cast_checked"] for r in single) == 16
+    _same_buffers(single[0]["buffers"], single[1]["buffers"])
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in single)
+    assert_same_run(discrete, single)
+
+
+@pytest.mark.parametrize(
+    "mutation, ownership",
+    [("stale_amax", "whole"),
+     pytest.param("stale_columnwise", "whole", marks=pytest.mark.extended),
+     pytest.param("stale_amax", "expert", marks=pytest.mark.extended)],
+    ids=["stale_amax", "stale_columnwise", "stale_amax-expert-runs"],
+)  # fmt: skip
+def test_fp4_grouped_gather_controls_diverge(mutation, ownership):
+    """Controls: receivers of the grouped weights that keep every member's previous amaxes, or
+    their previous columnwise copies, after the gather (the other weights gathered as usual;
+    grouped weights owned whole, or in runs of experts) train differently from the discrete FP4
+    primary run, which the unmutated run equals."""
+    discrete = run_on_ranks(grouped_fp4_run, False, world_size=2, boot=BOOT)
+    mutated = run_on_ranks(
+        grouped_fp4_run, True, mutation, ownership=ownership, world_size=2, boot=BOOT
+    )
+    assert_diverges(discrete, mutated, assert_same_run)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("ownership", ["whole", "expert"], ids=["whole", "expert-runs"])
+def test_fp4_single_grouped_resumes_bitwise(tmp_path, ownership):
+    """FP4 primary single grouped weights (owned whole, or in runs of experts), compact layout
+    with overlap: save (``torch_dist``) after two steps, load into a build from another seed,
+    two more steps: the losses, masters and momenta of four uninterrupted steps, and the same
+    grouped bytes on every rank, bitwise. Control: one loaded master one ulp off diverges."""
+    saved = str(tmp_path)
+    args = dict(ownership=ownership, world_size=2, boot=BOOT)
+    whole = run_on_ranks(grouped_fp4_run, True, steps=(0, 4), **args)
+    first = run_on_ranks(grouped_fp4_run, True, steps=(0, 2), save_dir=saved, **args)
+    resumed = run_on_ranks(grouped_fp4_run, True, steps=(2, 4), load_dir=saved, **args)
+    for rank in range(2):
+        assert first[rank]["losses"] + resumed[rank]["losses"] == whole[rank]["losses"]
+        _same_buffers(whole[rank]["buffers"], resumed[rank]["buffers"])
+    assert not any(r["owner_cast_differs"] for r in resumed)
+    no_evals = [{**r, "losses": [], "eval_losses": []} for r in whole]
+    assert_same_run(no_evals, [{**r, "losses": [], "eval_losses": []} for r in resumed])
+    nudged = run_on_ranks(
+        grouped_fp4_run, True, steps=(2, 4), load_dir=saved, nudge_loaded_master=True, **args
+    )
+    assert_diverges(
+        [{**r, "eval_losses": []} for r in resumed],
+        [{**r, "eval_losses": []} for r in nudged],
+        assert_same_run,
+    )

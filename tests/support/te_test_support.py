@@ -1,0 +1,76 @@
+"""Shared by the emulation tests: TE in a subprocess, and a MAX all-reduce over threads.
+
+Not a test module (pytest collects only ``test_*.py``); tests import it as
+``tests.support.te_test_support`` (pytest puts the repository root on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_lw_fp8.cpu.te import backend as te_backend
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: sys.path entries that make TE's Python package importable ([] if it already is), or None.
+TE_PATH = te_backend.te_package_dirs()
+needs_te = pytest.mark.skipif(
+    TE_PATH is None,
+    reason=(
+        "Transformer Engine's Python package is not installed (make env puts it into "
+        ".venv/te-emulation; or point NEMO_LW_FP8_TE_PATH at a folder holding it)"
+    ),
+)
+
+
+def run_te_script(script: str, *, timeout: int = 240) -> dict:
+    """Run ``script`` in a fresh interpreter that can import TE; return its ``RESULT`` JSON.
+
+    A subprocess keeps this process's imports clean (no TE, no megatron TE flags fixed).
+    """
+    env = dict(os.environ)
+    paths = [str(REPO), *(TE_PATH or [])] + [p for p in sys.path if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["NEMO_LW_FP8_TE_PATH"] = os.pathsep.join(TE_PATH or [])
+    env.pop("NVTE_PROJECT_BUILDING", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=str(REPO),
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(
+            f"subprocess failed (rc={proc.returncode})\nstdout:\n{proc.stdout[-4000:]}\n"
+            f"stderr:\n{proc.stderr[-6000:]}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+class ThreadedMaxAllReduce:
+    """Simulates a MAX all-reduce between ``world`` threads (one per rank) in one process."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier = threading.Barrier(world)
+        self.buffers: list[torch.Tensor] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, buffer: torch.Tensor) -> None:
+        with self.lock:
+            self.buffers.append(buffer)
+        self.barrier.wait()
+        reduced = torch.stack(self.buffers).amax(0)
+        self.barrier.wait()
+        buffer.copy_(reduced)
