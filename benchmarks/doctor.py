@@ -1,10 +1,10 @@
 """Wall time of ``nemo-lw-fp8 doctor`` over a few runs, as a table (a benchmark, not a test).
 
 Each run is a fresh process, as a user starts it. Rows: the command as shipped (its detectors
-read megatron-core's source, :mod:`nemo_lw_fp8.patches.symbols`), and the same report after importing
-what the detectors used to import (``megatron.core`` and ``megatron.training.training``), which
-is what ``doctor`` cost before. CPU seconds (user + system of the child) are printed beside the
-wall time because a shared machine's load moves the wall time, not the work::
+read megatron-core's source, :mod:`nemo_lw_fp8.patches.symbols`), and the same report after
+importing what the detectors used to import (``megatron.core`` and ``megatron.training.training``),
+which is what ``doctor`` cost before. CPU seconds (user + system of the child) are printed beside
+the wall time because a shared machine's load moves the wall time, not the work::
 
     python benchmarks/doctor.py [--runs 3]
 """

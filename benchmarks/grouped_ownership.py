@@ -5,9 +5,9 @@ GB200 defaults), scaling the expert-data-parallel size ``d`` (more GPUs): the gr
 the busiest pipeline stage (fc1 and fc2 of each MoE layer, ``E / EP`` local experts each) are
 owned over the ``d`` ranks of an expert-DP group, whole (``grouped_weight_ownership="whole"``)
 or in runs of experts (``"expert"``), by the same functions the compact layout patch calls
-(``nemo_lw_fp8.layout.packing.choose_pieces``). Printed per case: the busiest rank's Newton-Schulz work
-over the mean, ranks that own nothing, the busiest rank's fp32 master + Muon momentum bytes, and
-what ``"auto"`` picks. Pure arithmetic on the shapes; no GPU, no process group.
+(``nemo_lw_fp8.layout.packing.choose_pieces``). Printed per case: the busiest rank's Newton-Schulz
+work over the mean, ranks that own nothing, the busiest rank's fp32 master + Muon momentum bytes,
+and what ``"auto"`` picks. Pure arithmetic on the shapes; no GPU, no process group.
 
     python benchmarks/grouped_ownership.py [--json]
 """

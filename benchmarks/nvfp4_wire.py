@@ -5,7 +5,8 @@ Muon-managed matrix shape is gathered once on 2 CPU ranks over gloo, through the
 gather code, and the bytes are counted by wrapping ``torch.distributed.all_gather`` /
 ``all_gather_into_tensor`` (bytes of the received buffers):
 
-* **bf16**: the compact layout's gather (``compact_gather.dispatch``): the owner's weight as bf16, what
+* **bf16**: the compact layout's gather (``compact_gather.dispatch``): the owner's weight as bf16,
+what
   FP4 param gather off (NVFP4 compute on bf16 parameters) ships;
 * **NVFP4**: the owner-packed gather (``blockwise._dispatch`` with ``nvfp4_gather``'s packing):
   for each TE linear weight (``quantized``, both dims multiples of 16) the FP4 codes, one E4M3
@@ -17,8 +18,8 @@ divided by the parameter count (the measuring is ``wire_bytes.py``'s, shared wit
 ``fp8_gather_wire.py``). The planner's count (``nemo_lw_fp8.planner.weight_bytes``) must equal
 the bytes counted. Wire bytes do not depend on the values, so the owner ships an
 empty weight and skips quantising (no master); the quantising and the receivers' rebuild are
-tested bit for bit in ``tests/mechanics/test_nvfp4_param_gather.py``. The uneven gather is used (payload
-only).
+tested bit for bit in ``tests/mechanics/test_nvfp4_param_gather.py``. The uneven gather is used
+(payload only).
 
 Run: ``.venv/bin/python benchmarks/nvfp4_wire.py`` (needs TE's Python package, as ``make test``;
 about a minute per model on 2 cores). Exits 1 if a ratio exceeds the target 0.29 or the

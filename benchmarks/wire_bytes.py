@@ -4,7 +4,8 @@ shape on 2 gloo ranks through the plugin's real gather code, and the bytes count
 Each shape is gathered twice from rank 0, and the received bytes are counted by wrapping
 ``torch.distributed.all_gather`` / ``all_gather_into_tensor``:
 
-* **bf16**: the compact layout's gather (``compact_gather.dispatch``), the owner's weight as bf16: what
+* **bf16**: the compact layout's gather (``compact_gather.dispatch``), the owner's weight as bf16:
+what
   the MXFP8 layer-wise gather and FP8 / FP4 param gather off ship;
 * **quantized**: the owner-packed gather (``blockwise._dispatch``) of a TE weight of the
   benchmark's kind, built empty (wire bytes do not depend on the values, so the owner skips

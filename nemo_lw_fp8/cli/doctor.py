@@ -13,8 +13,8 @@ The report reads package versions from their metadata, and names every package w
 differs from the environment the suite passed in (:mod:`nemo_lw_fp8.cli.tested_env`, the
 constraints file ``make`` installs from) and the upstream status from the patch
 detectors. The detectors read megatron-core's definitions from its source files when megatron is
-not imported (:mod:`nemo_lw_fp8.patches.symbols`), so a fresh ``doctor`` process imports torch (for the
-accelerator) and the plugin's patch modules, never megatron-core: about 2 s of CPU instead of
+not imported (:mod:`nemo_lw_fp8.patches.symbols`), so a fresh ``doctor`` process imports torch (for
+the accelerator) and the plugin's patch modules, never megatron-core: about 2 s of CPU instead of
 the 17 s that importing ``megatron.core`` and ``megatron.training`` cost on a shared 2-core box.
 Third-party warnings printed meanwhile (torch's pynvml notice) are held back
 (:mod:`nemo_lw_fp8.cli.quiet`): one summary line, ``--verbose`` prints them.
@@ -130,7 +130,8 @@ def expert_paths() -> dict[str, object]:
         "compute_capability": None if capability is None else "{}.{}".format(*capability),
         "cudnn_frontend": frontend,
         "environment": {
-            name: os.environ.get(name) for name in (te_env.CUTEDSL_ENV, te_env.SINGLE_GROUPED_WEIGHT_ENV)
+            name: os.environ.get(name)
+            for name in (te_env.CUTEDSL_ENV, te_env.SINGLE_GROUPED_WEIGHT_ENV)
         },
         "rows": rows,
     }

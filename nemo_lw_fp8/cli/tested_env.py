@@ -119,9 +119,11 @@ def record(installed: dict[str, str] | None = None) -> str:
     """The constraints file's text for this environment."""
     installed = installed_versions() if installed is None else installed
     header = (
-        "# The environment the test suite passed in, exact versions (nemo_lw_fp8/cli/tested_env.py).\n"
+        "# The environment the test suite passed in, exact versions "
+        "(nemo_lw_fp8/cli/tested_env.py).\n"
         "# The Makefile installs with `-c` this file; `nemo-lw-fp8 doctor` names drift from it.\n"
-        "# Regenerate from a passing .venv: .venv/bin/python -m nemo_lw_fp8.cli.tested_env --write\n"
+        "# Regenerate from a passing .venv: "
+        ".venv/bin/python -m nemo_lw_fp8.cli.tested_env --write\n"
     )
     body = "".join(
         f"{name}=={ver}\n" for name, ver in sorted(installed.items()) if name not in _TOOLING

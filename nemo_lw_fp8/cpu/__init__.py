@@ -3,11 +3,12 @@
 What it is
     Everything a run needs when there is no GPU: stand-ins for the few CUDA runtime call sites in
     megatron-core (:mod:`~nemo_lw_fp8.cpu.megatron.standins`) and Megatron-Bridge
-    (:mod:`~nemo_lw_fp8.cpu.megatron.bridge_pretrain`), megatron's local layer specs with emulated MXFP8 linears
-    (:mod:`~nemo_lw_fp8.cpu.layers.specs`) and a fused norm + linear where TE's spec fuses one
-    (:mod:`~nemo_lw_fp8.cpu.layers.norm_linear`), and an expert layer that presents its weights as TE's
-    ``GroupedLinear`` does (:mod:`~nemo_lw_fp8.cpu.layers.grouped_experts`). The FP8 arithmetic itself
-    is :mod:`nemo_lw_fp8.cpu.te`'s.
+    (:mod:`~nemo_lw_fp8.cpu.megatron.bridge_pretrain`), megatron's local layer specs with emulated
+    MXFP8 linears (:mod:`~nemo_lw_fp8.cpu.layers.specs`) and a fused norm + linear where TE's spec
+    fuses one (:mod:`~nemo_lw_fp8.cpu.layers.norm_linear`), and an expert layer that presents its
+    weights as TE's
+    ``GroupedLinear`` does (:mod:`~nemo_lw_fp8.cpu.layers.grouped_experts`). The FP8 arithmetic
+    itself is :mod:`nemo_lw_fp8.cpu.te`'s.
 
 When production uses it
     Only on request: ``nemo-lw-fp8 pretrain --cpu`` (and ``make demo``, which runs that) installs

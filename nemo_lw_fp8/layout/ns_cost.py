@@ -1,9 +1,9 @@
 """The work Muon does on one parameter, and its sum per rank: what ownership balances and what
 the stock layouts report.
 
-A module of its own, importing nothing of the plugin, so that :mod:`nemo_lw_fp8.layout.packing` (ownership,
-the compact layout) and :mod:`nemo_lw_fp8.layout.stock` (megatron's own layouts) both use it
-without importing each other.
+A module of its own, importing nothing of the plugin, so that :mod:`nemo_lw_fp8.layout.packing`
+(ownership, the compact layout) and :mod:`nemo_lw_fp8.layout.stock` (megatron's own layouts) both
+use it without importing each other.
 """
 
 from __future__ import annotations

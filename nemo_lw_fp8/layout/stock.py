@@ -2,8 +2,9 @@
 meta-device stand-ins: the reference the planner compares the compact layout with, and where the
 compact layout's buckets end by default.
 
-Split from :mod:`nemo_lw_fp8.layout.packing` (which re-exports every name here) because it is the one part
-that imports megatron; it depends only on :mod:`nemo_lw_fp8.layout.ns_cost`, never on ``layout``.
+Split from :mod:`nemo_lw_fp8.layout.packing` (which re-exports every name here) because it is the
+one part that imports megatron; it depends only on :mod:`nemo_lw_fp8.layout.ns_cost`, never on
+``layout``.
 """
 
 from __future__ import annotations

@@ -273,32 +273,26 @@ def derive_blockwise_columnwise(params: list[torch.nn.Parameter]) -> None:
 def _dispatch(group: Any, async_op: bool) -> None:
     record = group_state(group)
     state: BlockwiseGroup = record.blockwise
-    process_group = state.process_group
-    rank = process_group.rank()
-    device = group.buckets[0].grad_data.device
-    gathered = torch.empty(state.gather_bytes, dtype=torch.uint8, device=device)
-    send_bytes = max(state.segment_bytes) if state.even else state.segment_bytes[rank]
-    send = torch.zeros(send_bytes, dtype=torch.uint8, device=device)
-    with torch.no_grad():
-        pack_owned(state, rank, send)
-    work = owner_gather.all_gather_segments(
-        gathered, send, state.segment_bytes, state.even, process_group, async_op
+    owner_gather.gather_owned(
+        group,
+        record,
+        state.segment_bytes,
+        state.even,
+        state.process_group,
+        torch.uint8,
+        lambda rank, send: pack_owned(state, rank, send),
+        async_op,
+        _finish,
     )
-    record.pending = gathered
-    group.param_gather_handle = work if async_op else None
-    if not async_op:
-        _finish(group)
 
 
 def _finish(group: Any) -> None:
     record = group_state(group)
-    gathered = record.pending
-    if gathered is None:
-        return
-    record.pending = None
-    state: BlockwiseGroup = record.blockwise
-    with torch.no_grad():
-        unpack(state, gathered, state.process_group.rank())
+    gathered = owner_gather.take_pending(record)
+    if gathered is not None:
+        state: BlockwiseGroup = record.blockwise
+        with torch.no_grad():
+            unpack(state, gathered, state.process_group.rank())
 
 
 #: One collective of owner-packed FP8 codes + scales per bucket group, under megatron's

@@ -5,8 +5,8 @@
   (parameters keep their own storage). Sibling non-Muon buffers (embeddings,
   biases, norms) keep the standard DistributedOptimizer layout; bucket groups never mix the two.
 * Whole-parameter ownership minimises the largest per-rank Newton-Schulz cost
-  (:func:`nemo_lw_fp8.layout.packing.choose_pieces`), deterministic on every rank and after a resume.
-  Single grouped expert weights can instead be owned in runs of experts by several ranks
+  (:func:`nemo_lw_fp8.layout.packing.choose_pieces`), deterministic on every rank and after a
+  resume. Single grouped expert weights can instead be owned in runs of experts by several ranks
   (:mod:`.expert_slices`); the gather then assembles an MXFP8 grouped weight whole before
   quantizing it.
 * One gather collective per layer-wise bucket group and step: each owner packs the bf16 cast of
@@ -69,8 +69,8 @@ def unpadded_layer_wise_layouts(
 ) -> Any:
     """Replace the layer-wise buffers' layouts in megatron's full layout by unpadded ones.
 
-    Buckets end where :func:`nemo_lw_fp8.layout.packing.compact_bucket_counts` says: by default where
-    megatron's padded layout ends them (as many bucket groups, so as many gather and gradient
+    Buckets end where :func:`nemo_lw_fp8.layout.packing.compact_bucket_counts` says: by default
+    where megatron's padded layout ends them (as many bucket groups, so as many gather and gradient
     launches per step), capped by the config's ``bucket_cap_numel``.
     """
     from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
@@ -396,7 +396,8 @@ def attach_groups(optimizer: Any, model_chunks: list[Any]) -> None:
             plan = CompactGroup(segments, numel, layout_math.even_gather_fits(numel, tolerance))
             if plugin_config.grad_sync(group.ddp_config) == "reduce_to_owner":  # grads_to_owners
                 plan.grad_spans = [
-                    compact_grads.lay_out_grads_by_owner(bucket, record, index_maps) for bucket in group.buckets
+                    compact_grads.lay_out_grads_by_owner(bucket, record, index_maps)
+                    for bucket in group.buckets
                 ]
             group_state(group).compact = plan
 

@@ -17,7 +17,6 @@ from nemo_lw_fp8.mechanics.compact import CompactGroup
 from nemo_lw_fp8.state import group_state, peek
 
 
-
 def _source(param: torch.nn.Parameter) -> torch.Tensor:
     """What the owner ships: its fp32 master if it has one, else the param itself."""
     master = getattr(param, "main_param", None)
@@ -63,35 +62,30 @@ def dispatch(group: Any, async_op: bool) -> None:
     """Pack this rank's owned masters (bf16) and issue the group's single gather collective."""
     record = group_state(group)
     plan: CompactGroup = record.compact
-    process_group = group.data_parallel_group
-    rank = process_group.rank()
-    dtype = group.buckets[0].params_list[0].dtype
-    device = group.buckets[0].grad_data.device
-    gathered = torch.empty(plan.gather_numel, dtype=dtype, device=device)
-    send = torch.zeros(
-        max(plan.segment_numel) if plan.even else plan.segment_numel[rank],
-        dtype=dtype,
-        device=device,
+    owner_gather.gather_owned(
+        group,
+        record,
+        plan.segment_numel,
+        plan.even,
+        group.data_parallel_group,
+        group.buckets[0].params_list[0].dtype,
+        lambda rank, send: _pack_owned(plan, rank, send),
+        async_op,
+        unpack_pending,
     )
+
+
+def _pack_owned(plan: CompactGroup, rank: int, send: torch.Tensor) -> None:
     offset = 0
-    with torch.no_grad():
-        for param in plan.segments[rank]:
-            send[offset : offset + param.numel()].copy_(_source(param).detach().reshape(-1))
-            offset += param.numel()
-    work = owner_gather.all_gather_segments(
-        gathered, send, plan.segment_numel, plan.even, process_group, async_op
-    )
-    record.pending = gathered
-    group.param_gather_handle = work if async_op else None
-    if not async_op:
-        unpack_pending(group)
+    for param in plan.segments[rank]:
+        send[offset : offset + param.numel()].copy_(_source(param).detach().reshape(-1))
+        offset += param.numel()
 
 
 def unpack_pending(group: Any) -> None:
     record = group_state(group)
-    gathered = record.pending
+    gathered = owner_gather.take_pending(record)
     if gathered is not None:
-        record.pending = None
         with torch.no_grad():
             unpack(group, record.compact, gathered)
 

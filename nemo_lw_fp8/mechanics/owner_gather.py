@@ -112,3 +112,36 @@ def all_gather_segments(
         for rank in range(process_group.size())
     ]
     return torch.distributed.all_gather(outputs, send, group=process_group, async_op=async_op)
+
+
+def gather_owned(
+    group: Any,
+    record: Any,
+    sizes: Sequence[int],
+    even: bool,
+    process_group: Any,
+    dtype: torch.dtype,
+    pack: Callable[[int, torch.Tensor], None],
+    async_op: bool,
+    finish: Callable[[Any], None],
+) -> None:
+    """A kind's ``dispatch``: this rank packs its segment (``pack(rank, send)``), then the bucket
+    group's one collective of every owner's segment is issued. The gathered buffer waits in
+    ``record.pending`` until ``finish(group)`` unpacks it: at once when not ``async_op``."""
+    rank = process_group.rank()
+    device = group.buckets[0].grad_data.device
+    gathered = torch.empty(gathered_length(sizes, even), dtype=dtype, device=device)
+    send = torch.zeros(max(sizes) if even else sizes[rank], dtype=dtype, device=device)
+    with torch.no_grad():
+        pack(rank, send)
+    work = all_gather_segments(gathered, send, sizes, even, process_group, async_op)
+    record.pending = gathered
+    group.param_gather_handle = work if async_op else None
+    if not async_op:
+        finish(group)
+
+
+def take_pending(record: Any) -> torch.Tensor | None:
+    """The finished gather waiting in ``record.pending`` (None: nothing to unpack), taken once."""
+    gathered, record.pending = record.pending, None
+    return gathered

@@ -1,4 +1,5 @@
-"""What a weight looks like on the data-parallel wire of an owner-packed gather, one codec per format.
+"""What a weight looks like on the data-parallel wire of an owner-packed gather, one codec per
+format.
 
 The owner-packed gather (:mod:`.blockwise`: one collective per bucket group, each owner's weights
 packed into its segment) moves weights of three kinds: blockwise FP8 (codes + one fp32 scale per
@@ -95,7 +96,8 @@ def codecs() -> tuple[WireCodec, ...]:
 
 
 def codec_of(param: torch.Tensor) -> WireCodec:
-    """The codec ``param`` travels in: the first registered one that claims it, else its own dtype."""
+    """The codec ``param`` travels in: the first registered one that claims it, else its own
+    dtype."""
     for codec in _REGISTERED:
         if codec.claims(param):
             return codec

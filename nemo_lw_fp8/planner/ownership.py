@@ -1,8 +1,8 @@
 """The compact layout's owners as the planner models them, and Newton-Schulz work per rank.
 
 :func:`our_owners` computes them as :func:`nemo_lw_fp8.mechanics.compact.shard` does
-(:func:`nemo_lw_fp8.layout.packing.choose_pieces` by Newton-Schulz cost; grouped expert weights whole or
-in runs of experts; a split ``linear_qkv`` as its parts, :mod:`.qkv_split`), for
+(:func:`nemo_lw_fp8.layout.packing.choose_pieces` by Newton-Schulz cost; grouped expert weights
+whole or in runs of experts; a split ``linear_qkv`` as its parts, :mod:`.qkv_split`), for
 :func:`.planner.plan` and :func:`.traffic.rank_traffic` alike.
 """
 

@@ -120,6 +120,26 @@ class Acc:
         }
         self.grad = {"collectives": 0, "buffer_bytes": 0, "wire_bytes_per_rank": 0, "ops": set()}
 
+    def add_buffer(self, buf: Buffer, layout: Any, world: int, grad_bytes: int) -> int:
+        """Count one buffer laid out as ``layout`` over ``world`` ranks: its padding, its row in
+        the buffer table, its params and grads on every rank. Returns the padding (elements)."""
+        padding = layout.numel - buf.numel
+        self.padding_numel += padding
+        self.padding_bytes += padding * (grad_bytes + (0 if buf.fp8 else PARAM_BYTES))
+        self.buffers.append(
+            {
+                "name": buf.name,
+                "world": world,
+                "params": len(buf.specs),
+                "numel": layout.numel,
+                "padding_numel": padding,
+                "buckets": len(layout.buckets),
+            }
+        )
+        self.add_all("params", param_bytes(buf, layout.numel))
+        self.add_all("grads", layout.numel * grad_bytes)
+        return padding
+
     def add_all(self, field: str, nbytes: int) -> None:
         for r in range(len(self.mem[field])):
             self.mem[field][r] += nbytes

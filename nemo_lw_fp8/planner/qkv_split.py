@@ -23,8 +23,8 @@ from nemo_lw_fp8.vocabulary import QKV_RESOLVED
 
 
 def check_qkv_ownership(value: str) -> str:
-    """``value`` if it is one of :data:`nemo_lw_fp8.layout.packing.QKV_RESOLVED`, else a ValueError (the
-    planner models what a run does: resolve ``"auto"`` first with
+    """``value`` if it is one of :data:`nemo_lw_fp8.layout.packing.QKV_RESOLVED`, else a ValueError
+    (the planner models what a run does: resolve ``"auto"`` first with
     :func:`nemo_lw_fp8.layout.packing.resolve_qkv_ownership`)."""
     if value not in QKV_RESOLVED:
         raise ValueError(f"qkv_ownership must be one of {QKV_RESOLVED}, got {value!r}")

@@ -7,8 +7,8 @@ TP and ETP shards as in :mod:`.tensor_parallel`):
   sibling ``DistributedOptimizer`` running Adam on embeddings, output layer and vectors),
   computed by megatron's own layout code (:func:`nemo_lw_fp8.layout.packing.stock_padded_layout`);
 * ``compact``: the same optimizers with compact (zero-padding) Muon buffers, ownership as the
-  compact patch computes it (:func:`nemo_lw_fp8.layout.packing.choose_pieces` by Newton-Schulz cost, the
-  dense and the expert group each on its own; grouped expert weights whole or in runs of
+  compact patch computes it (:func:`nemo_lw_fp8.layout.packing.choose_pieces` by Newton-Schulz cost,
+  the dense and the expert group each on its own; grouped expert weights whole or in runs of
   experts; a ``linear_qkv`` weight Muon splits owned as its Q / K / V parts with
   ``qkv_ownership="split"``, :mod:`.qkv_split`) and one gather per
   Muon bucket group, even or uneven (:func:`nemo_lw_fp8.layout.packing.even_gather_fits`), as the
@@ -38,7 +38,6 @@ from nemo_lw_fp8.planner.plan_parts import (
     bucket_groups,
     buffers_of,
     local_specs,
-    param_bytes,
     rank_view,
     ring,
 )
@@ -223,23 +222,9 @@ def plan(
             state_bytes = ADAM_STATE_BYTES
         per_group[buf.expert].append((buf, padded, flat))
         for acc, layout, rank_numel in ((stock, padded, stock_rank), (compact, flat, compact_rank)):
-            padding = layout.numel - buf.numel
-            acc.padding_numel += padding
+            padding = acc.add_buffer(buf, layout, w, g)
             if buf.muon:
                 acc.muon_padding_numel += padding
-            acc.padding_bytes += padding * (g + (0 if buf.fp8 else PARAM_BYTES))
-            acc.buffers.append(
-                {
-                    "name": buf.name,
-                    "world": w,
-                    "params": len(buf.specs),
-                    "numel": layout.numel,
-                    "padding_numel": padding,
-                    "buckets": len(layout.buckets),
-                }
-            )
-            acc.add_all("params", param_bytes(buf, layout.numel))
-            acc.add_all("grads", layout.numel * g)
             for r, n in enumerate(rank_numel):
                 acc.mem["masters"][r] += n * MASTER_BYTES
                 acc.mem["optimizer_states"][r] += n * state_bytes
@@ -349,21 +334,7 @@ def plan(
     for buf in buffers_of(specs, fp8_param_gather, layer_wise=False, weight_format=weight_format):
         w = world(buf)
         layout = lo.stock_distopt_layout(buf.shapes, w, bucket_size)
-        padding = layout.numel - buf.numel
-        adam_acc.padding_numel += padding
-        adam_acc.padding_bytes += padding * (g + (0 if buf.fp8 else PARAM_BYTES))
-        adam_acc.buffers.append(
-            {
-                "name": buf.name,
-                "world": w,
-                "params": len(buf.specs),
-                "numel": layout.numel,
-                "padding_numel": padding,
-                "buckets": len(layout.buckets),
-            }
-        )
-        adam_acc.add_all("params", param_bytes(buf, layout.numel))
-        adam_acc.add_all("grads", layout.numel * g)
+        adam_acc.add_buffer(buf, layout, w, g)
         per_rank = rank_view(layout.rank_numel, buf.expert, stage)
         for r in range(nranks):
             adam_acc.mem["masters"][r] += per_rank[r] * MASTER_BYTES

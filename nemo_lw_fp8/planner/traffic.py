@@ -11,8 +11,8 @@ compares four layouts of the same parameters:
 * ``compact_all_reduce``: zero-padding Muon buffers bucketed like plain DDP, gradients
   all-reduced (upstream #5388 / #5479's traffic, and the plugin's path before issue 19).
 * ``compact_owner_reduce``: the plugin's path. Compact buckets end where the padded layout
-  ends them (:func:`nemo_lw_fp8.layout.packing.compact_bucket_counts`); each bucket's gradients lie in
-  owner order in the persistent grad buffer, and per bucket group each owner's span of each
+  ends them (:func:`nemo_lw_fp8.layout.packing.compact_bucket_counts`); each bucket's gradients lie
+  in owner order in the persistent grad buffer, and per bucket group each owner's span of each
   bucket is reduced in place to that owner in one coalesced launch
   (:mod:`nemo_lw_fp8.mechanics.owner_reduce`, whose span arithmetic this uses): a rank sends
   ``N - s_r`` of the group's ``N`` elements (ring reduce: every non-root sends each span once),

@@ -41,7 +41,8 @@ MODELS = (
 
 
 def recipe_key(name: str) -> str:
-    """A model or recipe name as recipe names spell it (``qwen3.5-35b-a3b`` -> ``qwen3_5_35b_a3b``)."""
+    """A model or recipe name as recipe names spell it (``qwen3.5-35b-a3b`` ->
+    ``qwen3_5_35b_a3b``)."""
     return name.lower().replace("-", "_").replace(".", "_")
 
 

@@ -131,8 +131,8 @@ def for_config(cfg: Any) -> list[LaunchVar]:
 def recipe_model(name: str) -> dict[str, Any]:
     """The model fields that decide a recipe's environment, without building it (no Bridge
     import): the architecture's experts and the variant's expert presentation, as
-    :func:`nemo_lw_fp8.recipes.build` sets them (``tests/recipes/test_te_launch_env.py`` checks every
-    recipe's built config gives the same environment)."""
+    :func:`nemo_lw_fp8.recipes.build` sets them (``tests/recipes/test_te_launch_env.py`` checks
+    every recipe's built config gives the same environment)."""
     key = catalogue.recipe_key(name)
     known = catalogue.recipe_names()
     if key not in known:
@@ -141,7 +141,8 @@ def recipe_model(name: str) -> dict[str, Any]:
     if found is None:
         key = key.removeprefix("twin_")
         variant = key.rsplit("_", 1)[1]
-        model = next(m for m in catalogue.MODELS if catalogue.recipe_key(m) == key.rsplit("_", 1)[0])
+        model = next(m for m in catalogue.MODELS if catalogue.recipe_key(m) == key.rsplit("_",
+        1)[0])
     else:
         model, variant = found
     arch = get_architecture(model)

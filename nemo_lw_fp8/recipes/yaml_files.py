@@ -3,8 +3,9 @@
 Each file holds partial overrides keyed by section, Megatron-Bridge's format, with the values the
 recipe already has for the settings that matter to the plugin (parallelism, batch, optimizer,
 layout, overlap, FP8, grouped experts); edit and pass it with ``--config-file``. Regenerate with
-``python -m nemo_lw_fp8.recipes.yaml_files`` (needs Megatron-Bridge); ``tests/recipes/test_recipes.py`` checks
-the files are current and that applying one to its recipe changes nothing.
+``python -m nemo_lw_fp8.recipes.yaml_files`` (needs Megatron-Bridge);
+``tests/recipes/test_recipes.py`` checks the files are current and that applying one to its recipe
+changes nothing.
 """
 
 from __future__ import annotations

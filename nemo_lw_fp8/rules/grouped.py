@@ -104,8 +104,9 @@ def _grouped_nvfp4_layer_wise(s: Settings) -> str | None:
     """Single grouped weights under an FP4 recipe with layer-wise Muon (docs/nvfp4.md, "Single
     grouped weights (the grouped-tensor path)" and "FP4 primary single grouped weights under
     layer-wise Muon"): bf16 ones cannot run in TE 2.20.2 at all; FP4 primary ones, owned whole or
-    in runs of experts, train with the owner's FP4 gather (tests/mechanics/test_fp4_grouped_param_gather.py;
-    the rest of their checks are ``fp4-primary-weights-layer-wise``'s)."""
+    in runs of experts, train with the owner's FP4 gather
+    (tests/mechanics/test_fp4_grouped_param_gather.py; the rest of their checks are
+    ``fp4-primary-weights-layer-wise``'s)."""
     if not (s.moe_single_grouped_weight and s.layer_wise and s.fp4_recipe):
         return None
     if s.fp4_param or s.fp4_param_gather:
@@ -123,8 +124,8 @@ def _grouped_nvfp4_layer_wise(s: Settings) -> str | None:
 
 def _fp4_primary_unproven(s: Settings) -> tuple[str, str] | None:
     """Why layer-wise NVFP4 primary weights are not verified in these settings, and the fix
-    (None: they are: tests/mechanics/test_nvfp4_param_gather.py, dense and discrete experts, padded and
-    compact layouts, overlapped gathers or not, resume)."""
+    (None: they are: tests/mechanics/test_nvfp4_param_gather.py, dense and discrete experts, padded
+    and compact layouts, overlapped gathers or not, resume)."""
     if s.fp4_param and not s.fp4_param_gather:
         return (
             "need DDP's fp4_param_gather as well: without it no gather ships the owners' NVFP4 "

@@ -1,7 +1,7 @@
 """The rules of layer-wise FP8 param gather at tensor parallel > 1 (issue 29).
 
-What is verified (``tests/mechanics/test_tp_fp8_param_gather.py``, TP 2 x DP 2 on TE's own modules): each
-rank's persistent FP8 weights are its TP shards, quantized and gathered over data parallel as
+What is verified (``tests/mechanics/test_tp_fp8_param_gather.py``, TP 2 x DP 2 on TE's own modules):
+each rank's persistent FP8 weights are its TP shards, quantized and gathered over data parallel as
 whole matrices are at TP 1, with MXFP8 (1x32 blocks) and blockwise FP8 (128x128 weight tiles);
 standard attention (fused ``linear_qkv``), dense MLPs, MoE experts whole per rank (expert
 tensor parallel 1) and expert linears split over expert tensor parallel 2, discrete

@@ -46,7 +46,9 @@ from nemo_lw_fp8.cpu.layers.mxfp8_linear import (
     _attach_init_value,
     _te_state,
     fp8_params_requested,
-    grad_fp8_dtype,
+    fp32_linear,
+    quantized_backward,
+    save_for_quantized_backward,
 )
 
 __all__ = [
@@ -129,40 +131,22 @@ class _BlockwiseLinearFunction(torch.autograd.Function):
             w_fwd = weight.dequantize(dtype=weight.dtype)
         else:
             w_fwd = quantize_dequantize_weight(weight)
-        out = torch.matmul(x_dq.float(), w_fwd.float().t())
-        if bias is not None:
-            out = out + bias.float()
+        out = fp32_linear(x_dq, w_fwd, bias)
         x_col = None
         if ctx.needs_input_grad[1]:
             x_col = _columnwise_input(x.detach().reshape(-1, x.shape[-1]))
-        # A persistent weight is read at backward time (its columnwise form), as TE's dgrad GEMM
-        # reads the saved weight; a high-precision one as quantized here (128x128 tiles: both
-        # directions share each tile's scale, so the columnwise form is the same values).
+        # A high-precision weight is read as quantized here (128x128 tiles: both directions
+        # share each tile's scale, so the columnwise form is the same values).
         w_col = None if persistent or not ctx.needs_input_grad[0] else w_fwd
-        ctx.save_for_backward(x_col, w_col)
-        ctx.weight = weight if persistent else None
-        ctx.grad_dtype = grad_fp8_dtype()
-        ctx.has_bias = bias is not None
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.weight_dtype = weight.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        save_for_quantized_backward(ctx, x, weight, bias, (x_col, w_col), persistent)
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        x_col, w_col = ctx.saved_tensors
-        if ctx.weight is not None and ctx.needs_input_grad[0]:
-            w_col = _columnwise_weight(ctx.weight)
-        ctx.weight = None
-        dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-        grad_x, grad_w = blockwise_backward(dy, x_col, w_col, ctx.grad_dtype)
-        if grad_x is not None:
-            grad_x = grad_x.to(ctx.x_dtype).view(ctx.x_shape)
-        if grad_w is not None:
-            grad_w = grad_w.to(ctx.weight_dtype)
         # TE's unfused bgrad for blockwise quantizers: the sum of the unquantised dy.
-        grad_b = dy.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b
+        return quantized_backward(
+            ctx, grad_out, _columnwise_weight, blockwise_backward, lambda dy: dy.sum(0)
+        )
 
 
 class BlockwiseFP8Linear(QuantizedParamModule):

@@ -214,6 +214,57 @@ def mxfp8_backward(
     return grad_x, grad_w
 
 
+def fp32_linear(x_dq: torch.Tensor, w_dq: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The forward GEMM of both emulated linears: the dequantized operands multiplied in fp32,
+    plus the bias in fp32 (TE's GEMM accumulates in fp32 and adds the bias in its epilogue)."""
+    out = torch.matmul(x_dq.float(), w_dq.float().t())
+    return out + bias.float() if bias is not None else out
+
+
+def save_for_quantized_backward(
+    ctx: Any,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    saved: tuple[torch.Tensor | None, torch.Tensor | None],
+    persistent: bool,
+) -> None:
+    """What both emulated linears keep for backward: the columnwise copies ``saved`` (input,
+    weight), and a persistent FP8 weight itself, read at backward time as TE's dgrad GEMM reads
+    the saved weight."""
+    ctx.save_for_backward(*saved)
+    ctx.weight = weight if persistent else None
+    ctx.grad_dtype = grad_fp8_dtype()
+    ctx.has_bias = bias is not None
+    ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+    ctx.weight_dtype = weight.dtype
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def quantized_backward(
+    ctx: Any,
+    grad_out: torch.Tensor,
+    weight_columnwise_of: Callable[[torch.Tensor], torch.Tensor],
+    gemms: Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]],
+    bias_grad: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The backward of both emulated linears: the format's dgrad / wgrad GEMMs (``gemms``) over
+    the saved columnwise copies (a persistent weight's from ``weight_columnwise_of``), and the
+    format's unfused bias gradient (``bias_grad`` of the 2-D ``dy``)."""
+    x_col, w_col = ctx.saved_tensors
+    if ctx.weight is not None and ctx.needs_input_grad[0]:
+        w_col = weight_columnwise_of(ctx.weight)
+    ctx.weight = None
+    dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+    grad_x, grad_w = gemms(dy, x_col, w_col, ctx.grad_dtype)
+    if grad_x is not None:
+        grad_x = grad_x.to(ctx.x_dtype).view(ctx.x_shape)
+    if grad_w is not None:
+        grad_w = grad_w.to(ctx.weight_dtype)
+    grad_b = bias_grad(dy).to(ctx.bias_dtype) if ctx.has_bias else None
+    return grad_x, grad_w, grad_b
+
+
 class _MXFP8LinearFunction(torch.autograd.Function):
     """y = Q(x) Q(W)^T + b in fp32; TE's MXFP8 backward (see module doc)."""
 
@@ -231,9 +282,7 @@ class _MXFP8LinearFunction(torch.autograd.Function):
             w_dq = weight.dequantize(dtype=weight.dtype)
         else:
             w_dq = quantize_dequantize(weight, two_d=two_d)
-        out = torch.matmul(x_dq.float(), w_dq.float().t())
-        if bias is not None:
-            out = out + bias.float()
+        out = fp32_linear(x_dq, w_dq, bias)
         x_col = w_col = None
         if ctx.needs_input_grad[1]:
             x_col = _quantize_dequantize(
@@ -241,30 +290,15 @@ class _MXFP8LinearFunction(torch.autograd.Function):
             )
         if ctx.needs_input_grad[0] and not quantized:
             w_col = _quantize_dequantize(weight.detach(), torch.float8_e4m3fn, "columnwise", two_d)
-        ctx.save_for_backward(x_col, w_col)
-        # A persistent weight is read at backward time, as TE's dgrad reads the saved weight.
-        ctx.weight = weight if quantized else None
-        ctx.grad_dtype = grad_fp8_dtype()
-        ctx.has_bias = bias is not None
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.weight_dtype = weight.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        save_for_quantized_backward(ctx, x, weight, bias, (x_col, w_col), quantized)
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        x_col, w_col = ctx.saved_tensors
-        if ctx.weight is not None and ctx.needs_input_grad[0]:
-            w_col = weight_columnwise(ctx.weight)
-        ctx.weight = None
-        dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-        grad_x, grad_w = mxfp8_backward(dy, x_col, w_col, ctx.grad_dtype)
-        if grad_x is not None:
-            grad_x = grad_x.to(ctx.x_dtype).view(ctx.x_shape)
-        if grad_w is not None:
-            grad_w = grad_w.to(ctx.weight_dtype)
-        grad_b = dy.float().sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        grads = quantized_backward(
+            ctx, grad_out, weight_columnwise, mxfp8_backward, lambda dy: dy.float().sum(0)
+        )
+        return *grads, None
 
 
 class MXFP8Linear(QuantizedParamModule):

@@ -1,8 +1,8 @@
 """A CPU norm + column-parallel linear in one module, as TE's ``LayerNormColumnParallelLinear``.
 
 Part of the CPU backend (:mod:`nemo_lw_fp8.cpu`). The one CPU class for TE's fused norm +
-linear: the ``local_norm_linear`` stand-in (:mod:`nemo_lw_fp8.cpu.megatron.standins`) makes megatron's
-local backend offer it (MLA's fused Q / KV norms), and the CPU hybrid block spec
+linear: the ``local_norm_linear`` stand-in (:mod:`nemo_lw_fp8.cpu.megatron.standins`) makes
+megatron's local backend offer it (MLA's fused Q / KV norms), and the CPU hybrid block spec
 (:mod:`nemo_lw_fp8.cpu.layers.specs`) puts it in Gated DeltaNet's ``in_proj`` slot.
 
 Why
@@ -106,7 +106,8 @@ class NormBlockwiseColumnParallelLinear(_NormBeforeLinear, BlockwiseColumnParall
         self._add_norm(input_size, config)
 
 
-#: ``fp8_recipe`` -> the norm + emulated FP8 linear (one per entry of ``parallel_linears.FP8_LINEARS``).
+#: ``fp8_recipe`` -> the norm + emulated FP8 linear (one per entry of
+#: ``parallel_linears.FP8_LINEARS``).
 NORM_FP8_LINEARS: dict[str, type] = {
     "mxfp8": NormMXFP8ColumnParallelLinear,
     "blockwise": NormBlockwiseColumnParallelLinear,

@@ -1,5 +1,5 @@
-"""megatron's column- and row-parallel linears with emulated FP8 GEMMs on CPU: the MXFP8 and blockwise
-linears of :mod:`.mxfp8_linear` and :mod:`.blockwise_linear` behind megatron's
+"""megatron's column- and row-parallel linears with emulated FP8 GEMMs on CPU: the MXFP8 and
+blockwise linears of :mod:`.mxfp8_linear` and :mod:`.blockwise_linear` behind megatron's
 ``ColumnParallelLinear`` / ``RowParallelLinear`` interfaces, one pair per ``fp8_recipe``
 (:data:`FP8_LINEARS`). The layer specs (:mod:`.specs`) and the fused norm + linear
 (:mod:`.norm_linear`) both build from here.

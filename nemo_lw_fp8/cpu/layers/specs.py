@@ -21,8 +21,9 @@ built layer by layer as megatron's own ``experimental_attention_variant_module_s
 layers, whose fused input norm + ``in_proj`` (TE's ``LayerNormColumnParallelLinear``) is
 :class:`~nemo_lw_fp8.cpu.layers.norm_linear.CPULayerNormColumnParallelLinear` here (as MLA's fused
 Q / KV norms); fla's kernels are the references of
-:mod:`nemo_lw_fp8.cpu.megatron.gated_delta_rule`. Zero-centred RMSNorm (``layernorm_zero_centered_gamma``,
-which megatron's torch norm refuses) is :class:`ZeroCenteredRMSNorm`.
+:mod:`nemo_lw_fp8.cpu.megatron.gated_delta_rule`. Zero-centred RMSNorm
+(``layernorm_zero_centered_gamma``, which megatron's torch norm refuses) is
+:class:`ZeroCenteredRMSNorm`.
 
 Limits (checked, not silently ignored): tensor parallelism 1 (the adapters do no TP
 communication), MXFP8 linear widths multiples of 32 (MXFP8 blocks; blockwise tiles at the edges
@@ -55,9 +56,7 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
                 f"{config.normalization!r} with layernorm_zero_centered_gamma=True"
             )
         self.eps = eps
-        self.weight = torch.nn.Parameter(
-            torch.zeros(hidden_size, dtype=config.params_dtype)
-        )
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -1,8 +1,8 @@
 """Run Megatron-Bridge 0.6.2's own ``pretrain`` loop on CPU ranks (gloo).
 
-Part of the CPU backend, like :mod:`nemo_lw_fp8.cpu.megatron.standins` (which it installs first): used
-by ``nemo-lw-fp8 pretrain --cpu`` (and so ``make demo``) and the Bridge tests, never by a GPU run.
-Each stand-in names the Bridge call site that needs it; Bridge's source is never edited and
+Part of the CPU backend, like :mod:`nemo_lw_fp8.cpu.megatron.standins` (which it installs first):
+used by ``nemo-lw-fp8 pretrain --cpu`` (and so ``make demo``) and the Bridge tests, never by a GPU
+run. Each stand-in names the Bridge call site that needs it; Bridge's source is never edited and
 everything can be undone with :func:`uninstall`.
 
 ``allow_no_cuda``
@@ -29,7 +29,8 @@ everything can be undone with :func:`uninstall`.
 build a Gated DeltaNet)
     megatron's Gated DeltaNet (Qwen3-Next, Qwen3.5) calls fla's Triton kernels, which take no
     CPU tensors, whichever spec builds it; the PyTorch references of
-    :mod:`nemo_lw_fp8.cpu.megatron.gated_delta_rule` stand in (:mod:`nemo_lw_fp8.cpu.megatron.standins`).
+    :mod:`nemo_lw_fp8.cpu.megatron.gated_delta_rule` stand in
+    (:mod:`nemo_lw_fp8.cpu.megatron.standins`).
 ``nvfp4_recipe_from_env`` (``--cpu-modules te``)
     megatron's ``fp4_utils.get_fp4_recipe`` builds ``NVFP4BlockScaling()``, whose
     ``disable_stochastic_rounding`` default TE read from ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING``

@@ -19,8 +19,8 @@ autograd provides the backward. Arguments megatron never passes and that have no
 (fla's context-parallel ``cp_context``; the convolution's carried states) raise.
 
 Where they are used: :func:`install_into_megatron` (the CPU stand-in ``gated_delta_rule`` of
-:mod:`nemo_lw_fp8.cpu.megatron.standins`) puts them where megatron looks them up. Each installed function
-still hands CUDA tensors to fla when fla is importable: a working kernel is never shadowed.
+:mod:`nemo_lw_fp8.cpu.megatron.standins`) puts them where megatron looks them up. Each installed
+function still hands CUDA tensors to fla when fla is importable: a working kernel is never shadowed.
 """
 
 from __future__ import annotations

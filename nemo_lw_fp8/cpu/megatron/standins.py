@@ -74,8 +74,9 @@ Stand-ins (each can be installed and removed on its own):
     builds Gated DeltaNet layers; importing fla costs seconds)
     megatron's ``GatedDeltaNet`` calls fla's Triton kernels ``causal_conv1d``, ``l2norm`` and
     ``chunk_gated_delta_rule``, which do not run on CPU tensors (and refuses to build when fla
-    is missing: ``HAVE_FLA``). The PyTorch references of :mod:`nemo_lw_fp8.cpu.megatron.gated_delta_rule`
-    take their place; CUDA inputs still go to fla. Call sites: ``GatedDeltaNet.forward`` and
+    is missing: ``HAVE_FLA``). The PyTorch references of
+    :mod:`nemo_lw_fp8.cpu.megatron.gated_delta_rule` take their place; CUDA inputs still go to fla.
+    Call sites: ``GatedDeltaNet.forward`` and
     ``_setup_variant_attrs`` (``gdn.py``), ``_GDNBase._prepare_input_for_gated_delta_rule``
     and ``__init__`` (``common.py``).
 ``local_norm_linear``
@@ -103,7 +104,6 @@ import torch.distributed as dist
 
 from nemo_lw_fp8.cpu.megatron import cuda_runtime
 from nemo_lw_fp8.cpu.megatron.swap import swap_attrs
-
 
 
 @dataclass
@@ -352,9 +352,7 @@ def _install_cpu_fused_adam() -> Callable[[], None]:
 # --------------------------------------------------------------------------- moe_split_sizes
 
 
-def _host_values(
-    tensor: Any, as_numpy: bool = False, record_stream: bool = False
-) -> Any:
+def _host_values(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
     """``maybe_move_tensor_to_cpu`` as a GPU run sees it: host values, numpy when asked."""
     if torch.is_tensor(tensor) and as_numpy:
         return tensor.detach().cpu().numpy()
@@ -374,6 +372,7 @@ def _install_gated_delta_rule() -> Callable[[], None]:
     from nemo_lw_fp8.cpu.megatron.gated_delta_rule import install_into_megatron
 
     return install_into_megatron()
+
 
 # --------------------------------------------------------------------------- local_norm_linear
 
@@ -400,7 +399,9 @@ STANDINS: dict[str, StandIn] = {
     standin.name: standin
     for standin in (
         StandIn("cuda_runtime", "DDP buffers and streams", cuda_runtime.install_cuda_runtime),
-        StandIn("cuda_device", "device='cuda' and param.type() checks", cuda_runtime.install_cuda_device),
+        StandIn(
+            "cuda_device", "device='cuda' and param.type() checks", cuda_runtime.install_cuda_device
+        ),
         StandIn("uneven_all_gather", "layer-wise uneven gathers", _install_uneven_all_gather),
         StandIn("gloo_coalescing", "TE's coalesced TP gathers on gloo", _install_gloo_coalescing),
         StandIn("cpu_rng", "CUDA RNG streams and tracker forks", _install_cpu_rng),

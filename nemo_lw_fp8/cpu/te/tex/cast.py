@@ -7,7 +7,7 @@ kernels. The emulated TE-module kernels that quantize their outputs call
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,23 +18,28 @@ from nemo_lw_fp8.cpu.te.tex import cast_nvfp4 as _nvfp4
 from nemo_lw_fp8.cpu.te.tex.common import BACKEND as _BACKEND
 
 
+def _kernels_of(quantizer: Any, kernel: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The ``(quantize, create_empty)`` kernels of ``quantizer``'s format, looked up when called;
+    ``tex.<kernel>`` with any other quantizer is refused by name."""
+    if isinstance(quantizer, _blockwise.blockwise_classes()[0]):
+        return _blockwise.quantize_blockwise, _blockwise.empty_blockwise
+    if isinstance(quantizer, _mxfp8.mxfp8_classes()[0]):
+        return _mxfp8.quantize_mxfp8, _mxfp8.empty_mxfp8
+    if isinstance(quantizer, _nvfp4.nvfp4_classes()[0]):
+        return _nvfp4.quantize_nvfp4, _nvfp4.empty_nvfp4
+    raise NotImplementedError(
+        f"tex.{kernel} with {type(quantizer).__name__} is not implemented by {_BACKEND}; "
+        "only MXFP8Quantizer, Float8BlockQuantizer and NVFP4Quantizer are"
+    )
+
+
 def quantize(
     tensor: torch.Tensor, quantizer: Any, output: Any = None, noop: torch.Tensor | None = None
 ) -> Any:
-    """``tex.quantize``: MXFP8 or blockwise FP8, into a new tensor or in place into ``output``.
-
-    ``noop`` (a float tensor) set to 1 skips the cast, as TE's kernels do.
-    """
-    if isinstance(quantizer, _blockwise.blockwise_classes()[0]):
-        return _blockwise.quantize_blockwise(tensor, quantizer, output, noop)
-    if isinstance(quantizer, _mxfp8.mxfp8_classes()[0]):
-        return _mxfp8.quantize_mxfp8(tensor, quantizer, output, noop)
-    if isinstance(quantizer, _nvfp4.nvfp4_classes()[0]):
-        return _nvfp4.quantize_nvfp4(tensor, quantizer, output, noop)
-    raise NotImplementedError(
-        f"tex.quantize with {type(quantizer).__name__} is not implemented by {_BACKEND}; "
-        "only MXFP8Quantizer, Float8BlockQuantizer and NVFP4Quantizer are"
-    )
+    """``tex.quantize``: MXFP8, blockwise FP8 or NVFP4, into a new tensor or in place into
+    ``output``. ``noop`` (a float tensor) set to 1 skips the cast, as TE's kernels do."""
+    cast, _ = _kernels_of(quantizer, "quantize")
+    return cast(tensor, quantizer, output, noop)
 
 
 #: Kernels whose NVFP4 output TE 2.20.2's C++ produces as the plain cast of the kernel's
@@ -85,15 +90,5 @@ def create_empty_quantized_tensor(
 ) -> Any:
     """``tex.create_empty_quantized_tensor``: the quantizer's tensor class with fresh buffers for
     its usages and no cast. ``pin_memory`` has no meaning without a GPU: ordinary host memory."""
-    size = tuple(int(dim) for dim in shape)
-    where = torch.device(device)
-    if isinstance(quantizer, _blockwise.blockwise_classes()[0]):
-        return _blockwise.empty_blockwise(quantizer, size, dtype, where)
-    if isinstance(quantizer, _mxfp8.mxfp8_classes()[0]):
-        return _mxfp8.empty_mxfp8(quantizer, size, dtype, where)
-    if isinstance(quantizer, _nvfp4.nvfp4_classes()[0]):
-        return _nvfp4.empty_nvfp4(quantizer, size, dtype, where)
-    raise NotImplementedError(
-        f"tex.create_empty_quantized_tensor with {type(quantizer).__name__} is not implemented "
-        f"by {_BACKEND}; only MXFP8Quantizer, Float8BlockQuantizer and NVFP4Quantizer are"
-    )
+    _, empty = _kernels_of(quantizer, "create_empty_quantized_tensor")
+    return empty(quantizer, tuple(int(dim) for dim in shape), dtype, torch.device(device))
