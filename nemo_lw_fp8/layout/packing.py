@@ -15,7 +15,7 @@ rank computes the same answer, before and after a resume, and the planner can ru
 * :func:`stock_padded_layout`, :func:`stock_distopt_layout`, :func:`default_buckets` -
   megatron-core 0.19.2's own layouts, computed by *calling* megatron's layout code on
   meta-device stand-ins, for comparison and for the compact bucketing (written in
-  :mod:`.stock_layout`, the part that imports megatron; :func:`newton_schulz_cost` and
+  :mod:`.stock`, the part that imports megatron; :func:`newton_schulz_cost` and
   :func:`rank_loads` in :mod:`.ns_cost`, which both use; importable from here).
 """
 

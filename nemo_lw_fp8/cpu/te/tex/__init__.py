@@ -15,7 +15,7 @@ helpers megatron-core uses (grad-norm and clipping), and nothing else:
   ``Float8BlockQuantizer``: 1x128 / 128x128 blocks via :mod:`nemo_lw_fp8.cpu.formats.blockwise`),
   ``dequantize`` (MXFP8 only: TE dequantises blockwise tensors in its own Python code, and its
   compiled ``dequantize`` has no blockwise kernel either);
-* NVFP4 (``NVFP4Quantizer``, issue 30) in :mod:`.te_extension_nvfp4` over
+* NVFP4 (``NVFP4Quantizer``, issue 30) in :mod:`.cast_nvfp4` over
   :mod:`nemo_lw_fp8.cpu.formats.nvfp4`: ``quantize`` (1x16 or 16x16 blocks, rowwise and
   transposed columnwise), ``dequantize`` (rowwise), ``nvfp4_data_transpose`` and
   ``nvfp4_2d_scale_transpose``, compact or GEMM-swizzled scales, the random Hadamard transform
@@ -27,7 +27,7 @@ helpers megatron-core uses (grad-norm and clipping), and nothing else:
 * ``multi_tensor_l2norm``, ``multi_tensor_scale``, ``multi_tensor_scale_tensor``;
 * the distributed-optimizer cast: ``mxfp8_scaling_compute_partial_amax``,
   ``multi_tensor_compute_scale_inv_e8m0``, ``mxfp8_scaling_partial_cast``;
-* the kernels TE 2.20.2's own modules call (issue 28), in ``te_kernels_*.py`` and registered
+* the kernels TE 2.20.2's own modules call (issue 28), in one module per kernel family and registered
   here from their ``TEX_KERNELS``: ``generic_gemm``, ``bgrad_quantize``, the norms, SwiGLU, the
   unfused-attention softmax kernels, the discrete grouped GEMM with ``split_quantize`` and row
   padding, and the version / workspace / attention-backend queries (answered as the target GPU
@@ -39,9 +39,9 @@ helpers megatron-core uses (grad-norm and clipping), and nothing else:
   one of the dummy classes, raises ``NotImplementedError`` naming it. Any other attribute raises
   ``AttributeError``, so ``hasattr`` checks in TE and megatron see it as absent.
 
-Where each part lives: the MXFP8 kernels in :mod:`.te_extension_mxfp8`, the blockwise FP8
-kernels in :mod:`.te_extension_blockwise`, the enums and shared argument handling in
-:mod:`.te_extension_common`. This module is the one TE imports: it gathers those names, adds
+Where each part lives: the casts in :mod:`.cast` over :mod:`.cast_mxfp8`, :mod:`.cast_blockwise`
+and :mod:`.cast_nvfp4`, the multi-tensor helpers in :mod:`.multi_tensor`, the enums and shared
+argument handling in :mod:`.common`. This module is the one TE imports: it gathers those names, adds
 the multi-tensor helpers and the strict dummies, and refuses everything else.
 
 The argument conventions follow TE 2.20's bindings (``pybind.cpp`` / ``registration.cpp``) and
@@ -135,14 +135,16 @@ for _name in _DUMMY_FUNCTIONS:
 del _name
 
 
-from nemo_lw_fp8.cpu.te.tex import activation as te_kernels_activation  # noqa: E402
-from nemo_lw_fp8.cpu.te.tex import comm as te_kernels_comm  # noqa: E402
-from nemo_lw_fp8.cpu.te.tex import gemm as te_kernels_gemm  # noqa: E402
-from nemo_lw_fp8.cpu.te.tex import grouped_gemm as te_kernels_grouped  # noqa: E402
-from nemo_lw_fp8.cpu.te.tex import grouped_tensor as te_kernels_grouped_tensor  # noqa: E402
-from nemo_lw_fp8.cpu.te.tex import normalization as te_kernels_norm  # noqa: E402
-from nemo_lw_fp8.cpu.te.tex import queries as te_kernels_queries  # noqa: E402
-from nemo_lw_fp8.cpu.te.tex import softmax as te_kernels_softmax  # noqa: E402
+from nemo_lw_fp8.cpu.te.tex import (
+    activation,  # noqa: E402
+    comm,  # noqa: E402
+    gemm,  # noqa: E402
+    grouped_gemm,  # noqa: E402
+    grouped_tensor,  # noqa: E402
+    normalization,  # noqa: E402
+    queries,  # noqa: E402
+    softmax,  # noqa: E402
+)
 from nemo_lw_fp8.cpu.te.tex.cast import (  # noqa: E402
     create_empty_quantized_tensor,
     dequantize,
@@ -157,14 +159,14 @@ from nemo_lw_fp8.cpu.te.tex.multi_tensor import (  # noqa: E402
 #: The modules of TE-module kernels (issue 28); each lists the ``tex`` names it serves in
 #: ``TEX_KERNELS``, registered here before TE is imported (``ops/basic`` imports some by name).
 _KERNEL_MODULES = (
-    te_kernels_gemm,
-    te_kernels_grouped,
-    te_kernels_grouped_tensor,
-    te_kernels_norm,
-    te_kernels_activation,
-    te_kernels_softmax,
-    te_kernels_queries,
-    te_kernels_comm,
+    gemm,
+    grouped_gemm,
+    grouped_tensor,
+    normalization,
+    activation,
+    softmax,
+    queries,
+    comm,
 )
 _KERNELS = tuple(name for module in _KERNEL_MODULES for name in module.TEX_KERNELS)
 for _module in _KERNEL_MODULES:
