@@ -30,6 +30,7 @@ from __future__ import annotations
 import inspect
 
 from nemo_lw_fp8.mechanics import blockwise, lifecycle
+from nemo_lw_fp8.patches.bucket_group_sync import planned_group_sync
 from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "blockwise_fp8_param_gather"
@@ -54,26 +55,6 @@ def _detect_native() -> tuple[bool, str]:
 
 def _set_up(optimizer) -> None:
     blockwise.set_up(optimizer)
-
-
-def _make_start(original):
-    def start_param_sync(self, force_sync: bool = False):
-        if blockwise.plan_of(self) is not None:
-            return blockwise.SYNC.start(self, force_sync)
-        return original(self, force_sync)
-
-    start_param_sync.__wrapped__ = original
-    return start_param_sync
-
-
-def _make_finish(original):
-    def finish_param_sync(self, skip_next_bucket_dispatch: bool = False):
-        if blockwise.plan_of(self) is not None:
-            return blockwise.SYNC.finish(self, skip_next_bucket_dispatch)
-        return original(self, skip_next_bucket_dispatch)
-
-    finish_param_sync.__wrapped__ = original
-    return finish_param_sync
 
 
 def _make_post_param_sync(original):
@@ -107,12 +88,8 @@ def _build_overrides() -> list[Override]:
     group_cls = buffer_module._ParamAndGradBucketGroup
     return [
         Override(lifecycle.AFTER_INIT, FEATURE, _set_up),
-        Override(
-            group_cls, "start_param_sync", _make_start(group_cls.__dict__["start_param_sync"])
-        ),
-        Override(
-            group_cls, "finish_param_sync", _make_finish(group_cls.__dict__["finish_param_sync"])
-        ),
+        # Blockwise groups gather FP8 codes + scales (over compact's wrappers: it is required).
+        *planned_group_sync(group_cls, blockwise),
         Override(
             group_cls,
             "_post_param_sync",

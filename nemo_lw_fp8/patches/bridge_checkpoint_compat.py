@@ -22,29 +22,21 @@ the FP8 recipe itself (its source mentions ``fp8_recipe``).
 
 from __future__ import annotations
 
-import inspect
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from nemo_lw_fp8.mechanics import checkpointing
-from nemo_lw_fp8.patches.framework import (
-    Override,
-    Patch,
-    bridge_module,
-    register,
-    unpatched_own_attr,
-)
+from nemo_lw_fp8.patches.bridge_support import bridge_detector, register_bridge_patch, wrap_own
+from nemo_lw_fp8.patches.framework import Override
 
 FEATURE = "bridge_checkpoint_compat"
 _CHECKPOINTING = "megatron.bridge.training.checkpointing"
 
 
-
-def _detect_native() -> tuple[bool, str]:
-    module = bridge_module(_CHECKPOINTING)
-    if module is None:
-        return True, "Megatron-Bridge not imported: nothing to patch"
-    if "fp8_recipe" in inspect.getsource(unpatched_own_attr(module, "_load_checkpoint_from_path")):
+@bridge_detector(_CHECKPOINTING)
+def _detect_native(source: Callable[[str], str]) -> tuple[bool, str]:
+    if "fp8_recipe" in source("_load_checkpoint_from_path"):
         return True, "Bridge's checkpoint load compares the FP8 recipe itself"
     return False, "Bridge's checkpoint load compares only TP and PP with the saved config"
 
@@ -70,22 +62,16 @@ def _make_read(original):
 
 def _build_overrides() -> list[Override]:
     module = sys.modules[_CHECKPOINTING]
-    load = module.__dict__["_load_checkpoint_from_path"]
-    read = module.__dict__["read_run_config"]
+    # _make_load is looked up here, at build time: tests/support/bridge_run.py replaces it.
     return [
-        Override(module, "_load_checkpoint_from_path", _make_load(load)),
-        Override(module, "read_run_config", _make_read(read)),
+        wrap_own(module, "_load_checkpoint_from_path", _make_load),
+        wrap_own(module, "read_run_config", _make_read),
     ]
 
 
-PATCH = register(
-    Patch(
-        name=FEATURE,
-        upstream_pr=0,
-        summary="Megatron-Bridge refuses a checkpoint of another model, FP8 recipe or optimizer",
-        detect_native=_detect_native,
-        build_overrides=_build_overrides,
-        target="megatron-bridge",
-        tested_versions=("0.6.2",),
-    )
+PATCH = register_bridge_patch(
+    FEATURE,
+    "Megatron-Bridge refuses a checkpoint of another model, FP8 recipe or optimizer",
+    _detect_native,
+    _build_overrides,
 )

@@ -21,28 +21,21 @@ Detection: only when Megatron-Bridge has been imported; native when Bridge's
 
 from __future__ import annotations
 
-import inspect
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from nemo_lw_fp8.mechanics import checkpointing
-from nemo_lw_fp8.patches.framework import (
-    Override,
-    Patch,
-    bridge_module,
-    register,
-    unpatched_own_attr,
-)
+from nemo_lw_fp8.patches.bridge_support import bridge_detector, register_bridge_patch, wrap_own
+from nemo_lw_fp8.patches.framework import Override
 
 FEATURE = "bridge_checkpoint_rng"
 _CHECKPOINTING = "megatron.bridge.training.checkpointing"
 
 
-def _detect_native() -> tuple[bool, str]:
-    module = bridge_module(_CHECKPOINTING)
-    if module is None:
-        return True, "Megatron-Bridge not imported: nothing to patch"
-    if "dp_size" not in inspect.getsource(unpatched_own_attr(module, "get_rng_state")):
+@bridge_detector(_CHECKPOINTING)
+def _detect_native(source: Callable[[str], str]) -> tuple[bool, str]:
+    if "dp_size" not in source("get_rng_state"):
         return True, "Bridge's RNG state does not depend on the data-parallel size"
     return False, "Bridge shards the RNG state by the data-parallel size with EP > 1"
 
@@ -56,20 +49,13 @@ def _make_get_rng_state(original):
 
 
 def _build_overrides() -> list[Override]:
-    module = sys.modules[_CHECKPOINTING]
-    original = module.__dict__["get_rng_state"]
-    return [Override(module, "get_rng_state", _make_get_rng_state(original))]
+    return [wrap_own(sys.modules[_CHECKPOINTING], "get_rng_state", _make_get_rng_state)]
 
 
-PATCH = register(
-    Patch(
-        name=FEATURE,
-        upstream_pr=0,
-        summary="Megatron-Bridge loads an EP run's RNG state at another data-parallel size",
-        detect_native=_detect_native,
-        build_overrides=_build_overrides,
-        target="megatron-bridge",
-        tested_versions=("0.6.2",),
-        requires=("bridge_checkpoint_compat",),
-    )
+PATCH = register_bridge_patch(
+    FEATURE,
+    "Megatron-Bridge loads an EP run's RNG state at another data-parallel size",
+    _detect_native,
+    _build_overrides,
+    requires=("bridge_checkpoint_compat",),
 )

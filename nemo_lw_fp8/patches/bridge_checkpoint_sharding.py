@@ -24,30 +24,21 @@ optimizer.
 
 from __future__ import annotations
 
-import inspect
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from nemo_lw_fp8.mechanics import checkpointing
-from nemo_lw_fp8.patches.framework import (
-    Override,
-    Patch,
-    bridge_module,
-    register,
-    unpatched_own_attr,
-)
+from nemo_lw_fp8.patches.bridge_support import bridge_detector, register_bridge_patch, wrap_own
+from nemo_lw_fp8.patches.framework import Override
 
 FEATURE = "bridge_checkpoint_sharding"
 _CHECKPOINTING = "megatron.bridge.training.checkpointing"
 
 
-
-def _detect_native() -> tuple[bool, str]:
-    module = bridge_module(_CHECKPOINTING)
-    if module is None:
-        return True, "Megatron-Bridge not imported: nothing to patch"
-    source = inspect.getsource(unpatched_own_attr(module, "_build_sharded_state_dict_metadata"))
-    if "layer_wise" in source:
+@bridge_detector(_CHECKPOINTING)
+def _detect_native(source: Callable[[str], str]) -> tuple[bool, str]:
+    if "layer_wise" in source("_build_sharded_state_dict_metadata"):
         return True, "Bridge names the sharding type for layer-wise runs"
     return False, "Bridge names the sharding type only with use_distributed_optimizer"
 
@@ -71,22 +62,15 @@ def _make_metadata(original):
 
 def _build_overrides() -> list[Override]:
     module = sys.modules[_CHECKPOINTING]
-    metadata = "_build_sharded_state_dict_metadata"
-    save = module.__dict__["save_checkpoint"]
     return [
-        Override(module, "save_checkpoint", _make_save_checkpoint(save)),
-        Override(module, metadata, _make_metadata(module.__dict__[metadata])),
+        wrap_own(module, "save_checkpoint", _make_save_checkpoint),
+        wrap_own(module, "_build_sharded_state_dict_metadata", _make_metadata),
     ]
 
 
-PATCH = register(
-    Patch(
-        name=FEATURE,
-        upstream_pr=0,
-        summary="Megatron-Bridge names the DistributedOptimizer sharding type in layer-wise saves",
-        detect_native=_detect_native,
-        build_overrides=_build_overrides,
-        target="megatron-bridge",
-        tested_versions=("0.6.2",),
-    )
+PATCH = register_bridge_patch(
+    FEATURE,
+    "Megatron-Bridge names the DistributedOptimizer sharding type in layer-wise saves",
+    _detect_native,
+    _build_overrides,
 )

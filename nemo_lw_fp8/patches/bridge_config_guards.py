@@ -18,16 +18,17 @@ Detection: only when Megatron-Bridge has been imported (this never imports it); 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
-from nemo_lw_fp8.patches.framework import Override, Patch, register
+from nemo_lw_fp8.patches.bridge_support import bridge_detector, register_bridge_patch, wrap_own
+from nemo_lw_fp8.patches.framework import Override
 
 FEATURE = "bridge_config_guards"
 _CONFIG_MODULE = "megatron.bridge.training.config"
 
 
-def _detect_native() -> tuple[bool, str]:
-    if _CONFIG_MODULE not in sys.modules:
-        return True, "Megatron-Bridge not imported: nothing to patch"
+@bridge_detector(_CONFIG_MODULE)  # the module whose import says Bridge is in use
+def _detect_native(_source: Callable[[str], str]) -> tuple[bool, str]:
     return False, "Bridge does not know the plugin's rules"
 
 
@@ -43,18 +44,12 @@ def _make_validate(original):
 
 
 def _build_overrides() -> list[Override]:
-    container = sys.modules[_CONFIG_MODULE].ConfigContainer
-    return [Override(container, "validate", _make_validate(container.__dict__["validate"]))]
+    return [wrap_own(sys.modules[_CONFIG_MODULE].ConfigContainer, "validate", _make_validate)]
 
 
-PATCH = register(
-    Patch(
-        name=FEATURE,
-        upstream_pr=0,
-        summary="plugin rules run in Megatron-Bridge's ConfigContainer.validate",
-        detect_native=_detect_native,
-        build_overrides=_build_overrides,
-        target="megatron-bridge",
-        tested_versions=("0.6.2",),
-    )
+PATCH = register_bridge_patch(
+    FEATURE,
+    "plugin rules run in Megatron-Bridge's ConfigContainer.validate",
+    _detect_native,
+    _build_overrides,
 )

@@ -22,36 +22,48 @@ Transformer Engine); native when Bridge's ``_ddp_wrap`` source mentions the laye
 
 from __future__ import annotations
 
-import inspect
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from nemo_lw_fp8 import config as plugin_config
-from nemo_lw_fp8.patches.framework import Override, Patch, register, unpatched_own_attr
+from nemo_lw_fp8.patches.bridge_support import bridge_detector, register_bridge_patch, wrap_own
+from nemo_lw_fp8.patches.framework import Override
 
 FEATURE = "bridge_layer_wise_wrap"
 _PROVIDER_MODULE = "megatron.bridge.models.model_provider"
 
 
-def _detect_native() -> tuple[bool, str]:
-    provider = sys.modules.get(_PROVIDER_MODULE)
-    if provider is None:
-        return True, "Megatron-Bridge not imported: nothing to patch"
-    source = inspect.getsource(unpatched_own_attr(provider, "_ddp_wrap"))
-    if "layer_wise" in source or "LayerWise" in source:
+@bridge_detector(_PROVIDER_MODULE, imported_only=True)  # importing it imports TE
+def _detect_native(source: Callable[[str], str]) -> tuple[bool, str]:
+    text = source("_ddp_wrap")
+    if "layer_wise" in text or "LayerWise" in text:
         return True, "Bridge wraps layer-wise models with a layer-wise layout"
     return False, "Bridge computes only the distributed optimizer's layout"
 
 
 def _make_ddp_wrap(original):
-    def _ddp_wrap(model: list, data_parallel_random_init: bool, ddp_config: Any,
-                  overlap_param_gather_with_optimizer_step: bool, use_megatron_fsdp: bool = False,
-                  use_torch_fsdp2: bool = False, *, pg_collection: Any) -> list:
+    def _ddp_wrap(
+        model: list,
+        data_parallel_random_init: bool,
+        ddp_config: Any,
+        overlap_param_gather_with_optimizer_step: bool,
+        use_megatron_fsdp: bool = False,
+        use_torch_fsdp2: bool = False,
+        *,
+        pg_collection: Any,
+    ) -> list:
         chosen = plugin_config.read(ddp_config)
         if chosen is None or not chosen.uses_param_layout or use_megatron_fsdp or use_torch_fsdp2:
-            return original(model, data_parallel_random_init, ddp_config,
-                            overlap_param_gather_with_optimizer_step, use_megatron_fsdp,
-                            use_torch_fsdp2, pg_collection=pg_collection)
+            return original(
+                model,
+                data_parallel_random_init,
+                ddp_config,
+                overlap_param_gather_with_optimizer_step,
+                use_megatron_fsdp,
+                use_torch_fsdp2,
+                pg_collection=pg_collection,
+            )
         from megatron.core.utils import get_model_config
         from megatron.training.training import wrap_model_chunks_with_ddp
 
@@ -59,8 +71,9 @@ def _make_ddp_wrap(original):
             ddp_config.bucket_size = max(40_000_000, 1_000_000 * pg_collection.dp_cp.size())
         if not ddp_config.overlap_grad_reduce:
             ddp_config.bucket_size = None
-        disable = [index > 0 or overlap_param_gather_with_optimizer_step
-                   for index in range(len(model))]
+        disable = [
+            index > 0 or overlap_param_gather_with_optimizer_step for index in range(len(model))
+        ]
         wrapped = wrap_model_chunks_with_ddp(
             model,
             get_model_config(model[0]),
@@ -80,20 +93,15 @@ def _make_ddp_wrap(original):
 
 
 def _build_overrides() -> list[Override]:
-    provider = sys.modules[_PROVIDER_MODULE]
-    return [Override(provider, "_ddp_wrap", _make_ddp_wrap(provider.__dict__["_ddp_wrap"]))]
+    return [wrap_own(sys.modules[_PROVIDER_MODULE], "_ddp_wrap", _make_ddp_wrap)]
 
 
-PATCH = register(
-    Patch(
-        name=FEATURE,
-        upstream_pr=3524,
-        summary="Megatron-Bridge wraps layer-wise Muon models with the padded / compact layout",
-        detect_native=_detect_native,
-        build_overrides=_build_overrides,
-        requires=("compact_layout",),
-        upstream_title="overlapped param gather for the layer-wise optimizer (Bridge's wrap)",
-        target="megatron-bridge",
-        tested_versions=("0.6.2",),
-    )
+PATCH = register_bridge_patch(
+    FEATURE,
+    "Megatron-Bridge wraps layer-wise Muon models with the padded / compact layout",
+    _detect_native,
+    _build_overrides,
+    upstream_pr=3524,
+    upstream_title="overlapped param gather for the layer-wise optimizer (Bridge's wrap)",
+    requires=("compact_layout",),
 )

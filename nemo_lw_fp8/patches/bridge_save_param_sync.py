@@ -24,30 +24,22 @@ mentions the layer-wise optimizer.
 
 from __future__ import annotations
 
-import inspect
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from nemo_lw_fp8.mechanics import checkpointing
-from nemo_lw_fp8.patches.framework import (
-    Override,
-    Patch,
-    bridge_module,
-    register,
-    unpatched_own_attr,
-)
+from nemo_lw_fp8.patches.bridge_support import bridge_detector, register_bridge_patch
+from nemo_lw_fp8.patches.framework import Override
 
 FEATURE = "bridge_save_param_sync"
 _TRAIN = "megatron.bridge.training.train"
 
 
-
-def _detect_native() -> tuple[bool, str]:
-    module = bridge_module(_TRAIN)
-    if module is None:
-        return True, "Megatron-Bridge not imported: nothing to patch"
+@bridge_detector(_TRAIN)
+def _detect_native(source: Callable[[str], str]) -> tuple[bool, str]:
     for name in ("save_checkpoint_and_time", "should_disable_forward_pre_hook"):
-        if "layer_wise" in inspect.getsource(unpatched_own_attr(module, name)):
+        if "layer_wise" in source(name):
             return True, f"Bridge's {name} syncs layer-wise runs before a save"
     return False, "Bridge forces the param gather before a save only with the DistributedOptimizer"
 
@@ -69,14 +61,9 @@ def _build_overrides() -> list[Override]:
     return [Override(module, "save_checkpoint_and_time", _make_save(original, module))]
 
 
-PATCH = register(
-    Patch(
-        name=FEATURE,
-        upstream_pr=0,
-        summary="Megatron-Bridge syncs layer-wise weights to the masters before a save",
-        detect_native=_detect_native,
-        build_overrides=_build_overrides,
-        target="megatron-bridge",
-        tested_versions=("0.6.2",),
-    )
+PATCH = register_bridge_patch(
+    FEATURE,
+    "Megatron-Bridge syncs layer-wise weights to the masters before a save",
+    _detect_native,
+    _build_overrides,
 )

@@ -49,6 +49,7 @@ from nemo_lw_fp8.mechanics import (
     qkv_parts,
 )
 from nemo_lw_fp8.patches import symbols
+from nemo_lw_fp8.patches.bucket_group_sync import planned_group_sync
 from nemo_lw_fp8.patches.framework import Override, Patch, register
 from nemo_lw_fp8.state import optimizer_state
 
@@ -165,26 +166,6 @@ def _make_sharded_state_dict(original):
     return sharded_state_dict
 
 
-def _make_start(original):
-    def start_param_sync(self, force_sync: bool = False):
-        if compact_gather.plan_of(self) is not None:
-            return compact_gather.SYNC.start(self, force_sync)
-        return original(self, force_sync)
-
-    start_param_sync.__wrapped__ = original
-    return start_param_sync
-
-
-def _make_finish(original):
-    def finish_param_sync(self, skip_next_bucket_dispatch: bool = False):
-        if compact_gather.plan_of(self) is not None:
-            return compact_gather.SYNC.finish(self, skip_next_bucket_dispatch)
-        return original(self, skip_next_bucket_dispatch)
-
-    finish_param_sync.__wrapped__ = original
-    return finish_param_sync
-
-
 def _make_start_grad_sync(original):
     def start_grad_sync(self, force_all_reduce: bool = False):
         """megatron's own method runs for every group. Compact groups reduce each gradient to
@@ -230,12 +211,8 @@ def _build_overrides() -> list[Override]:
         Override(
             ddp_module, "partition_buckets", _make_partition_buckets(ddp_module.partition_buckets)
         ),
-        Override(
-            group_cls, "start_param_sync", _make_start(group_cls.__dict__["start_param_sync"])
-        ),
-        Override(
-            group_cls, "finish_param_sync", _make_finish(group_cls.__dict__["finish_param_sync"])
-        ),
+        # Compact groups gather through their one owner-packed collective.
+        *planned_group_sync(group_cls, compact_gather),
         Override(
             group_cls,
             "start_grad_sync",

@@ -16,6 +16,7 @@ Regenerate the record after a deliberate upgrade (then run the suite on it)::
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -51,24 +52,58 @@ def current() -> dict[str, dict[str, dict[str, str]]]:
     return table
 
 
+def _shared_name(version: str) -> str:
+    """The module-level name of a table several versions share, after the first of them."""
+    return "_" + re.sub(r"[^0-9A-Za-z]+", "_", version).upper()
+
+
+def _patch_lines(patches: dict[str, dict[str, str]], indent: str) -> list[str]:
+    """One version's per-patch entries, each line starting with ``indent``."""
+    lines = []
+    for patch in sorted(patches):
+        lines.append(f"{indent}{patch!r}: {{")
+        for target, value in patches[patch].items():
+            lines.append(f"{indent}    {target!r}:")
+            lines.append(f"{indent}        {value!r},")
+        lines.append(f"{indent}}},")
+    return lines
+
+
 def render(table: dict[str, dict[str, dict[str, str]]]) -> str:
-    """The source of :mod:`nemo_lw_fp8.patches.upstream_fingerprints` for ``table``."""
+    """The source of :mod:`nemo_lw_fp8.patches.upstream_fingerprints` for ``table``.
+
+    Versions whose tables are equal (a patch release that left every wrapped object alone) are
+    written once, as a module-level dict that each of them refers to: the record then shows at a
+    glance which releases differ, and a table is never kept twice by hand.
+    """
+    versions = sorted(table)
+    shared: dict[str, str] = {}  # version -> name of the dict it shares with others
     lines = [
         '"""Recorded by ``python -m nemo_lw_fp8.patches.fingerprints --write`` (do not edit):',
         "per tested version, per patch, each wrapped upstream object's source fingerprint.",
         "tests/patches/test_patch_framework.py checks this record against the installed stack.",
         '"""',
         "",
-        "FINGERPRINTS: dict[str, dict[str, dict[str, str]]] = {",
     ]
-    for version in sorted(table):
+    for version in versions:
+        if version in shared:
+            continue
+        same = [other for other in versions if table[other] == table[version]]
+        if len(same) < 2:
+            continue
+        name = _shared_name(version)
+        shared.update(dict.fromkeys(same, name))
+        lines.append(f"#: {', '.join(same)}: the same record.")
+        lines.append(f"{name}: dict[str, dict[str, str]] = {{")
+        lines += _patch_lines(table[version], "    ")
+        lines += ["}", ""]
+    lines.append("FINGERPRINTS: dict[str, dict[str, dict[str, str]]] = {")
+    for version in versions:
+        if version in shared:
+            lines.append(f"    {version!r}: {shared[version]},")
+            continue
         lines.append(f"    {version!r}: {{")
-        for patch in sorted(table[version]):
-            lines.append(f"        {patch!r}: {{")
-            for target, value in table[version][patch].items():
-                lines.append(f"            {target!r}:")
-                lines.append(f"                {value!r},")
-            lines.append("        },")
+        lines += _patch_lines(table[version], "        ")
         lines.append("    },")
     lines.append("}")
     return "\n".join(lines) + "\n"

@@ -437,14 +437,3 @@ def _apply_when_bridge_is_imported(patch: Patch, allow_untested: bool) -> None:
     _PENDING[patch.name] = allow_untested
     if _WATCH not in sys.meta_path:
         sys.meta_path.insert(0, _WATCH)
-
-
-def bridge_module(name: str) -> Any | None:
-    """Megatron-Bridge's module ``name`` once Bridge is in use (importing it is then cheap),
-    else ``None``: the Bridge patches never import Bridge themselves."""
-    import importlib
-    import sys
-
-    if BRIDGE_IN_USE_MODULE not in sys.modules:
-        return None
-    return importlib.import_module(name)

@@ -45,24 +45,15 @@ def _detect_upstream_part() -> tuple[bool, str]:
     """#5464's numerics for Adam's DistributedOptimizer (what 0.19.2 already has)."""
     fp8_utils = symbols.module("megatron.core.fp8_utils")
     ddp = symbols.module("megatron.core.distributed.distributed_data_parallel")
-    missing = [
-        name
-        for name, ok in (
-            ("fp8_utils.is_grouped_mxfp8tensor", fp8_utils.has("is_grouped_mxfp8tensor")),
-            (
-                "fp8_utils.copy_tensor_to_quantized_param",
-                fp8_utils.has("copy_tensor_to_quantized_param"),
-            ),
-            (
-                "DistributedDataParallel.reset_param_sync_dispatch_state",
-                ddp.has("DistributedDataParallel.reset_param_sync_dispatch_state"),
-            ),
-        )
-        if not ok
-    ]
-    if missing:
-        return False, "missing " + ", ".join(missing)
-    return True, "grouped-weight FP8 numerics and dispatch reset present (Adam DistOpt path)"
+    reset = "DistributedDataParallel.reset_param_sync_dispatch_state"
+    found = {
+        f"fp8_utils.{name}": fp8_utils.has(name)
+        for name in ("is_grouped_mxfp8tensor", "copy_tensor_to_quantized_param")
+    }
+    found[reset] = ddp.has(reset)
+    return symbols.all_defined(
+        found, "grouped-weight FP8 numerics and dispatch reset present (Adam DistOpt path)"
+    )
 
 
 def _detect_native() -> tuple[bool, str]:

@@ -13,8 +13,9 @@ itself define ``prepare_model_params_for_param_sync``" or "what does the source 
   package only, then the path) and parsed: module-level definitions (through ``if`` / ``try`` /
   ``with`` blocks), class bodies, function sources and parameters, dataclass fields.
 
-Both read the same definitions; ``tests/patches/test_upstream_detection.py`` checks that every detector
-gives the same answer either way. :func:`from_source` forces the source reading (for that test).
+Both read the same definitions; ``tests/patches/test_upstream_detection.py`` checks that every
+detector gives the same answer either way. :func:`from_source` forces the source reading (for that
+test).
 """
 
 from __future__ import annotations
@@ -87,7 +88,32 @@ def _parsed(path: Path) -> tuple[str, ast.Module]:
     return text, ast.parse(text, filename=str(path))
 
 
-class _SourceModule:
+#: What :meth:`_Definitions._find` returns for a name the module does not define.
+_ABSENT = object()
+
+
+class _Definitions:
+    """What both readings answer alike, once each can find a definition by its dotted name."""
+
+    #: The module's name, for messages.
+    name: str
+
+    def _find(self, qualname: str) -> Any:
+        """The definition of ``qualname`` (``Class.method`` or a module-level name), or
+        :data:`_ABSENT`."""
+        raise NotImplementedError
+
+    def has(self, qualname: str) -> bool:
+        return self._find(qualname) is not _ABSENT
+
+    def _definition(self, qualname: str) -> Any:
+        found = self._find(qualname)
+        if found is _ABSENT:
+            raise AttributeError(f"{self.name} defines no {qualname}")
+        return found
+
+
+class _SourceModule(_Definitions):
     """Answers from a module's source file."""
 
     def __init__(self, name: str) -> None:
@@ -97,27 +123,21 @@ class _SourceModule:
         self.name = name
         self.text, self.tree = _parsed(path)
 
-    def _node(self, qualname: str) -> ast.AST | None:
+    def _find(self, qualname: str) -> Any:
         body: list[ast.stmt] = self.tree.body
-        node: ast.AST | None = None
+        node: Any = _ABSENT
         for part in qualname.split("."):
-            node = _definitions(body).get(part)
-            if node is None:
-                return None
+            node = _definitions(body).get(part, _ABSENT)
+            if node is _ABSENT:
+                return _ABSENT
             body = node.body if isinstance(node, ast.ClassDef) else []
         return node
 
-    def has(self, qualname: str) -> bool:
-        return self._node(qualname) is not None
-
     def source(self, qualname: str) -> str:
-        node = self._node(qualname)
-        if node is None:
-            raise AttributeError(f"{self.name} defines no {qualname}")
-        return ast.get_source_segment(self.text, node) or ""
+        return ast.get_source_segment(self.text, self._definition(qualname)) or ""
 
     def parameters(self, qualname: str) -> list[str]:
-        node = self._node(qualname)
+        node = self._find(qualname)
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             raise AttributeError(f"{self.name}.{qualname} is not a function defined there")
         args = node.args
@@ -128,7 +148,7 @@ class _SourceModule:
         return names
 
     def fields(self, qualname: str) -> set[str]:
-        node = self._node(qualname)
+        node = self._find(qualname)
         if not isinstance(node, ast.ClassDef):
             return set()
         return {
@@ -138,43 +158,44 @@ class _SourceModule:
         }
 
 
-class _LiveModule:
+class _LiveModule(_Definitions):
     """Answers from an imported module, ignoring the plugin's own patches."""
 
     def __init__(self, module: Any) -> None:
         self.module = module
 
-    def _lookup(self, qualname: str) -> Any:
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.module.__name__
+
+    def _find(self, qualname: str) -> Any:
         from nemo_lw_fp8.patches.framework import MISSING, unpatched_own_attr
 
         owner = self.module
         for part in qualname.split("."):
             owner = unpatched_own_attr(owner, part)
             if owner is MISSING:
-                return MISSING
+                return _ABSENT
         return owner
 
-    def has(self, qualname: str) -> bool:
-        from nemo_lw_fp8.patches.framework import MISSING
-
-        return self._lookup(qualname) is not MISSING
-
-    def _object(self, qualname: str) -> Any:
-        from nemo_lw_fp8.patches.framework import MISSING
-
-        found = self._lookup(qualname)
-        if found is MISSING:
-            raise AttributeError(f"{self.module.__name__} defines no {qualname}")
-        return found
-
     def source(self, qualname: str) -> str:
-        return inspect.getsource(self._object(qualname))
+        return inspect.getsource(self._definition(qualname))
 
     def parameters(self, qualname: str) -> list[str]:
-        return list(inspect.signature(self._object(qualname)).parameters)
+        return list(inspect.signature(self._definition(qualname)).parameters)
 
     def fields(self, qualname: str) -> set[str]:
-        return set(getattr(self._object(qualname), "__dataclass_fields__", {}))
+        return set(getattr(self._definition(qualname), "__dataclass_fields__", {}))
+
+
+def all_defined(found: dict[str, bool], reason: str) -> tuple[bool, str]:
+    """A detector's answer for an upstream change that is a set of definitions: ``found`` maps
+    each one's label to whether the installed module defines it. Native (with ``reason``) when
+    all are there, else not, naming the missing ones (``doctor`` shows what an upgrade lacks)."""
+    missing = [label for label, defined in found.items() if not defined]
+    if missing:
+        return False, "missing " + ", ".join(missing)
+    return True, reason
 
 
 def module(name: str) -> _LiveModule | _SourceModule:

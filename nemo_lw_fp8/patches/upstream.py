@@ -26,24 +26,17 @@ class TrackedChange:
 def _detect_overlap_layerwise_gather() -> tuple[bool, str]:
     buffers = symbols.module("megatron.core.distributed.param_and_grad_buffer")
     ddp = symbols.module("megatron.core.distributed.distributed_data_parallel")
-    missing = [
-        name
-        for name, ok in (
-            ("_LayerwiseAllGatherHandle", buffers.has("_LayerwiseAllGatherHandle")),
-            (
-                "_ParamAndGradBucket.set_layerwise_params_list",
-                buffers.has("_ParamAndGradBucket.set_layerwise_params_list"),
-            ),
-            (
-                "DistributedDataParallel.free_overlap_buffers",
-                ddp.has("DistributedDataParallel.free_overlap_buffers"),
-            ),
+    found = {
+        name: module.has(name)
+        for module, name in (
+            (buffers, "_LayerwiseAllGatherHandle"),
+            (buffers, "_ParamAndGradBucket.set_layerwise_params_list"),
+            (ddp, "DistributedDataParallel.free_overlap_buffers"),
         )
-        if not ok
-    ]
-    if missing:
-        return False, "missing " + ", ".join(missing)
-    return True, "layer-wise buckets gather asynchronously through DDP's forward pre-hooks"
+    }
+    return symbols.all_defined(
+        found, "layer-wise buckets gather asynchronously through DDP's forward pre-hooks"
+    )
 
 
 #: Changes megatron-core must have natively (the plugin builds on them; a Bridge-side patch may
