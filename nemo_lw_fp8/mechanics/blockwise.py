@@ -77,12 +77,6 @@ def param_wire_bytes(param: torch.Tensor) -> int:
     return wire.codec_of(param).wire_bytes(param)
 
 
-def blockwise_wire_bytes(param: torch.Tensor) -> int:
-    """FP8 codes plus one fp32 scale per 128x128 tile."""
-    m_tiles, k_tiles = _tiles(param)
-    return param.numel() + 4 * m_tiles * k_tiles
-
-
 # --------------------------------------------------------------------------- the group state
 
 
@@ -207,19 +201,6 @@ def pack_owned(state: BlockwiseGroup, rank: int, out: torch.Tensor) -> None:
         offset += n
 
 
-def pack_blockwise(
-    param: torch.nn.Parameter, master: torch.Tensor | None, out: torch.Tensor
-) -> None:
-    """The owner's blockwise bytes: quantize from the master (where there is one), then the
-    rowwise codes and the valid tile scales."""
-    if master is not None:
-        quantize_owned(param, master)
-    codes = param._rowwise_data.reshape(-1).view(torch.uint8)
-    out[: codes.numel()].copy_(codes)
-    scales = _scale_bytes(param)
-    out[codes.numel() : codes.numel() + scales.numel()].copy_(scales)
-
-
 # --------------------------------------------------------------------------- receiver side
 
 
@@ -232,13 +213,6 @@ def write_scales(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
 
 def _unpack_param(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
     wire.codec_of(param).unpack(param, payload)
-
-
-def unpack_blockwise(param: torch.nn.Parameter, payload: torch.Tensor) -> None:
-    """Receiver: the owner's codes into the rowwise data, its tile scales into scale_inv."""
-    n = param.numel()
-    param._rowwise_data.view(-1).copy_(payload[:n])
-    write_scales(param, payload[n:])
 
 
 def unpack(state: BlockwiseGroup, gathered: torch.Tensor, my_rank: int) -> None:
@@ -257,14 +231,6 @@ def derive_columnwise(params: list[torch.nn.Parameter]) -> None:
         own = [param for param in params if wire.codec_of(param) is codec]
         if own:
             codec.derive_columnwise(own)
-
-
-def derive_blockwise_columnwise(params: list[torch.nn.Parameter]) -> None:
-    """Columnwise codes and scales from the rowwise ones (128x128 tiles: the exact transpose),
-    through megatron's post-all-gather hook, i.e. TE's ``_create_columnwise``."""
-    from megatron.core.fp8_utils import post_all_gather_processing
-
-    post_all_gather_processing(params)
 
 
 # --------------------------------------------------------------------------- the collective
@@ -386,7 +352,8 @@ def set_up(optimizer: Any) -> None:
 
 
 class _BlockwiseCodec:
-    """Blockwise FP8 (Hopper) weights on the wire: codes + one fp32 scale per 128x128 tile."""
+    """Blockwise FP8 (Hopper) weights on the wire: the owner's rowwise FP8 codes, then one fp32
+    scale per 128x128 tile (the valid region of its ``scale_inv``)."""
 
     name = "blockwise FP8"
 
@@ -394,18 +361,31 @@ class _BlockwiseCodec:
         return is_blockwise(param)
 
     def wire_bytes(self, param: torch.Tensor) -> int:
-        return blockwise_wire_bytes(param)
+        m_tiles, k_tiles = _tiles(param)
+        return param.numel() + 4 * m_tiles * k_tiles
 
     def pack(
         self, param: torch.nn.Parameter, master: torch.Tensor | None, out: torch.Tensor
     ) -> None:
-        pack_blockwise(param, master, out)
+        """Quantize from the master (where there is one), then write codes and tile scales."""
+        if master is not None:
+            quantize_owned(param, master)
+        codes = param._rowwise_data.reshape(-1).view(torch.uint8)
+        out[: codes.numel()].copy_(codes)
+        scales = _scale_bytes(param)
+        out[codes.numel() : codes.numel() + scales.numel()].copy_(scales)
 
     def unpack(self, param: torch.nn.Parameter, payload: torch.Tensor) -> None:
-        unpack_blockwise(param, payload)
+        n = param.numel()
+        param._rowwise_data.view(-1).copy_(payload[:n])
+        write_scales(param, payload[n:])
 
     def derive_columnwise(self, params: list[torch.nn.Parameter]) -> None:
-        derive_blockwise_columnwise(params)
+        """Columnwise codes and scales from the rowwise ones (128x128 tiles: the exact
+        transpose), through megatron's post-all-gather hook, i.e. TE's ``_create_columnwise``."""
+        from megatron.core.fp8_utils import post_all_gather_processing
+
+        post_all_gather_processing(params)
 
 
 wire.register(_BlockwiseCodec())

@@ -28,35 +28,17 @@ pytestmark = pytest.mark.usefixtures("bridge_installed")
 RECIPE = "tiny_deepseek_v3"
 STEPS = 3
 SAVED_AT = 2
-_runs: dict[str, dict] = {}
+RUNS = br.SavingRuns(
+    "te", RECIPE, f"train.train_iters={STEPS}", "validation.eval_interval=2",
+    "train.global_batch_size=4", saved_at=SAVED_AT, probe=True, cpu_modules="te",
+)  # fmt: skip
+_run, _on, _resumed = RUNS.run, RUNS.on, RUNS.resumed
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One folder for the module's runs (the resume tests load the ON run's checkpoint)."""
     return tmp_path_factory.mktemp("te-bridge")
-
-
-def _run(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
-    if tag not in _runs:
-        _runs[tag] = br.pretrain(
-            tmp, tag, RECIPE, f"train.train_iters={STEPS}", "validation.eval_interval=2",
-            "train.global_batch_size=4", *extra, mutation=mutation, probe=True,
-            cpu_modules="te",
-        )  # fmt: skip
-    return _runs[tag]
-
-
-def _on(tmp: Path) -> dict:
-    """The ON run; it also saves at iteration 2 (a save must not change what it trains)."""
-    return _run(tmp, "te-on", *br.saving_at(tmp, SAVED_AT))
-
-
-def _resumed(tmp: Path, mutation: str = "") -> dict:
-    """Fresh processes load the ON run's iteration-2 checkpoint and train iteration 3."""
-    _on(tmp)
-    loading = br.loading_at(tmp, SAVED_AT)
-    return _run(tmp, f"te-resumed{mutation and '-' + mutation}", *loading, mutation=mutation)
 
 
 def _off(tmp: Path) -> dict:

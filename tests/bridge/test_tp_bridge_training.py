@@ -29,33 +29,17 @@ pytestmark = pytest.mark.usefixtures("bridge_installed")
 RECIPE = "tiny_qwen3_30b_a3b"
 TP2_SP = ("model.tensor_model_parallel_size=2", "model.sequence_parallel=true")
 SAVED_AT = 2
-_runs: dict[str, dict] = {}
+#: Fresh TP-2 processes resume from the ON run's iteration-2 checkpoint and train iteration 3.
+RUNS = br.SavingRuns(
+    "tp2", RECIPE, *TP2_SP, "train.train_iters=3", "validation.eval_interval=2",
+    "train.global_batch_size=4", saved_at=SAVED_AT, nproc=4, probe=True,
+)  # fmt: skip
+_run, _on, _resumed = RUNS.run, RUNS.on, RUNS.resumed
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tp-bridge")
-
-
-def _run(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
-    if tag not in _runs:
-        _runs[tag] = br.pretrain(
-            tmp, tag, RECIPE, *TP2_SP, "train.train_iters=3", "validation.eval_interval=2",
-            "train.global_batch_size=4", *extra, nproc=4, mutation=mutation, probe=True,
-        )  # fmt: skip
-    return _runs[tag]
-
-
-def _on(tmp: Path) -> dict:
-    """The ON run; it also saves at iteration 2 (a save must not change what it trains)."""
-    return _run(tmp, "tp2-on", *br.saving_at(tmp, SAVED_AT))
-
-
-def _resumed(tmp: Path, mutation: str = "") -> dict:
-    """Fresh TP-2 processes load the ON run's iteration-2 checkpoint and train iteration 3."""
-    _on(tmp)
-    loading = br.loading_at(tmp, SAVED_AT)
-    return _run(tmp, f"tp2-resumed{mutation and '-' + mutation}", *loading, mutation=mutation)
 
 
 def test_tp2_gather_on_equals_off_through_bridge(runs):

@@ -4,7 +4,7 @@ Hadamard transform and stochastic rounding off, and with the RHT on (SR off).
 
 Everything TE runs in one subprocess (this process never imports TE). The references are built
 in the script from the plain-torch cast (:mod:`nemo_lw_fp8.cpu.formats.nvfp4`, itself checked
-against a scalar reference in ``test_nvfp4_emulation.py``) and code written here: the swizzled
+against a scalar reference in ``test_nvfp4_cast.py``) and code written here: the swizzled
 byte position of each compact scale from cuBLAS's layout formula, E2M1 nibbles decoded through
 a table of their values, E4M3 bytes through torch's ``float8_e4m3fn``, the GEMM alpha from the
 two amaxes. Each parity has a control that must diverge (compact read of swizzled scales, the

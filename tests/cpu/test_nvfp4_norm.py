@@ -2,8 +2,9 @@
 
 TE 2.20.2's ``LayerNormLinear`` hands its input quantizer to ``tex.rmsnorm_fwd`` /
 ``tex.layernorm_fwd``; TE's C++ (``normalization.cpp``) has no NVFP4 norm kernel: it writes the
-norm in the input's dtype and casts that (``nemo_lw_fp8.cpu.te.tex.cast.NVFP4_OUTPUT_IS_THE_CAST`` says why
-both of its paths give the plain cast). So the claim, bitwise: ``LayerNormLinear(x)`` equals TE's
+norm in the input's dtype and casts that
+(``nemo_lw_fp8.cpu.te.tex.cast.NVFP4_OUTPUT_IS_THE_CAST`` says why both of its paths give the
+plain cast). So the claim, bitwise: ``LayerNormLinear(x)`` equals TE's
 own norm module followed by TE's ``Linear`` with the same weights (output, dx, dW, the norm's
 dgamma / dbeta), with the recipe's RHT on the input's columnwise copy and stochastic rounding
 off. Control: the norm's output cast without the RHT (the Linear still rotates dy) makes dW
@@ -34,39 +35,42 @@ from nemo_lw_fp8.cpu.te.tex import normalization as te_kernels_norm
 RECIPE = NVFP4BlockScaling(disable_rht=False, disable_stochastic_rounding=True)
 TOKENS, HIDDEN, OUT = 64, 128, 96
 
+# output, dx and the grads of params, of forward on a fresh leaf copy of x
+def forward_backward(forward, x, dy, params):
+    xx = x.clone().requires_grad_()
+    y = forward(xx)
+    y.backward(dy)
+    return [y.detach(), xx.grad] + [p.grad for p in params]
+
+# the same linear weight, gamma and (LayerNorm) beta in both variants; returns the parameters
+# whose grads are compared, in the order dW, dgamma(, dbeta)
+def load_weights(linear, norm_weight, norm_bias, weight, gamma, beta):
+    with torch.no_grad():
+        linear.weight.copy_(weight); norm_weight.copy_(gamma)
+        if beta is not None:
+            norm_bias.copy_(beta)
+    return [linear.weight, norm_weight] + ([norm_bias] if beta is not None else [])
+
 def run_fused(kind, x, dy, weight, gamma, beta):
     m = te.LayerNormLinear(HIDDEN, OUT, bias=False, normalization=kind,
                            params_dtype=torch.bfloat16, device="cpu")
-    with torch.no_grad():
-        m.weight.copy_(weight); m.layer_norm_weight.copy_(gamma)
-        if beta is not None:
-            m.layer_norm_bias.copy_(beta)
-    xx = x.clone().requires_grad_()
-    with te.autocast(enabled=True, recipe=RECIPE):
-        y = m(xx)
-    y.backward(dy)
-    grads = [xx.grad, m.weight.grad, m.layer_norm_weight.grad]
-    if beta is not None:
-        grads.append(m.layer_norm_bias.grad)
-    return [y.detach()] + grads
+    params = load_weights(m, m.layer_norm_weight, getattr(m, "layer_norm_bias", None),
+                          weight, gamma, beta)
+    def forward(xx):
+        with te.autocast(enabled=True, recipe=RECIPE):
+            return m(xx)
+    return forward_backward(forward, x, dy, params)
 
 def run_split(kind, x, dy, weight, gamma, beta):
     norm = (te.RMSNorm(HIDDEN, params_dtype=torch.bfloat16, device="cpu") if kind == "RMSNorm"
             else te.LayerNorm(HIDDEN, params_dtype=torch.bfloat16, device="cpu"))
     lin = te.Linear(HIDDEN, OUT, bias=False, params_dtype=torch.bfloat16, device="cpu")
-    with torch.no_grad():
-        lin.weight.copy_(weight); norm.weight.copy_(gamma)
-        if beta is not None:
-            norm.bias.copy_(beta)
-    xx = x.clone().requires_grad_()
-    h = norm(xx)  # outside autocast: a bf16 norm, no output quantizer
-    with te.autocast(enabled=True, recipe=RECIPE):
-        y = lin(h)
-    y.backward(dy)
-    grads = [xx.grad, lin.weight.grad, norm.weight.grad]
-    if beta is not None:
-        grads.append(norm.bias.grad)
-    return [y.detach()] + grads
+    params = load_weights(lin, norm.weight, getattr(norm, "bias", None), weight, gamma, beta)
+    def forward(xx):
+        h = norm(xx)  # outside autocast: a bf16 norm, no output quantizer
+        with te.autocast(enabled=True, recipe=RECIPE):
+            return lin(h)
+    return forward_backward(forward, x, dy, params)
 
 def eq(a, b):
     return [bool(torch.equal(u, v)) for u, v in zip(a, b, strict=True)]

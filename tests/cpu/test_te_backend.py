@@ -16,7 +16,12 @@ import sys
 import pytest
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
-from tests.support.te_test_support import TE_PATH, needs_te, run_te_script
+from tests.support.te_test_support import (
+    TE_PATH,
+    needs_te,
+    real_te_gpu_skip_reason,
+    run_te_script,
+)
 
 MAIN_SCRIPT = r"""
 import os, sys, json, pickle, io, random, threading
@@ -166,20 +171,7 @@ R["stale_linear_grads_identical"] = [torch.equal(x1.grad, x3.grad),
                                      torch.equal(hp.bias.grad, stale.bias.grad)]
 
 # --- TE's quantize_master_weights with simulated ranks (threads + MAX all-reduce)
-class ThreadedMaxAllReduce:
-    def __init__(self, world):
-        self.world = world; self.barrier = threading.Barrier(world)
-        self.lock = threading.Lock(); self.buffers = []
-    def __call__(self, tensor, op=None, group=None, async_op=False):
-        with self.lock:
-            self.buffers.append(tensor)
-        self.barrier.wait()
-        reduced = torch.stack(self.buffers).amax(0)
-        self.barrier.wait()
-        tensor.copy_(reduced)
-        self.barrier.wait()
-        with self.lock:
-            self.buffers.clear()
+from tests.support.te_test_support import RepeatedMaxAllReduce as ThreadedMaxAllReduce
 
 dist_ok = []
 rng = random.Random(5)
@@ -421,16 +413,9 @@ def test_control_te_taken_for_the_emulation_is_shadowed(monkeypatch: pytest.Monk
 
 
 def _blackwell_te_reason() -> str | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    major, minor = torch.cuda.get_device_capability()
-    if major != 10:
-        return f"TE's MXFP8 kernels need compute capability 10.x, this GPU is {major}.{minor}"
-    if not te_backend._extension_file_present():
-        return "real Transformer Engine (transformer-engine[pytorch]) is not installed"
-    return None
+    return real_te_gpu_skip_reason(
+        lambda major, minor: major == 10, "TE's MXFP8 kernels need compute capability 10.x"
+    )
 
 
 @pytest.mark.gpu

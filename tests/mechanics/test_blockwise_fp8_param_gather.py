@@ -12,32 +12,24 @@ Mutation tests switch each step of the patch off on its own and show a test here
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
-from tests.support.harness import BootOptions, RankFailure, run_on_ranks
-from tests.support.parity import assert_diverges
+from tests.support.fp8_mlp import FP8_BOOT, MUON_FP8_MLP, skip_module_without_te
+from tests.support.harness import RankFailure, run_on_ranks
+from tests.support.mutations import train_with_step_off
+from tests.support.parity import assert_diverges, assert_same_steps
 from tests.support.parity import assert_fp8_gather_parity as assert_bitwise
+from tests.support.resumable import resume_mismatches, run_on_fresh_ranks, runs_to_resume
 from tests.support.scenarios import Scenario
+from tests.support.te_test_support import real_te_gpu_skip_reason
 from tests.support.training import train
 
-if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
-    pytest.skip("the FP8 emulation needs TE's Python package", allow_module_level=True)
+skip_module_without_te("the FP8 emulation needs TE's Python package")
 
-FP8 = BootOptions(fp8_emulation=True)
-BASE = Scenario(
-    optimizer="muon",
-    distribution="layerwise_padded",
-    model="fp8mlp",
-    fp8=True,
-    fp8_recipe="blockwise",
-    micro_batch=32,
-    snapshots=True,
-    plugin=True,
-)
+FP8 = FP8_BOOT
+BASE = MUON_FP8_MLP.with_(fp8_recipe="blockwise")
 LAYOUTS = ["layerwise_padded", "layerwise_compact"]
 
 
@@ -97,33 +89,20 @@ def test_train_eval_train_equals_train_train(distribution):
     scenario = BASE.with_(distribution=distribution, overlap=True, fp8_param_gather=True)
     plain = run(scenario)
     with_eval = run(scenario.with_(eval_after=(1, 3)))
-    for a, b in zip(plain, with_eval, strict=True):
-        assert a["losses"] == b["losses"]
-        assert a["digest"] == b["digest"]
-        for name, master in a["masters"].items():
-            assert torch.equal(master, b["masters"][name])
+    assert_same_steps(plain, with_eval)
     off = run(scenario.with_(fp8_param_gather=False, eval_after=(1, 3)))
     assert_bitwise(off, with_eval)
-
-
-#: (distribution, overlap) -> (6 uninterrupted steps, the first 3 steps that saved, the
-#: checkpoint directory): a resume test's runs, kept for its control (same session).
-_RESUME_RUNS: dict[tuple[str, bool], tuple[list[dict], list[dict], str]] = {}
 
 
 def _resume_runs(
     distribution: str, overlap: bool, directory: str
 ) -> tuple[list[dict], list[dict], str]:
-    """The uninterrupted run and the saving run of the resume test, made once per session."""
-    key = (distribution, overlap)
-    if key not in _RESUME_RUNS:
-        scenario = BASE.with_(
-            distribution=distribution, overlap=overlap, fp8_param_gather=True, steps=6
-        )
-        uninterrupted = run(scenario)
-        first = run(scenario.with_(steps=3, save_dir=directory))
-        _RESUME_RUNS[key] = (uninterrupted, first, directory)
-    return _RESUME_RUNS[key]
+    """6 uninterrupted steps, the first 3 steps that saved and the checkpoint directory: a
+    resume test's runs, made once per session and kept for its control."""
+    scenario = BASE.with_(
+        distribution=distribution, overlap=overlap, fp8_param_gather=True, steps=6
+    )
+    return runs_to_resume(scenario, directory, FP8)
 
 
 def _resume_mismatches(
@@ -131,21 +110,9 @@ def _resume_mismatches(
 ) -> list[str]:
     """What of the resumed run differs from the run that never stopped (losses, digest, every
     fp32 master and effective weight by name, the probe's output), per rank; empty if nothing."""
-    bad = []
-    for rank, (full, before, after) in enumerate(zip(uninterrupted, first, resumed, strict=True)):
-        if full["losses"] != before["losses"] + after["losses"]:
-            bad.append(f"rank {rank} losses")
-        if full["digest"] != after["digest"]:
-            bad.append(f"rank {rank} digest")
-        for name, master in full["masters"].items():
-            if not torch.equal(master, after["masters"][name]):
-                bad.append(f"rank {rank} master {name}")
-        if not torch.equal(full["probe_output"], after["probe_output"]):
-            bad.append(f"rank {rank} probe output")
-        for name, weight in full["effective_weights"].items():
-            if not torch.equal(weight, after["effective_weights"][name]):
-                bad.append(f"rank {rank} weight {name}")
-    return bad
+    before = [r["losses"] for r in first]
+    named = {"masters": "master", "effective_weights": "weight"}
+    return resume_mismatches(uninterrupted, before, resumed, named, probe=True)
 
 
 @pytest.mark.parametrize(
@@ -155,17 +122,11 @@ def _resume_mismatches(
 )
 def test_checkpoint_resume_in_fresh_processes_is_bitwise(distribution, overlap, tmp_path):
     """Save after 3 steps, start new rank processes, load, run steps 3-5: same bits as 6 steps."""
-    from tests.support.harness import get_pool
-
     scenario = BASE.with_(
         distribution=distribution, overlap=overlap, fp8_param_gather=True, steps=6
     )
     uninterrupted, first, directory = _resume_runs(distribution, overlap, str(tmp_path))
-    pool = get_pool(2, FP8)
-    old_pids = [proc.pid for proc in pool._procs]
-    pool.shutdown()
-    resumed = run(scenario.with_(first_step=3, load_dir=directory))
-    assert [proc.pid for proc in get_pool(2, FP8)._procs] != old_pids
+    resumed = run_on_fresh_ranks(train, scenario.with_(first_step=3, load_dir=directory), boot=FP8)
     assert _resume_mismatches(uninterrupted, first, resumed) == []
 
 
@@ -211,23 +172,6 @@ MUTATIONS = {
 }
 
 
-@contextlib.contextmanager
-def mutated(step: str):
-    """Inside a rank: switch one step off (a no-op, or the stock behaviour)."""
-    import importlib
-
-    module_name, attr, replacement = MUTATIONS[step]
-    module = importlib.import_module(f"nemo_lw_fp8.mechanics.{module_name}")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(module, attr, replacement if replacement is not None else (lambda *a, **k: None))
-        yield
-
-
-def train_mutated(scenario: Scenario, step: str) -> dict:
-    with mutated(step):
-        return train(scenario)
-
-
 #: Steps whose absence a check catches before any number is computed (not a divergence).
 REFUSED_WITHOUT = {
     "separate_groups": "a bucket group mixes layer-wise blockwise FP8 buckets with DistOpt",
@@ -238,7 +182,9 @@ REFUSED_WITHOUT = {
 def test_each_step_is_needed(step):
     scenario = BASE.with_(overlap=True)
     off = run(scenario)
-    on = run_on_ranks(train_mutated, scenario.with_(fp8_param_gather=True), step, boot=FP8)
+    on = run_on_ranks(
+        train_with_step_off, scenario.with_(fp8_param_gather=True), MUTATIONS, step, boot=FP8
+    )
     # Unmutated, this exact comparison holds (test_blockwise_param_gather_on_equals_off).
     assert_diverges(off, on)
 
@@ -248,83 +194,25 @@ def test_missing_step_is_refused(step):
     """Without the bucket-group separation, a group mixes owner kinds and the set-up refuses it
     (the gather cannot run on such a group); the refusal, not a crash elsewhere, is the result."""
     with pytest.raises(RankFailure, match=REFUSED_WITHOUT[step]):
-        run_on_ranks(train_mutated, BASE.with_(overlap=True, fp8_param_gather=True), step, boot=FP8)
+        scenario = BASE.with_(overlap=True, fp8_param_gather=True)
+        run_on_ranks(train_with_step_off, scenario, MUTATIONS, step, boot=FP8)
 
 
 # --------------------------------------------------------------------------- wire bytes
 
 
-@contextlib.contextmanager
-def counting_gathers(groups):
-    """Bytes and dtypes of the torch.distributed gathers issued while ``groups`` sync params."""
-    import torch.distributed as dist
-    from megatron.core.distributed import param_and_grad_buffer as buffer_module
-
-    seen: list[tuple[str, str, int]] = []
-    active = {"depth": 0}
-    originals = {name: getattr(dist, name) for name in ("all_gather", "all_gather_into_tensor")}
-    # megatron's padded (DistOpt-style) gather calls its own alias of all_gather_into_tensor.
-    alias = buffer_module.dist_all_gather_func
-
-    def wrap(name):
-        def counted(*args, **kwargs):
-            if active["depth"]:
-                out = args[0] if name == "all_gather" else [args[0]]
-                nbytes = sum(t.numel() * t.element_size() for t in out)
-                seen.append((name, str(out[0].dtype), nbytes))
-            return originals[name](*args, **kwargs)
-
-        return counted
-
-    for group in groups:
-        method = group.start_param_sync
-
-        def marked(*args, _method=method, **kwargs):
-            active["depth"] += 1
-            try:
-                return _method(*args, **kwargs)
-            finally:
-                active["depth"] -= 1
-
-        group.start_param_sync = marked
-    for name in originals:
-        setattr(dist, name, wrap(name))
-    originals["dist_all_gather_func"] = alias
-    buffer_module.dist_all_gather_func = wrap("dist_all_gather_func")
-    try:
-        yield seen
-    finally:
-        buffer_module.dist_all_gather_func = alias
-        for name, fn in originals.items():
-            if name != "dist_all_gather_func":
-                setattr(dist, name, fn)
-        for group in groups:
-            del group.start_param_sync
-
-
 def gather_bytes(scenario: Scenario) -> dict:
     """What the layer-wise bucket groups gather during steps 1 and 2 (received bytes)."""
-    from megatron.core import parallel_state
-
     from nemo_lw_fp8.mechanics.blockwise import param_wire_bytes, plan_of
-    from tests.support.scenarios import build_model
-    from tests.support.training import train_step, wrap_and_build_optimizer
+    from tests.support.param_gathers import train_recording_gathers
 
-    module, config = build_model(scenario)
-    model, optimizer = wrap_and_build_optimizer(module, config, scenario)
-    groups = [
-        g
-        for g in model[0].bucket_groups
-        if all(
-            getattr(b.params_list[0], "is_managed_by_layer_wise_optimizer", False)
-            for b in g.buckets
-        )
-    ]
-    rank = parallel_state.get_data_parallel_rank()
-    train_step(scenario, model, optimizer, 0, rank)
-    with counting_gathers(groups) as seen:
-        for step in (1, 2):
-            train_step(scenario, model, optimizer, step, rank)
+    seen: list[tuple[str, str, int]] = []
+
+    def record(name: str, out: list) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in out)
+        seen.append((name, str(out[0].dtype), nbytes))
+
+    groups = train_recording_gathers(scenario, record, megatron_alias=True)
     weights = [p for g in groups for b in g.buckets for p in b.params_list]
     states = [plan_of(g) for g in groups]
     return {
@@ -448,14 +336,10 @@ def test_grad_buffer_reuse_is_rejected_when_the_optimizer_is_built():
 
 
 def _te_gpu_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (9, 0):
-        return f"TE's blockwise FP8 needs compute capability >= 9.0, this GPU is {major}.{minor}"
-    if not te_backend._extension_file_present():
-        return "real Transformer Engine (transformer-engine[pytorch]) is not installed"
-    return None
+    return real_te_gpu_skip_reason(
+        lambda major, minor: (major, minor) >= (9, 0),
+        "TE's blockwise FP8 needs compute capability >= 9.0",
+    )
 
 
 @pytest.mark.gpu

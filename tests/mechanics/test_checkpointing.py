@@ -16,24 +16,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_lw_fp8.cpu.te import backend as te_backend
-from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.fp8_mlp import FP8_BOOT, FP8_MLP, skip_module_without_te
+from tests.support.harness import run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.scenarios import Scenario
 
-if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
-    pytest.skip("the MXFP8 emulation needs TE's Python package", allow_module_level=True)
+skip_module_without_te("the MXFP8 emulation needs TE's Python package")
 
-FP8 = BootOptions(fp8_emulation=True)
-BASE = Scenario(
-    optimizer="muon",
-    distribution="layerwise_compact",
-    model="fp8mlp",
-    fp8=True,
-    fp8_param_gather=True,
-    micro_batch=32,
-    plugin=True,
-    steps=5,
+FP8 = FP8_BOOT
+BASE = FP8_MLP.with_(
+    optimizer="muon", distribution="layerwise_compact", fp8_param_gather=True, plugin=True, steps=5
 )
 SAVE_AFTER = 3
 

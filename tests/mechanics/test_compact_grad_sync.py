@@ -23,6 +23,7 @@ import torch
 from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges
+from tests.support.resumable import resume_mismatches
 from tests.support.scenarios import Scenario
 from tests.support.training import train
 
@@ -430,19 +431,9 @@ def _resume_runs(directory: str) -> tuple[list[dict], str]:
 def _resume_mismatches(uninterrupted: list[dict], resumed: list[dict]) -> list[str]:
     """What of the resumed steps 3-4 differs from the run that never stopped (losses, digest,
     fp32 masters and Muon state by name), per rank; empty when nothing does."""
-    bad = []
-    for rank, (full, after) in enumerate(zip(uninterrupted, resumed, strict=True)):
-        if full["losses"][3:] != after["losses"]:
-            bad.append(f"rank {rank} losses")
-        if full["digest"] != after["digest"]:
-            bad.append(f"rank {rank} digest")
-        for name, master in full["masters"].items():
-            if not torch.equal(master, after["masters"][name]):
-                bad.append(f"rank {rank} master {name}")
-        for key, value in full["state"].items():
-            if not _equal(value, after["state"][key]):
-                bad.append(f"rank {rank} state {key}")
-    return bad
+    before = [full["losses"][:3] for full in uninterrupted]
+    named = {"masters": "master", "state": "state"}
+    return resume_mismatches(uninterrupted, before, resumed, named)
 
 
 def test_checkpoint_resume_is_bitwise(tmp_path):

@@ -3,7 +3,6 @@ deterministic cost-balanced ownership, and one param-gather collective per bucke
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -286,80 +285,27 @@ def test_control_ownership_by_count_is_not_cost_balanced() -> None:
 # --------------------------------------------------------------------------- collectives
 
 
-@contextlib.contextmanager
-def _counting_collectives(groups):
-    """Count torch.distributed gathers issued while one of ``groups`` syncs its params."""
-    import torch.distributed as dist
+def count_layer_wise_gathers(scenario: Scenario) -> dict:
+    """Param-gather collectives of the layer-wise bucket groups during steps 1 and 2."""
+    from tests.support.param_gathers import layer_wise_bucket_groups, train_recording_gathers
 
     # "launches": what NCCL runs; an all_gather of unequal sizes is one broadcast per rank.
     counts = {"calls": 0, "launches": 0, "uneven_all_gather_as_broadcasts": 0}
-    active = {"depth": 0}
-    originals = {name: getattr(dist, name) for name in ("all_gather", "all_gather_into_tensor")}
 
-    def wrap(name):
-        def counted(*args, **kwargs):
-            if active["depth"]:
-                counts["calls"] += 1
-                tensors = args[0] if name == "all_gather" else [args[0]]
-                if name == "all_gather" and len({t.numel() for t in tensors}) > 1:
-                    counts["uneven_all_gather_as_broadcasts"] += len(tensors)
-                    counts["launches"] += len(tensors)
-                else:
-                    counts["launches"] += 1
-            return originals[name](*args, **kwargs)
+    def record(name: str, tensors: list) -> None:
+        counts["calls"] += 1
+        if name == "all_gather" and len({t.numel() for t in tensors}) > 1:
+            counts["uneven_all_gather_as_broadcasts"] += len(tensors)
+            counts["launches"] += len(tensors)
+        else:
+            counts["launches"] += 1
 
-        return counted
-
-    saved_methods = []
-    for group in groups:
-        method = group.start_param_sync
-
-        def marked(*args, _method=method, **kwargs):
-            active["depth"] += 1
-            try:
-                return _method(*args, **kwargs)
-            finally:
-                active["depth"] -= 1
-
-        group.start_param_sync = marked
-        saved_methods.append(group)
-    for name in originals:
-        setattr(dist, name, wrap(name))
-    try:
-        yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-        for group in saved_methods:
-            del group.start_param_sync
-
-
-def count_layer_wise_gathers(scenario: Scenario) -> dict:
-    """Param-gather collectives of the layer-wise bucket groups during steps 1 and 2."""
-    from megatron.core import parallel_state
-
-    from tests.support.scenarios import build_model
-    from tests.support.training import train_step, wrap_and_build_optimizer
-
-    module, config = build_model(scenario)
-    model, optimizer = wrap_and_build_optimizer(module, config, scenario)
-    chunk = model[0]
-    legacy = scenario.distribution == "layerwise_legacy"
-    groups = [
-        g
-        for g in chunk.bucket_groups
+    def choose_groups(chunk) -> list:
         # On the legacy path the layer-wise optimizer owns every bucket.
-        if legacy
-        or all(
-            getattr(b.params_list[0], "is_managed_by_layer_wise_optimizer", False)
-            for b in g.buckets
-        )
-    ]
-    rank = parallel_state.get_data_parallel_rank()
-    train_step(scenario, model, optimizer, 0, rank)
-    with _counting_collectives(groups) as counts:
-        for step in (1, 2):
-            train_step(scenario, model, optimizer, step, rank)
+        legacy = scenario.distribution == "layerwise_legacy"
+        return list(chunk.bucket_groups) if legacy else layer_wise_bucket_groups(chunk)
+
+    groups = train_recording_gathers(scenario, record, choose_groups)
     return {**counts, "groups": len(groups), "steps": 2}
 
 

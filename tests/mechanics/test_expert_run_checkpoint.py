@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
+from tests.support import expert_state
+from tests.support.expert_state import differing as _differ
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.scenarios import Scenario
 
@@ -34,38 +36,10 @@ STEPS = 1
 GROUPED = ".mlp.experts.linear_fc"
 
 
-def _layer_wise(optimizer) -> list:
-    """The Float16 optimizers of the layer-wise Muon (chained, at any depth)."""
-    children = getattr(optimizer, "chained_optimizers", None)
-    if children is not None:
-        return [leaf for child in children for leaf in _layer_wise(child)]
-    return [optimizer] if hasattr(optimizer, "fp32_from_float16_groups") else []
-
-
 def _optimizer_state(optimizer, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's layer-wise fp32 masters and Muon state, per parameter; a grouped weight's
     per expert (``<name>:<expert>``), whether this rank holds it whole or a run of it."""
-    from nemo_lw_fp8.mechanics.expert_slices import is_slice, parent_of
-
-    names = {id(p): n for n, p in module.named_parameters()}
-    out: dict[str, torch.Tensor] = {}
-    for opt in _layer_wise(optimizer):
-        for model_group, main_group in zip(
-            opt.float16_groups, opt.fp32_from_float16_groups, strict=True
-        ):
-            for param, main in zip(model_group, main_group, strict=True):
-                name = names[id(parent_of(param))]
-                values = {"master": main, **opt.optimizer.state.get(main, {})}
-                for kind, value in values.items():
-                    if not torch.is_tensor(value) or value.dim() == 0:
-                        continue
-                    if value.dim() == 3:  # a grouped weight, or a run of its experts
-                        lo = param.lo if is_slice(param) else 0
-                        for k, row in enumerate(value.unbind(0)):
-                            out[f"{kind}:{name}:{lo + k}"] = row.detach().clone()
-                    else:
-                        out[f"{kind}:{name}"] = value.detach().clone()
-    return out
+    return expert_state.per_expert_state(optimizer, module)
 
 
 def _grouped_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -90,7 +64,8 @@ def _runs(optimizer) -> int:
     """How many runs of experts this rank's layer-wise optimizer holds."""
     from nemo_lw_fp8.mechanics.expert_slices import is_slice
 
-    groups = [group for opt in _layer_wise(optimizer) for group in opt.float16_groups]
+    optimizers = expert_state.layer_wise_float16_optimizers(optimizer)
+    groups = [group for opt in optimizers for group in opt.float16_groups]
     return sum(is_slice(p) for group in groups for p in group)
 
 
@@ -170,18 +145,9 @@ def round_trips(directory: str) -> dict:
 
 def _merged(results: list[dict], case: str, what: str) -> dict[str, torch.Tensor]:
     """One case's grouped-weight state over both ranks (each expert on exactly one rank)."""
-    merged: dict[str, torch.Tensor] = {}
-    for result in results:
-        for name, value in result[case][what].items():
-            if GROUPED in name:
-                assert name not in merged, f"{name} held by two ranks"
-                merged[name] = value
-    return merged
+    states = [result[case][what] for result in results]
+    return expert_state.merged_over_ranks(states, keep=lambda name: GROUPED in name)
 
-
-def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    assert sorted(a) == sorted(b)
-    return sorted(name for name in a if not torch.equal(a[name], b[name]))
 
 
 def test_expert_run_state_round_trips_across_ownerships(tmp_path):

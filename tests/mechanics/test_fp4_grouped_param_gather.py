@@ -2,10 +2,10 @@
 grouped NVFP4 weight (issue 30; docs/nvfp4.md, "FP4 primary single grouped weights under
 layer-wise Muon").
 
-The model is ``tests/mechanics/test_nvfp4_param_gather.py``'s 2-layer TE-spec MoE GPT (4 experts, top-2,
-NVFP4 compute from megatron's recipe with stochastic rounding off, the RHT on) with megatron's
-``TEGroupedMLP`` through TE's op fuser and FP4 primary weights (``fp4_param`` + DDP's
-``fp4_param_gather``), trained under layer-wise Muon on two data-parallel ranks (the plugin's
+The model is ``tests/mechanics/test_nvfp4_param_gather.py``'s 2-layer TE-spec MoE GPT (4
+experts, top-2, NVFP4 compute from megatron's recipe with stochastic rounding off, the RHT on)
+with megatron's ``TEGroupedMLP`` through TE's op fuser and FP4 primary weights (``fp4_param`` +
+DDP's ``fp4_param_gather``), trained under layer-wise Muon on two data-parallel ranks (the plugin's
 compact layout, owner reduce, overlapped gathers; megatron's padded layout in the extended tier;
 B200 answers).
 
@@ -27,7 +27,6 @@ FP4 param gather OFF is no reference here: OFF would be bf16 single grouped weig
 
 from __future__ import annotations
 
-import contextlib
 import re
 from typing import Any
 
@@ -155,15 +154,11 @@ def grouped_fp4_run(
     build from another seed) before and save after. Returns losses, eval losses, this rank's
     masters and momenta under discrete names, the grouped kernels TE called, the weight classes
     of the experts and what each gather sent."""
-    import dataclasses
     import functools
 
-    import nemo_lw_fp8
     import tests.mechanics.test_nvfp4_param_gather as base
-    from nemo_lw_fp8.cpu.te import device as te_device
-    from nemo_lw_fp8.mechanics import owner_gather
     from tests.cpu.test_nvfp4_grouped import _build_gpt_grouped_experts
-    from tests.support import resumable, scenarios, training
+    from tests.support import nvfp4_runs, resumable, scenarios, training
     from tests.support.scenarios import Scenario
 
     scenario = Scenario(
@@ -171,20 +166,11 @@ def grouped_fp4_run(
         distribution=f"layerwise_{layout}", overlap=layout == "compact", fp4_param_gather=True,
         grouped_weight_ownership=ownership,
     )  # fmt: skip
-    nemo_lw_fp8.apply()
     seen: list[str] = []
-    with contextlib.ExitStack() as stack:
-        mp = stack.enter_context(pytest.MonkeyPatch.context())
-        stack.enter_context(te_device.target_gpu(te_device.BLACKWELL))
+    sends: list[dict[str, Any]] = []
+    with nvfp4_runs.nvfp4_on_blackwell() as mp:
         import transformer_engine_torch as tex
-        from megatron.core import fp4_utils
 
-        recipe = fp4_utils.get_fp4_recipe
-        mp.setattr(
-            fp4_utils,
-            "get_fp4_recipe",
-            lambda config: dataclasses.replace(recipe(config), disable_stochastic_rounding=True),
-        )
         mp.setenv("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")  # megatron's op-fuser GLU switch
         mp.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1" if single else "0")
         moe = dict(
@@ -204,15 +190,7 @@ def grouped_fp4_run(
                 return _real(*args, **kwargs)
 
             mp.setattr(tex, name, wrapped)
-        sends: list[dict[str, Any]] = []
-        original_collective = owner_gather.all_gather_segments
-
-        def recording_collective(gathered, send, sizes, even, process_group, async_op):
-            rank = process_group.rank()
-            sends.append({"payload": sizes[rank], "dtype": str(send.dtype)})
-            return original_collective(gathered, send, sizes, even, process_group, async_op)
-
-        mp.setattr(owner_gather, "all_gather_segments", recording_collective)
+        nvfp4_runs.record_owner_gathers(mp, sends)
         if mutation is not None:
             MUTATIONS[mutation](mp)
         module, config = base.build_gpt(True, seed=5 if load_dir is None else 17, moe=True)

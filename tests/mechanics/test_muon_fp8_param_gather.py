@@ -10,32 +10,23 @@ The mutation tests switch each fix of the patches off on its own and show that a
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
-from nemo_lw_fp8.cpu.te import backend as te_backend
-from tests.support.harness import BootOptions, RankFailure, run_on_ranks
-from tests.support.parity import assert_diverges
+from tests.support.fp8_mlp import FP8_BOOT, MUON_FP8_MLP, skip_module_without_te
+from tests.support.harness import RankFailure, run_on_ranks
+from tests.support.mutations import switched_off, train_with_step_off
+from tests.support.parity import assert_diverges, assert_same_steps
 from tests.support.parity import assert_fp8_gather_parity as assert_bitwise
+from tests.support.resumable import resume_mismatches, run_on_fresh_ranks, runs_to_resume
 from tests.support.scenarios import Scenario
 from tests.support.te_helpers import rowwise_only_refresh
 from tests.support.training import train
 
-if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
-    pytest.skip("the MXFP8 emulation needs TE's Python package", allow_module_level=True)
+skip_module_without_te("the MXFP8 emulation needs TE's Python package")
 
-FP8 = BootOptions(fp8_emulation=True)
-BASE = Scenario(
-    optimizer="muon",
-    distribution="layerwise_padded",
-    model="fp8mlp",
-    fp8=True,
-    micro_batch=32,
-    snapshots=True,
-    plugin=True,
-)
+FP8 = FP8_BOOT
+BASE = MUON_FP8_MLP
 
 
 def run(scenario: Scenario, world_size: int = 2) -> list[dict]:
@@ -73,11 +64,7 @@ def test_train_eval_train_equals_train_train(overlap):
     scenario = BASE.with_(overlap=overlap, fp8_param_gather=True)
     plain = run(scenario)
     with_eval = run(scenario.with_(eval_after=(1, 3)))
-    for a, b in zip(plain, with_eval, strict=True):
-        assert a["losses"] == b["losses"]
-        assert a["digest"] == b["digest"]
-        for name, master in a["masters"].items():
-            assert torch.equal(master, b["masters"][name])
+    assert_same_steps(plain, with_eval)
     # And the eval itself saw the same model as with FP8 param gather off.
     off = run(scenario.with_(fp8_param_gather=False, eval_after=(1, 3)))
     assert_bitwise(off, with_eval)
@@ -132,23 +119,6 @@ MUTATIONS = {
 }
 
 
-@contextlib.contextmanager
-def mutated(fix: str):
-    """Inside a rank: switch one fix off (a no-op, or megatron's stock behaviour)."""
-    import importlib
-
-    module_name, attr, replacement = MUTATIONS[fix]
-    module = importlib.import_module(f"nemo_lw_fp8.mechanics.{module_name}")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(module, attr, replacement if replacement is not None else (lambda *a, **k: None))
-        yield
-
-
-def train_mutated(scenario: Scenario, fix: str) -> dict:
-    with mutated(fix):
-        return train(scenario)
-
-
 def first_step_touches_mxfp8_weights(scenario: Scenario) -> bool:
     """Whether the optimizer step itself (before any gather) rewrites MXFP8 weight bytes."""
     from megatron.core import parallel_state
@@ -167,7 +137,7 @@ def first_step_touches_mxfp8_weights(scenario: Scenario) -> bool:
 
 
 def first_step_touches_mxfp8_weights_mutated(scenario: Scenario, fix: str) -> bool:
-    with mutated(fix):
+    with switched_off(MUTATIONS, fix):
         return first_step_touches_mxfp8_weights(scenario)
 
 
@@ -196,7 +166,9 @@ def test_inner_step_does_not_requantize_mxfp8_weights():
 def test_each_fix_is_needed(fix, overlap, eval_after):
     scenario = BASE.with_(overlap=overlap, eval_after=eval_after)
     off = run(scenario)
-    on = run_on_ranks(train_mutated, scenario.with_(fp8_param_gather=True), fix, boot=FP8)
+    on = run_on_ranks(
+        train_with_step_off, scenario.with_(fp8_param_gather=True), MUTATIONS, fix, boot=FP8
+    )
     assert_diverges(off, on)
 
 
@@ -207,7 +179,11 @@ def test_eval_with_pre_hooks_needs_staging_before_the_gather(distribution):
     )
     off = run(scenario)
     on = run_on_ranks(
-        train_mutated, scenario.with_(fp8_param_gather=True), "stage_before_hook_gather", boot=FP8
+        train_with_step_off,
+        scenario.with_(fp8_param_gather=True),
+        MUTATIONS,
+        "stage_before_hook_gather",
+        boot=FP8,
     )
     assert_diverges(off, on, match="eval losses differ")
 
@@ -261,19 +237,11 @@ def test_a_recipe_other_than_the_parameters_is_rejected_when_the_optimizer_is_bu
 # --------------------------------------------------------------------------- checkpoint resume
 
 
-#: overlap -> (6 uninterrupted steps, the first 3 steps that saved, the checkpoint directory):
-#: the runs of a resume test, kept for its control (same session).
-_RESUME_RUNS: dict[bool, tuple[list[dict], list[dict], str]] = {}
-
-
 def _resume_runs(overlap: bool, directory: str) -> tuple[list[dict], list[dict], str]:
-    """The uninterrupted run and the saving run of the resume test, made once per session."""
-    if overlap not in _RESUME_RUNS:
-        scenario = BASE.with_(overlap=overlap, fp8_param_gather=True, steps=6)
-        uninterrupted = run(scenario)
-        first = run(scenario.with_(steps=3, save_dir=directory))
-        _RESUME_RUNS[overlap] = (uninterrupted, first, directory)
-    return _RESUME_RUNS[overlap]
+    """6 uninterrupted steps, the first 3 steps that saved and the checkpoint directory: a
+    resume test's runs, made once per session and kept for its control."""
+    scenario = BASE.with_(overlap=overlap, fp8_param_gather=True, steps=6)
+    return runs_to_resume(scenario, directory, FP8)
 
 
 def _resume_mismatches(
@@ -281,32 +249,16 @@ def _resume_mismatches(
 ) -> list[str]:
     """What of the resumed run differs from the run that never stopped: losses, digest, every
     fp32 master (by name), the probe's forward output; per rank. Empty when nothing does."""
-    bad = []
-    for rank, (full, before, after) in enumerate(zip(uninterrupted, first, resumed, strict=True)):
-        if full["losses"] != before["losses"] + after["losses"]:
-            bad.append(f"rank {rank} losses")
-        if full["digest"] != after["digest"]:
-            bad.append(f"rank {rank} digest")
-        for name, master in full["masters"].items():
-            if not torch.equal(master, after["masters"][name]):
-                bad.append(f"rank {rank} master {name}")
-        if not torch.equal(full["probe_output"], after["probe_output"]):
-            bad.append(f"rank {rank} probe output")
-    return bad
+    before = [r["losses"] for r in first]
+    return resume_mismatches(uninterrupted, before, resumed, {"masters": "master"}, probe=True)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 def test_checkpoint_resume_in_fresh_processes_is_bitwise(overlap, tmp_path):
     """Save after 3 steps, start new rank processes, load, run steps 3-5: same bits as 6 steps."""
-    from tests.support.harness import get_pool
-
     scenario = BASE.with_(overlap=overlap, fp8_param_gather=True, steps=6)
     uninterrupted, first, directory = _resume_runs(overlap, str(tmp_path))
-    pool = get_pool(2, FP8)
-    old_pids = [proc.pid for proc in pool._procs]
-    pool.shutdown()
-    resumed = run(scenario.with_(first_step=3, load_dir=directory))
-    assert [proc.pid for proc in get_pool(2, FP8)._procs] != old_pids
+    resumed = run_on_fresh_ranks(train, scenario.with_(first_step=3, load_dir=directory), boot=FP8)
     assert _resume_mismatches(uninterrupted, first, resumed) == []
 
 

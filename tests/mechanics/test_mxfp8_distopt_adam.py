@@ -11,28 +11,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_lw_fp8.cpu.te import backend as te_backend
-from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.fp8_mlp import FP8_BOOT, FP8_MLP, skip_module_without_te
+from tests.support.harness import run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.scenarios import Scenario
 from tests.support.training import train
 
-if te_backend.te_package_dirs() is None:
-    pytest.skip("the MXFP8 emulation needs TE's Python package", allow_module_level=True)
+skip_module_without_te("the MXFP8 emulation needs TE's Python package")
 
-FP8 = BootOptions(fp8_emulation=True)
+FP8 = FP8_BOOT
 
 
 def _scenario(overlap: bool) -> Scenario:
-    return Scenario(
-        optimizer="adam",
-        distribution="distopt",
-        model="fp8mlp",
-        fp8=True,
-        micro_batch=32,
-        overlap=overlap,
-        snapshots=True,
-    )
+    return FP8_MLP.with_(optimizer="adam", distribution="distopt", overlap=overlap, snapshots=True)
 
 
 _OFF: dict[bool, list[dict]] = {}

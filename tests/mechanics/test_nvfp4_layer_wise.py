@@ -1,11 +1,12 @@
 """NVFP4 compute under layer-wise Muon on TE's own modules (issue 30): a GPT from megatron's TE
 spec with ``fp4="e2m1"`` (megatron's ``get_fp4_context``: TE's ``NVFP4BlockScaling`` around
 each layer; the RHT on inputs and gradients, 16x16-block weights), bf16 weights (FP4 primary
-weights and their gather: ``tests/mechanics/test_nvfp4_param_gather.py``), dense and with MoE layers of
-discrete experts (``SequentialMLP`` of TE linears), on two data-parallel ranks, with the devices
-answered as a B200 would. Stochastic rounding is off (megatron's ``get_fp4_recipe`` result with
-``disable_stochastic_rounding=True``; TE reads ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING`` only
-when it is imported): the emulation refuses it by name (docs/nvfp4.md).
+weights and their gather: ``tests/mechanics/test_nvfp4_param_gather.py``), dense and with MoE
+layers of discrete experts (``SequentialMLP`` of TE linears), on two data-parallel ranks, with
+the devices answered as a B200 would. Stochastic rounding is off (megatron's ``get_fp4_recipe``
+result with ``disable_stochastic_rounding=True``; TE reads
+``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING`` only when it is imported): the emulation refuses it
+by name (docs/nvfp4.md).
 
 Claims, bitwise in losses, every rank's fp32 masters and Muon momenta:
 * the plugin's compact layout with its owner reduce and overlapped gathers equals megatron's own
@@ -77,9 +78,7 @@ def nvfp4_run(
     after. Returns losses, eval losses, this rank's masters and momenta, and how many of TE's
     GEMMs ran and took NVFP4 operands."""
 
-    import nemo_lw_fp8
-    from nemo_lw_fp8.cpu.te import device as te_device
-    from tests.support import resumable, training
+    from tests.support import nvfp4_runs
     from tests.support.scenarios import Scenario
 
     compact = layout == "compact"
@@ -87,44 +86,15 @@ def nvfp4_run(
         model="gpt", optimizer="muon", plugin=True, seed=5, micro_batch=4,
         distribution="layerwise_compact" if compact else "layerwise_padded", overlap=compact,
     )  # fmt: skip
-    nemo_lw_fp8.apply()
-    gemms = []
-    with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(te_device.BLACKWELL):
-        import dataclasses
-
-        import transformer_engine_torch as tex
-        from megatron.core import fp4_utils
-
-        # megatron's own recipe (get_fp4_context calls get_fp4_recipe), with SR off
-        megatron_recipe = fp4_utils.get_fp4_recipe
-        mp.setattr(
-            fp4_utils,
-            "get_fp4_recipe",
-            lambda config: dataclasses.replace(
-                megatron_recipe(config), disable_stochastic_rounding=True
-            ),
-        )
-
-        original_gemm = tex.generic_gemm
-
-        def counting_gemm(a, *args, **kwargs):
-            gemms.append(type(a).__name__)
-            return original_gemm(a, *args, **kwargs)
-
-        mp.setattr(tex, "generic_gemm", counting_gemm)
+    gemms: list[str] = []
+    with nvfp4_runs.nvfp4_on_blackwell() as mp:
+        nvfp4_runs.record_gemm_operands(mp, gemms)
         module, config = build_nvfp4_gpt(fp4, seed=5 if load_dir is None else 17, moe=moe)
-        model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
-        losses, eval_losses = resumable.train_steps(
-            scenario, model, optimizer, steps, load_dir=load_dir, save_dir=save_dir,
+        report, _ = nvfp4_runs.train_and_report(
+            scenario, module, config, steps, load_dir=load_dir, save_dir=save_dir,
             nudge_loaded_master=nudge_loaded_master,
         )  # fmt: skip
-        return {
-            "losses": losses,
-            "eval_losses": eval_losses,
-            "state": training.state_by_part(optimizer, model[0].module),
-            "gemms": len(gemms),
-            "nvfp4_gemms": sum(kind.startswith("NVFP4") for kind in gemms),
-        }
+        return {**report, **nvfp4_runs.gemm_counts(gemms)}
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

@@ -1,8 +1,8 @@
 """NVFP4 primary weights under layer-wise Muon, FP4 bytes on the data-parallel wire (issue 30).
 
-The OFF run is ``tests/mechanics/test_nvfp4_layer_wise.py``'s: a 2-layer GPT from megatron's TE spec with
-``fp4="e2m1"`` (NVFP4 compute, stochastic rounding off on megatron's own recipe), bf16 weights
-that TE quantizes (16x16 blocks) at every forward. The ON run builds the same model with
+The OFF run is ``tests/mechanics/test_nvfp4_layer_wise.py``'s: a 2-layer GPT from megatron's TE
+spec with ``fp4="e2m1"`` (NVFP4 compute, stochastic rounding off on megatron's own recipe), bf16
+weights that TE quantizes (16x16 blocks) at every forward. The ON run builds the same model with
 megatron's ``fp4_param`` (persistent ``NVFP4Tensor`` weights, fp32 masters from TE's preserved
 init values) and DDP's ``fp4_param_gather``: each owner quantizes the bf16 cast of its master
 once and ships FP4 codes + 16x16 tile scales + the amax; receivers derive the columnwise copy.
@@ -17,7 +17,6 @@ same values in another byte order.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import pytest
@@ -94,10 +93,8 @@ def fp4_run(
     count and what each gather sent. ``ddp_gather``: DDP's ``fp4_param_gather`` when it differs
     from ``fp4_param``."""
 
-    import nemo_lw_fp8
-    from nemo_lw_fp8.cpu.te import device as te_device
-    from nemo_lw_fp8.mechanics import nvfp4_gather, owner_gather
-    from tests.support import resumable, training
+    from nemo_lw_fp8.mechanics import nvfp4_gather
+    from tests.support import nvfp4_runs
     from tests.support.scenarios import Scenario
 
     scenario = Scenario(
@@ -105,55 +102,22 @@ def fp4_run(
         distribution=f"layerwise_{layout}", overlap=overlap,
         fp4_param_gather=fp4_param if ddp_gather is None else ddp_gather,
     )  # fmt: skip
-    nemo_lw_fp8.apply()
     weight_kinds: list[str] = []
-    with contextlib.ExitStack() as stack:
-        mp = stack.enter_context(pytest.MonkeyPatch.context())
-        stack.enter_context(te_device.target_gpu(te_device.BLACKWELL))
-        import dataclasses
-
-        import transformer_engine_torch as tex
-        from megatron.core import fp4_utils
-
-        megatron_recipe = fp4_utils.get_fp4_recipe
-        mp.setattr(
-            fp4_utils,
-            "get_fp4_recipe",
-            lambda config: dataclasses.replace(
-                megatron_recipe(config), disable_stochastic_rounding=True
-            ),
-        )
-        original_gemm = tex.generic_gemm
-
-        def counting_gemm(a, *args, **kwargs):
-            weight_kinds.append(type(a).__name__)
-            return original_gemm(a, *args, **kwargs)
-
-        mp.setattr(tex, "generic_gemm", counting_gemm)
-        sends: list[dict[str, Any]] = []
-        original_collective = owner_gather.all_gather_segments
-
-        def recording_collective(gathered, send, sizes, even, process_group, async_op):
-            rank = process_group.rank()
-            sends.append({"payload": sizes[rank], "sent": send.numel(), "dtype": str(send.dtype)})
-            return original_collective(gathered, send, sizes, even, process_group, async_op)
-
-        mp.setattr(owner_gather, "all_gather_segments", recording_collective)
+    sends: list[dict[str, Any]] = []
+    with nvfp4_runs.nvfp4_on_blackwell() as mp:
+        nvfp4_runs.record_gemm_operands(mp, weight_kinds)
+        nvfp4_runs.record_owner_gathers(mp, sends)
         if mutation is not None:
             attr, replacement = MUTATIONS[mutation]
             mp.setattr(nvfp4_gather, attr, replacement)
         module, config = build_gpt(fp4_param, seed=5 if load_dir is None else 17, moe=moe)
-        model, optimizer = training.wrap_and_build_optimizer(module, config, scenario)
-        losses, eval_losses = resumable.train_steps(
-            scenario, model, optimizer, steps, load_dir=load_dir, save_dir=save_dir,
+        report, _ = nvfp4_runs.train_and_report(
+            scenario, module, config, steps, load_dir=load_dir, save_dir=save_dir,
             nudge_loaded_master=nudge_loaded_master,
         )  # fmt: skip
         return {
-            "losses": losses,
-            "eval_losses": eval_losses,
-            "state": training.state_by_part(optimizer, model[0].module),
-            "gemms": len(weight_kinds),
-            "nvfp4_gemms": sum(kind.startswith("NVFP4") for kind in weight_kinds),
+            **report,
+            **nvfp4_runs.gemm_counts(weight_kinds),
             "nvfp4_weights": sum(nvfp4_gather.is_nvfp4(p) for p in module.parameters()),
             "swizzled": sorted({p._with_gemm_swizzled_scales for p in fp4_weights(module)}),
             "sends": sends,

@@ -27,18 +27,18 @@ import pytest
 import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
+from tests.support import expert_state
+from tests.support.expert_state import differing as _differ
 from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.te_moe import EXPERTS, TE_ENV, build_te_moe_gpt
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
     pytest.skip("TE's own modules need TE's Python package", allow_module_level=True)
 
 BOOT = BootOptions(fp8_emulation=True)
-EXPERTS = 4
 #: parameters: mlp.experts.linear_fc1.weight; entries: mlp.experts.experts.linear_fc1.weight
 GROUPED = "experts.linear_fc"
 FEATURE = "te_grouped_checkpoint"
-#: What the MXFP8 recipes' TE modules need in the environment (docs/recipes.md).
-TE_ENV = {"NVTE_GROUPED_LINEAR_SINGLE_PARAM": "1", "NVTE_CUTEDSL_FUSED_GROUPED_MLP": "1"}
 
 
 @contextlib.contextmanager
@@ -61,44 +61,13 @@ def _scenario(fp8: bool, ownership: str, seed: int):
 
 def build_te_moe(fp8: bool, seed: int):
     """The tiny MoE GPT from megatron's TE spec: (module, config)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from tests.support.scenarios import env_scope
 
-    from tests.support.scenarios import GPT_SEQ, GPT_VOCAB, env_scope, seed_all, transformer_config
-
-    seed_all(seed)
-    model_parallel_cuda_manual_seed(seed)
     quantized = dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_param=True) if fp8 else {}
-    config = transformer_config(
-        num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=64,
-        add_bias_linear=False, moe_token_dispatcher_type="allgather", moe_router_dtype="fp64",
-        moe_grouped_gemm=True, use_transformer_engine_op_fuser=True,
-        moe_single_grouped_weight=True, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, normalization="RMSNorm",
+    return build_te_moe_gpt(
+        seed, fp8, (env_scope(TE_ENV), _te_construction()), moe_ffn_hidden_size=64,
         use_cpu_initialization=False, **quantized,
     )  # fmt: skip
-    init: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if fp8:
-        from transformer_engine.common.recipe import MXFP8BlockScaling
-        from transformer_engine.pytorch import quantized_model_init
-
-        init = quantized_model_init(
-            enabled=True, recipe=MXFP8BlockScaling(), preserve_high_precision_init_val=True
-        )
-    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=EXPERTS, moe_grouped_gemm=True)
-    with env_scope(TE_ENV), _te_construction(), init:
-        module = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=GPT_VOCAB,
-            max_sequence_length=GPT_SEQ, share_embeddings_and_output_weights=False,
-            position_embedding_type="rope",
-        )  # fmt: skip
-    for param in module.parameters():  # grouped and MXFP8 weights are final
-        if type(param.data) is torch.Tensor:
-            param.data = param.data.to(torch.bfloat16)
-    return module, config
 
 
 def _build(fp8: bool, ownership: str, seed: int):
@@ -120,39 +89,19 @@ def _step(model: list, optimizer) -> None:
     assert ok
 
 
-def _layer_wise(optimizer) -> list:
-    children = getattr(optimizer, "chained_optimizers", None)
-    if children is not None:
-        return [leaf for child in children for leaf in _layer_wise(child)]
-    return [optimizer] if hasattr(optimizer, "fp32_from_float16_groups") else []
-
-
 def _grouped_state(optimizer, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's fp32 masters and Muon momentum of the grouped weights, per expert, whether it
     holds a weight whole or a run of its experts."""
-    from nemo_lw_fp8.mechanics.expert_slices import is_slice, parent_of
-
-    names = {id(p): n for n, p in module.named_parameters()}
-    out: dict[str, torch.Tensor] = {}
-    for opt in _layer_wise(optimizer):
-        for group, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True):
-            for param, main in zip(group, mains, strict=True):
-                name = names[id(parent_of(param))]
-                if GROUPED not in name:
-                    continue
-                lo = param.lo if is_slice(param) else 0
-                values = {"master": main, **opt.optimizer.state.get(main, {})}
-                for kind, value in values.items():
-                    if torch.is_tensor(value) and value.dim() == 3:
-                        for k, row in enumerate(value.unbind(0)):
-                            out[f"{kind}:{name}:{lo + k}"] = row.detach().clone()
-    return out
+    return expert_state.per_expert_state(
+        optimizer, module, keep=lambda name: GROUPED in name, whole_tensors=False
+    )
 
 
 def _runs(optimizer) -> int:
     from nemo_lw_fp8.mechanics.expert_slices import is_slice
 
-    return sum(is_slice(p) for o in _layer_wise(optimizer) for g in o.float16_groups for p in g)
+    optimizers = expert_state.layer_wise_float16_optimizers(optimizer)
+    return sum(is_slice(p) for o in optimizers for g in o.float16_groups for p in g)
 
 
 def _grouped_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -277,17 +226,8 @@ def round_trip(directory: str, fp8: bool, ownership: str, shift_experts: bool = 
 
 
 def _merged(results: list[dict], what: str) -> dict[str, torch.Tensor]:
-    merged: dict[str, torch.Tensor] = {}
-    for result in results:
-        for name, value in result[what].items():
-            assert name not in merged, f"{name} held by two ranks"
-            merged[name] = value
-    return merged
+    return expert_state.merged_over_ranks([result[what] for result in results])
 
-
-def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    assert sorted(a) == sorted(b)
-    return sorted(name for name in a if not torch.equal(a[name], b[name]))
 
 
 CASES = [(False, "whole"), (True, "whole"), (False, "expert"), (True, "expert")]

@@ -17,7 +17,6 @@ The model is built with ``use_cpu_initialization=False``: with ``True`` megatron
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import pytest
@@ -27,57 +26,23 @@ from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges, assert_same_losses_and_masters
 from tests.support.te_helpers import rowwise_only_refresh
+from tests.support.te_moe import TE_ENV, build_te_moe_gpt
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
     pytest.skip("TE's own modules need TE's Python package", allow_module_level=True)
 
 BOOT = BootOptions(fp8_emulation=True)
-EXPERTS = 4
 HIDDEN = FFN = 128  # TE's grouped MXFP8 layout needs multiples of 128
 STEPS = 2
-#: What the MXFP8 recipes' TE modules need in the environment (docs/recipes.md).
-TE_ENV = {"NVTE_GROUPED_LINEAR_SINGLE_PARAM": "1", "NVTE_CUTEDSL_FUSED_GROUPED_MLP": "1"}
 
 
 def build_te_moe(fp8_params: bool, seed: int, cpu_init: bool = False):
     """A 2-layer MoE GPT (4 experts, top 2, SwiGLU, RMSNorm) from megatron's TE spec with MXFP8
     compute; persistent MXFP8 weights with ``fp8_params``. Returns (module, config)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from transformer_engine.common.recipe import MXFP8BlockScaling
-    from transformer_engine.pytorch import quantized_model_init
-
-    from tests.support.scenarios import GPT_SEQ, GPT_VOCAB, seed_all, transformer_config
-
-    seed_all(seed)
-    model_parallel_cuda_manual_seed(seed)
-    config = transformer_config(
-        hidden_size=HIDDEN, num_moe_experts=EXPERTS, moe_router_topk=2,
-        moe_ffn_hidden_size=FFN, add_bias_linear=False, moe_token_dispatcher_type="allgather",
-        moe_router_dtype="fp64", moe_grouped_gemm=True, use_transformer_engine_op_fuser=True,
-        moe_single_grouped_weight=True, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, normalization="RMSNorm", fp8="e4m3",
+    return build_te_moe_gpt(
+        seed, fp8_params, hidden_size=HIDDEN, moe_ffn_hidden_size=FFN, fp8="e4m3",
         fp8_recipe="mxfp8", fp8_param=fp8_params, use_cpu_initialization=cpu_init,
     )  # fmt: skip
-    init: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if fp8_params:
-        init = quantized_model_init(
-            enabled=True, recipe=MXFP8BlockScaling(), preserve_high_precision_init_val=True
-        )
-    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=EXPERTS, moe_grouped_gemm=True)
-    with init:
-        module = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=GPT_VOCAB,
-            max_sequence_length=GPT_SEQ, share_embeddings_and_output_weights=False,
-            position_embedding_type="rope",
-        )  # fmt: skip
-    for param in module.parameters():  # grouped and MXFP8 weights are final
-        if type(param.data) is torch.Tensor:
-            param.data = param.data.to(torch.bfloat16)
-    return module, config
 
 
 def _stale_columnwise(mp: pytest.MonkeyPatch) -> None:

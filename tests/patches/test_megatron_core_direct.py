@@ -13,26 +13,16 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_lw_fp8.cpu.te import backend as te_backend
-from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.fp8_mlp import FP8_BOOT, MUON_FP8_MLP, skip_module_without_te
+from tests.support.harness import run_on_ranks
 from tests.support.parity import assert_diverges, assert_fp8_gather_parity
 from tests.support.scenarios import Scenario
 from tests.support.training import train
 
-if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
-    pytest.skip("the FP8 emulation needs TE's Python package", allow_module_level=True)
+skip_module_without_te("the FP8 emulation needs TE's Python package")
 
-FP8 = BootOptions(fp8_emulation=True)
-DIRECT = Scenario(
-    optimizer="muon",
-    distribution="layerwise_padded",
-    model="fp8mlp",
-    fp8=True,
-    micro_batch=32,
-    snapshots=True,
-    plugin=True,
-    fp8_on_optimizer_config=False,
-)
+FP8 = FP8_BOOT
+DIRECT = MUON_FP8_MLP.with_(fp8_on_optimizer_config=False)
 
 
 def run(scenario: Scenario) -> list[dict]:

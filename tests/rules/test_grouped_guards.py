@@ -11,17 +11,10 @@ import pytest
 
 from nemo_lw_fp8 import rules as guards
 from nemo_lw_fp8.rules import ConfigError, Settings
+from tests.support.guard_settings import GROUPED_OK, LAYER_WISE_MXFP8_GATHER
 
-LAYER_WISE_MXFP8_PRIMARY = dict(
-    optimizer="muon",
-    use_layer_wise_distributed_optimizer=True,
-    use_distributed_optimizer=True,
-    fp8_recipe="mxfp8",
-    fp8_param_gather=True,
-    reuse_grad_buf_for_mxfp8_param_ag=True,
-    moe_single_grouped_weight=True,
-    grouped_linear_single_param=True,
-    te_version="2.20.2",
+LAYER_WISE_MXFP8_PRIMARY = LAYER_WISE_MXFP8_GATHER | GROUPED_OK | dict(
+    use_distributed_optimizer=True
 )
 
 

@@ -10,22 +10,16 @@ import pytest
 
 from nemo_lw_fp8 import rules as guards
 from nemo_lw_fp8.rules import ConfigError, Settings
+from tests.support.guard_settings import GROUPED_OK, LAYER_WISE_MXFP8_GATHER
 
 #: Layer-wise Muon with MXFP8 param gather on the compact layout, single grouped experts: a
 #: combination every rule accepts. Each case below breaks it in one way.
-GOOD = dict(
+GOOD = LAYER_WISE_MXFP8_GATHER | GROUPED_OK | dict(
     optimizer="dist_muon",
-    use_layer_wise_distributed_optimizer=True,
     layer_wise_layout="compact",
     fp8="e4m3",
-    fp8_recipe="mxfp8",
-    fp8_param_gather=True,
-    reuse_grad_buf_for_mxfp8_param_ag=True,
     overlap_param_gather=True,
     ddp_overlap_param_gather=True,
-    moe_single_grouped_weight=True,
-    te_version="2.20.2",
-    grouped_linear_single_param=True,
 )
 #: Expert-run ownership of grouped weights (checkpoints save each run's optimizer state).
 EXPERT_RUNS = GOOD | dict(grouped_weight_ownership="expert")

@@ -8,20 +8,9 @@ import pytest
 
 from nemo_lw_fp8 import rules as guards
 from nemo_lw_fp8.rules import ConfigError, Settings
+from tests.support.guard_settings import GROUPED_OK, LAYER_WISE_MUON, LAYER_WISE_MXFP8_GATHER
 
-GOOD_MXFP8 = Settings(
-    optimizer="muon",
-    use_layer_wise_distributed_optimizer=True,
-    fp8_recipe="mxfp8",
-    fp8_param_gather=True,
-    reuse_grad_buf_for_mxfp8_param_ag=True,
-    overlap_param_gather=True,
-)
-
-#: A single grouped expert weight set up as it must be (TE switch on, a recent TE).
-GROUPED_OK = dict(
-    moe_single_grouped_weight=True, grouped_linear_single_param=True, te_version="2.20.2"
-)
+GOOD_MXFP8 = Settings(**LAYER_WISE_MXFP8_GATHER, overlap_param_gather=True)
 
 BAD = {
     "fp8-gather-needs-grad-buffer-reuse": (
@@ -84,13 +73,7 @@ BAD = {
 }
 
 #: Layer-wise NVFP4 primary weights as tests/mechanics/test_nvfp4_param_gather.py runs them.
-FP4_PRIMARY_OK = dict(
-    optimizer="muon",
-    use_layer_wise_distributed_optimizer=True,
-    fp4_recipe="nvfp4",
-    fp4_param=True,
-    fp4_param_gather=True,
-)
+FP4_PRIMARY_OK = LAYER_WISE_MUON | dict(fp4_recipe="nvfp4", fp4_param=True, fp4_param_gather=True)
 
 
 def test_fp4_primary_weights_pass_where_verified():
@@ -211,11 +194,7 @@ def test_dist_muon_counts_as_layer_wise():
 
 def test_megatron_args_are_read():
     args = SimpleNamespace(
-        optimizer="muon",
-        use_layer_wise_distributed_optimizer=True,
-        fp8_recipe="mxfp8",
-        fp8_param_gather=True,
-        reuse_grad_buf_for_mxfp8_param_ag=True,
+        **LAYER_WISE_MXFP8_GATHER,
         use_layer_wise_param_layout=False,
         bf16=True,
         use_distributed_optimizer=True,
@@ -363,8 +342,9 @@ def test_layer_wise_config_refuses_compact_settings_on_the_padded_layout():
 
 # --------------------------------------------------------------------------- FP8 gather at TP > 1
 
-#: The TP-2 models tests/mechanics/test_tp_fp8_param_gather.py runs (MXFP8: hidden 64, 4 heads, ffn 128,
-#: experts of 64 at ETP 1; blockwise: hidden 256, ffn 512, experts of 128), on the compact layout.
+#: The TP-2 models tests/mechanics/test_tp_fp8_param_gather.py runs (MXFP8: hidden 64, 4 heads,
+#: ffn 128, experts of 64 at ETP 1; blockwise: hidden 256, ffn 512, experts of 128), on the
+#: compact layout.
 TP2_MXFP8 = dict(
     GOOD_MXFP8.__dict__, layer_wise_layout="compact", fp8="e4m3", tensor_model_parallel_size=2,
     hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_moe_experts=4,

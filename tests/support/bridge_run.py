@@ -1,9 +1,9 @@
 """``torchrun`` target for tests/bridge/test_bridge_training.py: ``nemo-lw-fp8 pretrain`` with an
 optional mutation (env ``NEMO_LW_FP8_TEST_MUTATION``) switching one plugin fix off, so the test
 shows its parity check fails without that fix (also the target of
-tests/bridge/test_bridge_checkpointing.py, tests/bridge/test_bridge_hopper.py and tests/recipes/test_recipe_twins.py; env
-``NEMO_LW_FP8_TEST_PROBE``: a path prefix where each rank records what the layer-wise optimizer
-was built over)."""
+tests/bridge/test_bridge_checkpointing.py, tests/bridge/test_bridge_hopper.py and
+tests/recipes/test_recipe_twins.py; env ``NEMO_LW_FP8_TEST_PROBE``: a path prefix where each
+rank records what the layer-wise optimizer was built over)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def install_mutation(mutation: str) -> None:
         from nemo_lw_fp8.cpu.te import backend as te_backend
 
         te_backend.activate()  # TE over the CPU emulation before anything imports it
-        from support.te_helpers import rowwise_only_refresh  # tests/ is this script's path
+        from te_helpers import rowwise_only_refresh  # tests/support/ is this script's path
         from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 
         MXFP8Quantizer.update_quantized = rowwise_only_refresh(MXFP8Quantizer.update_quantized)

@@ -1,8 +1,8 @@
 """Runs of ``nemo-lw-fp8 pretrain --cpu`` for the Bridge tests, in ranks launched by ``torchrun``
 as a user launches them, or forked from the session's launch server, which imported the stack
-once (``launcher="fork"``, tests/support/fork_run.py and tests/support/fork_server.py: the same entry
-point and rank environment, without ~20 s of imports per run). tests/support/bridge_run.py adds an
-optional mutation that switches one fix off.
+once (``launcher="fork"``, tests/support/fork_run.py and tests/support/fork_server.py: the same
+entry point and rank environment, without ~20 s of imports per run). tests/support/bridge_run.py
+adds an optional mutation that switches one fix off.
 
 :func:`pretrain` returns the run's record: ``train`` (per iteration: reduced ``lm loss`` and
 ``grad norm``), ``eval`` (per evaluation), ``ranks`` (each rank's digest of its fp32 masters
@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.support import fork_server
 
@@ -77,8 +78,8 @@ def pretrain(
     """Train ``recipe`` on ``nproc`` CPU ranks; a failing run fails the test with its log tail
     (a control that crashes is a failure, not a divergence). ``probe``: also record, per rank,
     what the layer-wise optimizer of a blockwise run was built over (``run["probe"]``, see
-    tests/support/bridge_run.py). ``cpu_modules``: ``pretrain --cpu-modules``: TE's own modules as the
-    GPU builds them (``te``) unless a test asks for the project's CPU layers.
+    tests/support/bridge_run.py). ``cpu_modules``: ``pretrain --cpu-modules``: TE's own modules as
+    the GPU builds them (``te``) unless a test asks for the project's CPU layers.
     ``state_tensors``: also keep the tensors behind ``state`` (``run["tensors"]``: per moment,
     per rank, what tests/support/bridge_run.py's ``install_state_tensors`` wrote)."""
     prefix = str(tmp / f"{tag}-probe") if probe else ""
@@ -138,6 +139,37 @@ def saving_at(tmp: Path, iteration: int) -> tuple[str, ...]:
 def loading_at(tmp: Path, iteration: int) -> tuple[str, ...]:
     """Overrides that load :func:`saving_at`'s checkpoint of ``iteration``."""
     return (f"checkpoint.load={tmp / 'ckpt'}", f"checkpoint.ckpt_step={iteration}")
+
+
+class SavingRuns:
+    """A test module's runs of one recipe, each made once per session and kept by tag: the ON
+    run also saves at ``saved_at`` (a save must not change what it trains), a resumed run loads
+    that checkpoint in fresh processes. ``overrides`` and ``options`` (of :func:`pretrain`) are
+    what every run of the module shares; the tags start with ``prefix``."""
+
+    def __init__(self, prefix: str, recipe: str, *overrides: str, saved_at: int, **options: Any):
+        self.prefix, self.recipe, self.overrides = prefix, recipe, overrides
+        self.saved_at, self.options = saved_at, options
+        self._made: dict[str, dict] = {}
+
+    def run(self, tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
+        """The run ``tag`` with the ``extra`` overrides (and ``mutation``), made the first time."""
+        if tag not in self._made:
+            self._made[tag] = pretrain(
+                tmp, tag, self.recipe, *self.overrides, *extra, mutation=mutation, **self.options
+            )
+        return self._made[tag]
+
+    def on(self, tmp: Path) -> dict:
+        """The ON run; it also saves at ``saved_at``."""
+        return self.run(tmp, f"{self.prefix}-on", *saving_at(tmp, self.saved_at))
+
+    def resumed(self, tmp: Path, mutation: str = "") -> dict:
+        """Fresh processes load the ON run's checkpoint and train the iterations after it."""
+        self.on(tmp)
+        loading = loading_at(tmp, self.saved_at)
+        tag = f"{self.prefix}-resumed{mutation and '-' + mutation}"
+        return self.run(tmp, tag, *loading, mutation=mutation)
 
 
 def assert_gather_on_equals_off(on: dict, off: dict, steps: int) -> None:

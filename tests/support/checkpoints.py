@@ -9,6 +9,7 @@ with single grouped expert weights resumes one with discrete weights and the rev
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -89,6 +90,18 @@ def _layer_wise_children(optimizer) -> tuple[list, list]:
     return inner, others
 
 
+def _named_masters(inner: list, module: torch.nn.Module) -> Iterator[tuple[Any, str, Any]]:
+    """(Float16 optimizer, parameter name, fp32 master) for every master ``inner`` holds: the
+    walk both the named save and the named load make, so that they pair names the same way."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    for child in inner:
+        for model_group, main_group in zip(
+            child.float16_groups, child.fp32_from_float16_groups, strict=True
+        ):
+            for param, master in zip(model_group, main_group, strict=True):
+                yield child, names[id(param)], master
+
+
 def _grouped_names(module: torch.nn.Module) -> list[str]:
     return [
         name for name, p in module.named_parameters() if name.endswith(".weight") and p.dim() == 3
@@ -106,20 +119,14 @@ def save_named_checkpoint(model: list, optimizer, directory: str) -> None:
 
     module = model[0].module
     grouped = _grouped_names(module)
-    names = {id(p): n for n, p in module.named_parameters()}
     per_quantity: dict[str, dict[str, torch.Tensor]] = {"master": {}}
     inner, others = _layer_wise_children(optimizer)
-    for child in inner:
-        for model_group, main_group in zip(
-            child.float16_groups, child.fp32_from_float16_groups, strict=True
-        ):
-            for param, master in zip(model_group, main_group, strict=True):
-                name = names[id(param)]
-                per_quantity["master"][name] = master.detach().clone()
-                for key, value in child.optimizer.state.get(master, {}).items():
-                    if not torch.is_tensor(value):
-                        raise TypeError(f"{name}: non-tensor optimizer state {key!r}")
-                    per_quantity.setdefault(key, {})[name] = value.detach().clone()
+    for child, name, master in _named_masters(inner, module):
+        per_quantity["master"][name] = master.detach().clone()
+        for key, value in child.optimizer.state.get(master, {}).items():
+            if not torch.is_tensor(value):
+                raise TypeError(f"{name}: non-tensor optimizer state {key!r}")
+            per_quantity.setdefault(key, {})[name] = value.detach().clone()
     values = {n: p.detach().clone() for n, p in module.named_parameters()}
     state = {
         "model": grouped_to_discrete(values, grouped),
@@ -159,19 +166,13 @@ def load_named_checkpoint(model: list, optimizer, directory: str) -> None:
         for name, param in module.named_parameters():
             param.copy_(values[name])
     layer_wise = {key: to_model_layout(tensors) for key, tensors in merged.items()}
-    names = {id(p): n for n, p in module.named_parameters()}
     inner, others = _layer_wise_children(optimizer)
-    for child in inner:
-        for model_group, main_group in zip(
-            child.float16_groups, child.fp32_from_float16_groups, strict=True
-        ):
-            for param, master in zip(model_group, main_group, strict=True):
-                name = names[id(param)]
-                master.data.copy_(layer_wise["master"][name])
-                child.optimizer.state[master] = {
-                    key: tensors[name].clone()
-                    for key, tensors in layer_wise.items()
-                    if key != "master" and name in tensors
-                }
+    for child, name, master in _named_masters(inner, module):
+        master.data.copy_(layer_wise["master"][name])
+        child.optimizer.state[master] = {
+            key: tensors[name].clone()
+            for key, tensors in layer_wise.items()
+            if key != "master" and name in tensors
+        }
     for child, child_state in zip(others, mine["others"], strict=True):
         _load_optimizer_state(child, child_state)

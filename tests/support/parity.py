@@ -75,6 +75,16 @@ def assert_same_losses_and_masters(reference: list[dict], results: list[dict]) -
         assert not differ, f"rank {rank}: masters differ in {differ}"
 
 
+def assert_same_steps(plain: list[dict], with_eval: list[dict]) -> None:
+    """Two runs of one scenario, one with evaluations between its steps: per rank the same
+    losses, parameter digest and fp32 masters, bitwise (an evaluation changes no training)."""
+    for a, b in zip(plain, with_eval, strict=True):
+        assert a["losses"] == b["losses"]
+        assert a["digest"] == b["digest"]
+        for name, master in a["masters"].items():
+            assert torch.equal(master, b["masters"][name])
+
+
 def assert_same_training(
     discrete: list[dict], single: list[dict], replicas: list[list[int]] | None = None
 ) -> None:

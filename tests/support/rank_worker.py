@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -241,6 +242,19 @@ def _import_stack(boot: BootOptions, megatron: bool) -> None:
         importlib.import_module(name)
 
 
+def requests(conn: Connection) -> Iterator[Any]:
+    """The messages the parent sends on ``conn`` until it sends ``None`` or closes its end: the
+    loop a rank's task server and a zygote's fork server share, so both stop the same way."""
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        if message is None:
+            return
+        yield message
+
+
 def _worker_main(
     rank: int, world_size: int, port: int, conn: Connection, dump_path: str, boot: BootOptions
 ) -> None:
@@ -280,13 +294,7 @@ def _serve_rank(
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         return
 
-    while True:
-        try:
-            message = pickle.loads(conn.recv_bytes())
-        except EOFError:
-            return
-        if message is None:
-            return
+    for message in requests(conn):
         fn, args, kwargs, spec, sys_path = message
         for entry in sys_path:
             if entry not in sys.path:

@@ -1,6 +1,7 @@
 """A rank's training steps between an optional checkpoint load and save, and the bitwise
 comparison of two such runs' losses, evaluations and optimizer state: what the NVFP4 tests
-(``test_nvfp4_layer_wise.py``, ``test_nvfp4_param_gather.py``) share."""
+(``test_nvfp4_layer_wise.py``, ``test_nvfp4_param_gather.py``) share. Also what the FP8 resume
+tests share: a resume in fresh rank processes and the list of what it got wrong."""
 
 from __future__ import annotations
 
@@ -63,3 +64,70 @@ def assert_same_run(reference: list[dict], results: list[dict]) -> None:
     assert ref_state.keys() == res_state.keys(), "the runs hold different masters / momenta"
     differ = [k for k, v in ref_state.items() if not torch.equal(v, res_state[k])]
     assert not differ, f"masters / momenta differ in {differ}"
+
+
+#: scenario -> (its uninterrupted run, its first steps that saved, the checkpoint directory)
+_SAVED_RUNS: dict[Any, tuple[list[dict], list[dict], str]] = {}
+
+
+def runs_to_resume(
+    scenario: Any, directory: str, boot: Any, save_after: int = 3
+) -> tuple[list[dict], list[dict], str]:
+    """``scenario`` uninterrupted and its first ``save_after`` steps saving to ``directory``,
+    made once per session: a resume test and its control then compare with the same runs (the
+    control reuses the test's own when the test ran first)."""
+    from tests.support.harness import run_on_ranks
+    from tests.support.training import train
+
+    if scenario not in _SAVED_RUNS:
+        uninterrupted = run_on_ranks(train, scenario, boot=boot)
+        saving = scenario.with_(steps=save_after, save_dir=directory)
+        _SAVED_RUNS[scenario] = (uninterrupted, run_on_ranks(train, saving, boot=boot), directory)
+    return _SAVED_RUNS[scenario]
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Tensors bit for bit, anything else (a param group's step count) by ``==``."""
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+def resume_mismatches(
+    uninterrupted: list[dict],
+    losses_before: list[list[float]],
+    resumed: list[dict],
+    named: dict[str, str],
+    probe: bool = False,
+) -> list[str]:
+    """What of a resumed run differs from the run that never stopped, per rank; empty when
+    nothing does. ``losses_before``: each rank's losses of the steps before the resume;
+    ``named``: result key -> label, a dict compared entry by entry (masters, optimizer state,
+    effective weights); ``probe``: the probe's forward output too. Each item names the rank,
+    the label and the entry, so a control can show *where* its mutation surfaced."""
+    bad = []
+    ranks = zip(uninterrupted, losses_before, resumed, strict=True)
+    for rank, (full, before, after) in enumerate(ranks):
+        if full["losses"] != before + after["losses"]:
+            bad.append(f"rank {rank} losses")
+        if full["digest"] != after["digest"]:
+            bad.append(f"rank {rank} digest")
+        for key, label in named.items():
+            for name, value in full[key].items():
+                if not _same_value(value, after[key][name]):
+                    bad.append(f"rank {rank} {label} {name}")
+        if probe and not torch.equal(full["probe_output"], after["probe_output"]):
+            bad.append(f"rank {rank} probe output")
+    return bad
+
+
+def run_on_fresh_ranks(fn: Any, *args: Any, boot: Any, world_size: int = 2) -> list[Any]:
+    """``run_on_ranks`` after ending the pool's rank processes: a resume then reads its
+    checkpoint in processes that never held the saving run's state (asserted: the ranks'
+    process ids are new)."""
+    from tests.support.harness import get_pool, run_on_ranks
+
+    pool = get_pool(world_size, boot)
+    old_pids = [proc.pid for proc in pool._procs]
+    pool.shutdown()
+    results = run_on_ranks(fn, *args, world_size=world_size, boot=boot)
+    assert [proc.pid for proc in get_pool(world_size, boot)._procs] != old_pids
+    return results

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,20 @@ def run_te_script(script: str, *, timeout: int = 240) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def real_te_gpu_skip_reason(supported: Callable[[int, int], bool], needs: str) -> str | None:
+    """Why a test of real TE kernels cannot run here, or None when it can: it needs a CUDA GPU
+    whose compute capability (major, minor) ``supported`` accepts (``needs`` says which) and
+    the real Transformer Engine, not only its Python package."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    if not supported(major, minor):
+        return f"{needs}, this GPU is {major}.{minor}"
+    if not te_backend._extension_file_present():
+        return "real Transformer Engine (transformer-engine[pytorch]) is not installed"
+    return None
+
+
 class ThreadedMaxAllReduce:
     """Simulates a MAX all-reduce between ``world`` threads (one per rank) in one process."""
 
@@ -74,3 +89,15 @@ class ThreadedMaxAllReduce:
         reduced = torch.stack(self.buffers).amax(0)
         self.barrier.wait()
         buffer.copy_(reduced)
+
+
+class RepeatedMaxAllReduce(ThreadedMaxAllReduce):
+    """:class:`ThreadedMaxAllReduce` in ``torch.distributed.all_reduce``'s place (a TE script
+    assigns it there): that signature, and the buffers emptied after each call, so the same
+    threads can reduce again."""
+
+    def __call__(self, tensor: torch.Tensor, op=None, group=None, async_op=False) -> None:
+        super().__call__(tensor)
+        self.barrier.wait()
+        with self.lock:
+            self.buffers.clear()

@@ -272,31 +272,35 @@ def effective_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         weight_columnwise,
     )
 
+    def blockwise_forms(sub) -> tuple[torch.Tensor, torch.Tensor]:
+        value = quantize_dequantize_weight(sub.weight.detach()).float()
+        return value, value
+
+    def mxfp8_forms(sub) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = sub.weight.detach()
+        columnwise = mx.quantize(weight, rowwise=False, columnwise=True, two_d=sub.two_d_weights)
+        return (
+            quantize_dequantize(weight, two_d=sub.two_d_weights).float(),
+            mx.dequantize(columnwise, use="columnwise").float(),
+        )
+
+    #: linear class -> (columnwise form of a quantized weight, both forms of a bf16 weight)
+    kinds = {
+        BlockwiseFP8Linear: (_columnwise_weight, blockwise_forms),
+        MXFP8Linear: (weight_columnwise, mxfp8_forms),
+    }
     out = {}
     for name, sub in module.named_modules():
-        if isinstance(sub, BlockwiseFP8Linear):
-            weight = sub.weight
-            if _uses_quantized_storage(weight):
-                out[name] = weight.dequantize().detach().float()
-                # The dgrad GEMM reads the columnwise form: it must be the same weight.
-                out[name + ":columnwise"] = _columnwise_weight(weight).detach().float()
-            else:
-                value = quantize_dequantize_weight(weight.detach()).float()
-                out[name] = value
-                out[name + ":columnwise"] = value
+        kind = next((k for k in kinds if isinstance(sub, k)), None)
+        if kind is None:
             continue
-        if isinstance(sub, MXFP8Linear):
-            weight = sub.weight
-            if _uses_quantized_storage(weight):
-                out[name] = weight.dequantize().detach().float()
-                # The dgrad GEMM reads the columnwise copy: it must be current too.
-                out[name + ":columnwise"] = weight_columnwise(weight).detach().float()
-            else:
-                out[name] = quantize_dequantize(weight.detach(), two_d=sub.two_d_weights).float()
-                columnwise = mx.quantize(
-                    weight.detach(), rowwise=False, columnwise=True, two_d=sub.two_d_weights
-                )
-                out[name + ":columnwise"] = mx.dequantize(columnwise, use="columnwise").float()
+        stored_columnwise, computed_forms = kinds[kind]
+        if _uses_quantized_storage(sub.weight):
+            out[name] = sub.weight.dequantize().detach().float()
+            # The dgrad GEMM reads the columnwise copy: it must be the same, current weight.
+            out[name + ":columnwise"] = stored_columnwise(sub.weight).detach().float()
+        else:
+            out[name], out[name + ":columnwise"] = computed_forms(sub)
     return out
 
 

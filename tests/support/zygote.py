@@ -26,6 +26,7 @@ from tests.support.rank_worker import (
     BootOptions,
     _import_stack,
     _serve_rank,
+    requests,
 )
 
 
@@ -68,13 +69,7 @@ def _zygote_main(conn: Connection, boot: BootOptions) -> None:
 
         gc.freeze()  # the imported stack: never collected, never copied by the ranks' collections
         conn.send_bytes(pickle.dumps(("ready", time.process_time())))
-        while True:
-            try:
-                message = pickle.loads(conn.recv_bytes())
-            except EOFError:
-                return
-            if message is None:
-                return
+        for message in requests(conn):
             reap()
             if message[0] == "poll":
                 conn.send_bytes(pickle.dumps({pid: exit_codes.get(pid) for pid in message[1]}))
