@@ -39,13 +39,19 @@ def layer_wise_run(cfg: Any) -> bool:
 
 
 @contextlib.contextmanager
-def saving_config(cfg: Any) -> Iterator[None]:
-    """While a checkpoint of ``cfg``'s run is saved, remember whether it is layer-wise."""
-    token = _LAYER_WISE_SAVE.set(layer_wise_run(cfg))
+def _holding(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
+    """``var`` holds ``value`` for the ``with`` block (this thread / task only), then what it
+    held before."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _LAYER_WISE_SAVE.reset(token)
+        var.reset(token)
+
+
+def saving_config(cfg: Any) -> contextlib.AbstractContextManager[None]:
+    """While a checkpoint of ``cfg``'s run is saved, remember whether it is layer-wise."""
+    return _holding(_LAYER_WISE_SAVE, layer_wise_run(cfg))
 
 
 def has_distributed_optimizer(use_distributed_optimizer: bool) -> bool:
@@ -81,14 +87,9 @@ _LOADING_INTO: contextvars.ContextVar[_Load | None] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def loading_into(cfg: Any) -> Iterator[None]:
+def loading_into(cfg: Any) -> contextlib.AbstractContextManager[None]:
     """While Bridge loads a checkpoint into the run configured by ``cfg``."""
-    token = _LOADING_INTO.set(_Load(cfg))
-    try:
-        yield
-    finally:
-        _LOADING_INTO.reset(token)
+    return _holding(_LOADING_INTO, _Load(cfg))
 
 
 def loading_dir() -> str | None:

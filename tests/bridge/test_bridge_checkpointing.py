@@ -1,6 +1,7 @@
 """Save and resume through Megatron-Bridge's own ``pretrain`` loop (2 CPU ranks, torchrun),
 launched as ``nemo llm pretrain`` (nemo-run's CLI; the control runs ``nemo-lw-fp8 pretrain``
-through tests/support/bridge_run.py, which can switch a fix off, forked from the tests' launch server).
+through tests/support/bridge_run.py, which can switch a fix off, forked from the tests' launch
+server).
 
 tiny DeepSeek-V3 with every plugin feature on (layer-wise Muon, compact layout, overlapped
 gathers, MXFP8 param gather): a run saves a ``torch_dist`` checkpoint at iteration 2 and goes

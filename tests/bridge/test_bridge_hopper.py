@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.usefixtures("bridge_installed"), pytest.mark.extended]
 
 def _train(tmp: Path, tag: str, *extra: str, mutation: str = "") -> dict:
     """One 2-rank ``nemo-lw-fp8 pretrain --cpu`` run: its losses and, per rank, what the
-    layer-wise optimizer was built over (``tests/support/bridge_run.py``'s probe). A control run that
-    crashes fails here: it must diverge, not die."""
+    layer-wise optimizer was built over (``tests/support/bridge_run.py``'s probe). A control run
+    that crashes fails here: it must diverge, not die."""
     return br.pretrain(tmp, tag, RECIPE, f"train.train_iters={STEPS}",
                        f"validation.eval_interval={STEPS}", "train.global_batch_size=4", *extra,
                        mutation=mutation, probe=True)  # fmt: skip

@@ -1,4 +1,5 @@
-"""The stand-in for APEX's ``fused_weight_gradient_mlp_cuda`` (``nemo_lw_fp8.cpu.megatron.apex_wgrad``):
+"""The stand-in for APEX's ``fused_weight_gradient_mlp_cuda``
+(``nemo_lw_fp8.cpu.megatron.apex_wgrad``):
 ``main_grad += dy^T x`` against a float64 reference within the bound its fp32 arithmetic
 explains (an fp32 dot product of ``n`` terms: ``n * 2^-24 * sum|terms|``, Higham's gamma_n; one
 more rounding for the add, and half an ulp of bf16 for the bf16 kernel's single cast), and

@@ -17,7 +17,7 @@ from nemo_lw_fp8.cpu.formats import blockwise_sharded_cast as bws
 from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.blockwise_reference import wide, with_specials
 from tests.support.fp8_reference import E4M3, E5M2
-from tests.support.te_test_support import TE_PATH, needs_te, run_te_script
+from tests.support.te_test_support import needs_te, te_script_results
 
 # --------------------------------------------------------------------------------------------
 # TE 2.20.2's own classes over the emulated extension (subprocess)
@@ -236,9 +236,7 @@ print("RESULT " + json.dumps(R))
 
 @pytest.fixture(scope="module")
 def te_results() -> dict:
-    if TE_PATH is None:
-        pytest.skip("Transformer Engine's Python package is not installed")
-    return run_te_script(TE_SCRIPT)
+    return te_script_results(TE_SCRIPT)
 
 
 @needs_te

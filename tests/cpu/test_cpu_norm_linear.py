@@ -1,5 +1,6 @@
-"""The CPU fused norm + linear (``nemo_lw_fp8.cpu.layers.norm_linear``) and the ``local_norm_linear``
-stand-in: MLA without a q LoRA (DeepSeek-V2-Lite) builds on CPU with TE's structure."""
+"""The CPU fused norm + linear (``nemo_lw_fp8.cpu.layers.norm_linear``) and the
+``local_norm_linear`` stand-in: MLA without a q LoRA (DeepSeek-V2-Lite) builds on CPU with TE's
+structure."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def _config(**overrides: Any) -> Any:
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
         apply_rope_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, rope_type="rope", normalization="RMSNorm", qk_layernorm=True,
-        transformer_impl="local",  # as the CPU backend runs (nemo_lw_fp8.cpu.megatron.bridge_pretrain)
+        # as the CPU backend runs (nemo_lw_fp8.cpu.megatron.bridge_pretrain)
+        transformer_impl="local",
     )
     settings.update(overrides)
     return MLATransformerConfig(**settings)

@@ -15,18 +15,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.te_test_support import needs_te, run_te_script
+from nemo_lw_fp8.vocabulary import NVFP4_NO_SR_ENV as NVFP4_NO_SR
+from tests.support.te_test_support import blackwell_script, needs_te, run_te_script
 
-TE_SCRIPT = r"""
-import json, os
-os.environ["NVTE_NVFP4_DISABLE_RHT"] = "1"
-os.environ["NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"] = "1"
-from nemo_lw_fp8.cpu.te import activate
-R = {"backend": activate()}
-import torch
-from nemo_lw_fp8.cpu.te import device as te_device
-SCOPE = te_device.target_gpu(te_device.BLACKWELL)  # kept: a dropped one exits
-SCOPE.__enter__()
+TE_SCRIPT = blackwell_script(
+    r"""
 import transformer_engine.pytorch as te
 import transformer_engine_torch as tex
 from transformer_engine.common.recipe import NVFP4BlockScaling
@@ -335,7 +328,8 @@ for label, kw in {"default": dict(disable_rht=False, disable_stochastic_rounding
         ref_[label] = stage + ": " + str(exc)
 R["refused"] = ref_
 print("RESULT " + json.dumps(R))
-"""
+""", env=("NVTE_NVFP4_DISABLE_RHT", NVFP4_NO_SR)
+)
 
 
 @pytest.fixture(scope="module")

@@ -24,17 +24,12 @@ import math
 
 import pytest
 
-from tests.support.te_test_support import needs_te, run_te_script
+from nemo_lw_fp8.vocabulary import NVFP4_NO_SR_ENV as NVFP4_NO_SR
+from tests.support.nvfp4_grouped_path import MutatedCast
+from tests.support.te_test_support import blackwell_script, needs_te, run_te_script
 
-TE_SCRIPT = r"""
-import json, os
-os.environ["NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"] = "1"
-from nemo_lw_fp8.cpu.te import activate
-R = {"backend": activate()}
-import torch
-from nemo_lw_fp8.cpu.te import device as te_device
-SCOPE = te_device.target_gpu(te_device.BLACKWELL)  # kept: a dropped one exits
-SCOPE.__enter__()
+TE_SCRIPT = blackwell_script(
+    r"""
 import transformer_engine.pytorch as te
 import transformer_engine_torch as tex
 from transformer_engine.common.recipe import NVFP4BlockScaling
@@ -240,7 +235,8 @@ for label, disable_rht, sizes in CASES:
     gm[label] = r
 R["grouped_linear"] = gm
 print("RESULT " + json.dumps(R))
-"""
+""", env=(NVFP4_NO_SR,)
+)
 
 
 @pytest.fixture(scope="module")
@@ -347,38 +343,15 @@ def _copy_sequential_weights(reference, module) -> None:
             param.copy_(source[name])
 
 
-class _SharedAmaxCast:
-    """The control's mutation of the emulation's plain-torch cast (:mod:`nemo_lw_fp8.cpu.te.
-    nvfp4`): the rowwise copy of each split cast with the whole tensor's amax, as if TE's
-    grouped kernels shared one amax across the experts."""
-
-    def __init__(self) -> None:
-        from nemo_lw_fp8.cpu.formats import nvfp4
-
-        self.fp4, self.whole = nvfp4, None
-
-    def __getattr__(self, name: str):
-        return getattr(self.fp4, name)
-
-    def quantize(self, part, rowwise=True, columnwise=True, rht_sign_mask=None, **kwargs):
-        data = self.fp4.quantize(
-            part, rowwise=rowwise, columnwise=columnwise, rht_sign_mask=rht_sign_mask, **kwargs
-        )
-        if rowwise:
-            plain = self.fp4.quantize(part, rowwise=True, columnwise=False, amax=self.whole)
-            data.rowwise_data, data.rowwise_scale_inv = plain.rowwise_data, plain.rowwise_scale_inv
-            data.amax_rowwise = plain.amax_rowwise
-        return data
-
-
 def grouped_moe_run(
     layout: str, experts: str = "grouped", fp4: bool = True, shared_amax: bool = False
 ) -> dict:
-    """``tests/mechanics/test_nvfp4_layer_wise.py``'s MoE run (2-layer TE-spec GPT, NVFP4 compute with SR
-    off, layer-wise Muon in ``layout``, three steps and an eval) with the experts as megatron's
-    ``TEGroupedMLP`` (``experts="grouped"``, starting from the weights the ``SequentialMLP``
-    model of the same seed has) or ``SequentialMLP`` of TE linears; also counts the grouped
-    GEMMs and how many took NVFP4 operands. ``shared_amax``: the control's mutated cast."""
+    """``tests/mechanics/test_nvfp4_layer_wise.py``'s MoE run (2-layer TE-spec GPT, NVFP4 compute
+    with SR off, layer-wise Muon in ``layout``, three steps and an eval) with the experts as
+    megatron's ``TEGroupedMLP`` (``experts="grouped"``, starting from the weights the
+    ``SequentialMLP`` model of the same seed has) or ``SequentialMLP`` of TE linears; also counts
+    the grouped GEMMs and how many took NVFP4 operands. ``shared_amax``: the control's mutated
+    cast."""
     import functools
 
     import transformer_engine_torch as tex
@@ -416,7 +389,7 @@ def grouped_moe_run(
             mp.setattr(base, "build_nvfp4_gpt", build_with_sequential_weights)
         mp.setattr(tex, "te_general_grouped_gemm", counting)
         if shared_amax:
-            shim, real_split = _SharedAmaxCast(), grouped_cast.split_quantize_nvfp4
+            shim, real_split = MutatedCast("shared_amax"), grouped_cast.split_quantize_nvfp4
 
             def split(tensor, *args, **kwargs):
                 shim.whole = tensor.detach().float().abs().max().reshape(1)

@@ -17,17 +17,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.te_test_support import needs_te, run_te_script
+from nemo_lw_fp8.vocabulary import NVFP4_NO_SR_ENV as NVFP4_NO_SR
+from tests.support.te_test_support import blackwell_script, needs_te, run_te_script
 
-TE_SCRIPT = r"""
-import json, os
-os.environ["NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"] = "1"
-from nemo_lw_fp8.cpu.te import activate
-R = {"backend": activate()}
-import torch
-from nemo_lw_fp8.cpu.te import device as te_device
-SCOPE = te_device.target_gpu(te_device.BLACKWELL)  # kept: a dropped one exits
-SCOPE.__enter__()
+TE_SCRIPT = blackwell_script(
+    r"""
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import NVFP4BlockScaling
 from nemo_lw_fp8.cpu.te.tex import normalization as te_kernels_norm
@@ -108,7 +102,8 @@ R["control_no_rht"] = eq(run_fused("RMSNorm", x, dy, weight, gamma, None),
                          run_split("RMSNorm", x, dy, weight, gamma, None))
 te_kernels_norm._finish = original_finish
 print("RESULT " + json.dumps(R))
-"""
+""", env=(NVFP4_NO_SR,)
+)
 
 
 @pytest.fixture(scope="module")

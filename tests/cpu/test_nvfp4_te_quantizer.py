@@ -18,22 +18,14 @@ from tests.support.nvfp4_reference import (
     ref_sign_mask,
     ref_sylvester,
 )
-from tests.support.te_test_support import needs_te, run_te_script
+from tests.support.te_test_support import blackwell_script, needs_te, run_te_script
 
 # --------------------------------------------------------------------------------------------
 # TE's NVFP4Quantizer over the emulation (in a subprocess: this process never imports TE)
 # --------------------------------------------------------------------------------------------
 
-TE_SCRIPT = r"""
-import json
-from nemo_lw_fp8.cpu.te import activate
-R = {"backend": activate()}
-import torch
-from nemo_lw_fp8.cpu.te import device as te_device
-# NVFP4 is a Blackwell recipe: TE's device questions (NVFP4Quantizer.__init__ asks
-# torch.cuda.current_device for its Hadamard tensors) get the B200's answers, as in a run.
-SCOPE = te_device.target_gpu(te_device.BLACKWELL)  # kept: a dropped one exits
-SCOPE.__enter__()
+TE_SCRIPT = blackwell_script(
+    r"""
 from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer, NVFP4Tensor
 from transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage import NVFP4TensorStorage
 from nemo_lw_fp8.cpu.formats import nvfp4 as fp4
@@ -206,6 +198,7 @@ except NotImplementedError:
 R["refused"] = refused
 print("RESULT " + json.dumps(R))
 """
+)
 
 
 @pytest.fixture(scope="module")

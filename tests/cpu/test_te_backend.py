@@ -17,10 +17,10 @@ import pytest
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
 from tests.support.te_test_support import (
-    TE_PATH,
     needs_te,
     real_te_gpu_skip_reason,
     run_te_script,
+    te_script_results,
 )
 
 MAIN_SCRIPT = r"""
@@ -238,9 +238,7 @@ print("RESULT " + json.dumps(R))
 
 @pytest.fixture(scope="module")
 def backend_results() -> dict:
-    if TE_PATH is None:
-        pytest.skip("Transformer Engine's Python package is not installed")
-    return run_te_script(MAIN_SCRIPT)
+    return te_script_results(MAIN_SCRIPT)
 
 
 @needs_te

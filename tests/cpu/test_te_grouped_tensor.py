@@ -16,6 +16,7 @@ import torch
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.te_helpers import spread
+from tests.support.te_module_parity import swap_operand_usage
 
 BOOT = BootOptions(fp8_emulation=True)
 K, N = 256, 128  # in / out features: multiples of 128, as TE's grouped MXFP8 layout needs
@@ -29,21 +30,10 @@ def _mutate(mp: pytest.MonkeyPatch, mutation: str | None) -> None:
     """Controls. ``usage``: the grouped GEMMs read each quantized operand in the other usage
     (where both copies exist). ``member_order``: the grouped GEMM pairs each input member with
     the next expert's weight."""
-    from nemo_lw_fp8.cpu.te.tex import gemm as te_kernels_gemm
     from nemo_lw_fp8.cpu.te.tex import grouped_tensor as te_kernels_grouped_tensor
 
     if mutation == "usage":
-        real = te_kernels_gemm.dequantize_operand
-
-        def other_usage(tensor: Any, usage: str) -> torch.Tensor:
-            both = all(
-                getattr(tensor, name, None) is not None
-                for name in ("_rowwise_data", "_columnwise_data")
-            )
-            swapped = "rowwise" if usage == "columnwise" else "columnwise"
-            return real(tensor, swapped if both else usage)
-
-        mp.setattr(te_kernels_gemm, "dequantize_operand", other_usage)
+        swap_operand_usage(mp)
     elif mutation == "member_order":
         real_members = te_kernels_grouped_tensor._members
 

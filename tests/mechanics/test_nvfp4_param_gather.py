@@ -23,10 +23,11 @@ import pytest
 import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
+from nemo_lw_fp8.vocabulary import NVFP4_NO_SR_ENV as NVFP4_NO_SR
 from tests.support.harness import BootOptions, RankFailure, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.resumable import assert_same_run
-from tests.support.te_test_support import needs_te, run_te_script
+from tests.support.te_test_support import blackwell_script, needs_te, run_te_script
 
 if te_backend.te_package_dirs() is None:  # find, never import, TE in this process
     pytest.skip("TE's own modules need TE's Python package", allow_module_level=True)
@@ -207,15 +208,8 @@ def test_weights_with_1x16_blocks_are_refused():
         nvfp4_gather.check([weight((128, 128), True), weight((256, 128), False)])
 
 
-CODEC_SCRIPT = r"""
-import json, os
-os.environ["NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"] = "1"
-from nemo_lw_fp8.cpu.te import activate
-R = {"backend": activate()}
-import torch
-from nemo_lw_fp8.cpu.te import device as te_device
-SCOPE = te_device.target_gpu(te_device.BLACKWELL)  # kept: a dropped one exits
-SCOPE.__enter__()
+CODEC_SCRIPT = blackwell_script(
+    r"""
 from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer
 from nemo_lw_fp8.mechanics import nvfp4_gather as g
 
@@ -258,7 +252,8 @@ for swizzle in (True, False):
     stale._amax_columnwise.copy_(q(old)._amax_columnwise)
     R[key]["stale_amax_equal"] = same(owner, stale)
 print("RESULT " + json.dumps(R))
-"""
+""", env=(NVFP4_NO_SR,)
+)
 
 
 @needs_te

@@ -8,7 +8,8 @@ experts, untied output layer, layer-wise Muon, MXFP8 param gather, ``muon_tp_mod
 tests/bridge/test_tp_bridge_training.py runs it) trains 2 iterations and saves (``torch_dist``); B
 (TP 1 x DP 2, 2 ranks) loads it and trains iteration 3. TP 1 x DP 2 rather than DP 4: the
 data-parallel size stays what A saved with, so the one thing that changes is TP (another DP size
-is proven in tests/recipes/test_twin_resharding.py), and two ranks cost half of four on this machine.
+is proven in tests/recipes/test_twin_resharding.py), and two ranks cost half of four on this
+machine.
 
 Compared: every entry of B's per-parameter state right after the load (tensors behind
 :mod:`nemo_lw_fp8.mechanics.state_by_name`) with A's final state (= what it saved) merged over its

@@ -154,7 +154,8 @@ def test_nvfp4_twin_fp4_gather_on_equals_off(twin_run, recipe):
     assert kept[:2] == [0, 0] and all(k > 0 for k in kept[2:]), kept
 
 
-#: mutation of tests/support/bridge_run.py -> what it leaves stale on receivers after each FP4 gather.
+#: mutation of tests/support/bridge_run.py -> what it leaves stale on receivers after each FP4
+#: gather.
 CONTROLS = {
     "nvfp4_stale_columnwise": "the columnwise copy (dgrad and wgrad read it)",
     "nvfp4_stale_amax": "the per-tensor amax (the GEMMs' global scale)",

@@ -1,6 +1,6 @@
-"""Recipe-faithful twins (nemo_lw_fp8/recipes/twins.py) trained by ``nemo-lw-fp8 pretrain --cpu`` (ranks
-forked from one warmed-up process, tests/support/fork_run.py; the flagship resume test launches with
-torchrun too): each full recipe's parallelism structure (PP 2 with its
+"""Recipe-faithful twins (nemo_lw_fp8/recipes/twins.py) trained by ``nemo-lw-fp8 pretrain --cpu``
+(ranks forked from one warmed-up process, tests/support/fork_run.py; the flagship resume test
+launches with torchrun too): each full recipe's parallelism structure (PP 2 with its
 layout or accounting, VPP 2, EP over TP x DP 2; TP and sequence parallelism as shipped: TP 2 + SP
 and EP 4 on 8 ranks for DeepSeek-V3 and Qwen3-235B on H100), FP8 recipe, single grouped weights,
 MTP, gradient clipping, dropout and auxiliary loss as shipped.
@@ -10,8 +10,8 @@ clipping input), every evaluation, and every rank's fp32 masters and optimizer s
 The flagship twins resume bitwise in fresh processes (the DeepSeek-V3 MXFP8 twin from a run of
 its own, the Hopper and Qwen3-235B MXFP8 twins from their parity ON run), and the DeepSeek-V2-Lite
 Hopper and Qwen3-235B MXFP8 twins at twice the data-parallel size from the ON run's checkpoint
-(the DeepSeek-V3 MXFP8 twin's resharding with its control: tests/recipes/test_twin_resharding.py). The
-DeepSeek-V3 Hopper twin runs TP 2 on 8 ranks: its DP-4 resume would take 16 ranks, and the
+(the DeepSeek-V3 MXFP8 twin's resharding with its control: tests/recipes/test_twin_resharding.py).
+The DeepSeek-V3 Hopper twin runs TP 2 on 8 ranks: its DP-4 resume would take 16 ranks, and the
 project's CPU layers run TP 1 only, so those two checks of a Hopper twin run on the
 DeepSeek-V2-Lite one (MLA, blockwise FP8, discrete experts, TP 1).
 """
@@ -132,10 +132,10 @@ def test_twin_fp8_gather_on_equals_off(twin_run, recipe):
         assert all(r["blockwise_weights"] == 0 == r["blockwise_groups"] for r in off["probe"])
 
 
-#: The project's CPU layers (``--cpu-modules project``: cpu/layers/specs.py, the earlier CPU path, kept
-#: as a cross-check of TE's modules) under the same parity, extended tier. The project's layers run
-#: TP 1 only: the Hopper check uses the DeepSeek-V2-Lite twin (MLA, blockwise, discrete experts),
-#: the DeepSeek-V3 Hopper twin ships TP 2.
+#: The project's CPU layers (``--cpu-modules project``: cpu/layers/specs.py, the earlier CPU path,
+#: kept as a cross-check of TE's modules) under the same parity, extended tier. The project's layers
+#: run TP 1 only: the Hopper check uses the DeepSeek-V2-Lite twin (MLA, blockwise, discrete
+#: experts), the DeepSeek-V3 Hopper twin ships TP 2.
 PROJECT_TWINS = ("deepseek_v3_mxfp8", "deepseek_v2_lite_hopper")
 
 

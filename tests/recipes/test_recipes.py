@@ -1,7 +1,7 @@
 """Recipes, the optimizer factory, YAML / key=value overrides and the Bridge-level guards.
 
-Everything Megatron-Bridge runs in one fresh process (``tests/support/bridge_report.py``): Bridge imports
-Transformer Engine, booted here through the CPU emulation before megatron-core loads.
+Everything Megatron-Bridge runs in one fresh process (``tests/support/bridge_report.py``): Bridge
+imports Transformer Engine, booted here through the CPU emulation before megatron-core loads.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 clipping, dropout) resumes through Megatron-Bridge at another data-parallel size and another
 grouped-weight ownership, as a user launches it (``nemo-lw-fp8 pretrain --cpu``), on TE's own
 modules (``--cpu-modules te``, the default of tests/support/bridge_runs.py: megatron's TE spec,
-as on the GPU; the probe of tests/support/bridge_run.py counts TE modules and no project layer on every
-rank of A, B and C).
+as on the GPU; the probe of tests/support/bridge_run.py counts TE modules and no project layer on
+every rank of A, B and C).
 
 Three runs: A (DP 2, 4 ranks, whole ownership) trains 2 iterations and saves; B (DP 4, 8 ranks,
 expert-run ownership: each grouped weight's experts split over the 2 ranks of its

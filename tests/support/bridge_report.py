@@ -1,8 +1,9 @@
 """Build every recipe and probe the Megatron-Bridge integration in a fresh process.
 
-Run by ``tests/recipes/test_recipes.py`` (``python tests/support/bridge_report.py OUT.json``): Bridge imports
-Transformer Engine, which must be booted (emulation) before megatron-core is imported, so this
-cannot run inside the pytest process. It writes one JSON report the tests assert on.
+Run by ``tests/recipes/test_recipes.py`` (``python tests/support/bridge_report.py OUT.json``):
+Bridge imports Transformer Engine, which must be booted (emulation) before megatron-core is
+imported, so this cannot run inside the pytest process. It writes one JSON report the tests assert
+on.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""A rank launcher for the Bridge test matrix: ``python tests/support/fork_run.py NPROC PORT ARGS...``
-runs ``nemo-lw-fp8 pretrain`` (through tests/support/bridge_run.py, so its mutations apply) in NPROC
-ranks, as ``torchrun --nproc-per-node NPROC`` would, but forks the ranks from one process that
-has already imported the stack.
+"""A rank launcher for the Bridge test matrix: ``python tests/support/fork_run.py NPROC PORT
+ARGS...`` runs ``nemo-lw-fp8 pretrain`` (through tests/support/bridge_run.py, so its mutations
+apply) in NPROC ranks, as ``torchrun --nproc-per-node NPROC`` would, but forks the ranks from one
+process that has already imported the stack.
 
 Why: a rank of a CPU twin spends about two thirds of its CPU time importing Megatron-Bridge,
 megatron-core, ModelOpt, transformers and the TE emulation (about 20 s per rank on an idle
@@ -15,8 +15,8 @@ launched by torchrun and must equal the resumed one launched here.
 
 A rank that fails ends the others (as torchrun does) and the launcher exits with its status.
 
-``python tests/support/fork_run.py --serve`` is the suite's launch server (:func:`serve`): the imports
-are done once per test session and each run is forked from there.
+``python tests/support/fork_run.py --serve`` is the suite's launch server (:func:`serve`): the
+imports are done once per test session and each run is forked from there.
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ def serve() -> int:
     Requests come on stdin, one JSON line each: ``{"nproc", "port", "words", "env", "cwd",
     "stdout", "stderr"}``. For each, a launcher process is forked from this warmed-up one: it
     takes the request's environment and working directory, writes its output (and its ranks')
-    to the two files, installs the request's mutation and probe (tests/support/bridge_run.py) and runs
-    :func:`run_ranks`. A request with ``"script"``, ``"argv"`` (and ``"file"``, if the source
+    to the two files, installs the request's mutation and probe (tests/support/bridge_run.py) and
+    runs :func:`run_ranks`. A request with ``"script"``, ``"argv"`` (and ``"file"``, if the source
     is a file's) in place of ``"nproc"``, ``"port"`` and ``"words"`` runs that source as
     ``python -c SOURCE ARGV...`` would (:func:`_run_script`), for the tests that inspect the
     stack in a process of their own. The server answers on stdout with ``{"pid": ...}`` (the

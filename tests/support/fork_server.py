@@ -1,5 +1,5 @@
-"""Client of the launch server of tests/support/fork_run.py (``fork_run.py --serve``): one process per
-test session imports Megatron-Bridge, megatron-core and the TE emulation once, and every Bridge
+"""Client of the launch server of tests/support/fork_run.py (``fork_run.py --serve``): one process
+per test session imports Megatron-Bridge, megatron-core and the TE emulation once, and every Bridge
 run of the suite is forked from it (``bridge_runs.pretrain(launcher="fork")``, the default).
 
 Why: a run launched as its own process spends ~20 s of CPU on those imports before its ranks

@@ -3,13 +3,14 @@
 Design (see ``docs/testing.md``):
 
 * A :class:`RankPool` starts ``world_size`` worker processes once. Each joins a gloo process
-  group, installs the CPU stand-ins (:mod:`nemo_lw_fp8.cpu.megatron.standins`), imports megatron-core and
-  then serves tasks. The ranks are forked from a "zygote" (:class:`_Zygote`), one process per
-  boot (:class:`BootOptions`) and test session that has imported torch, the TE emulation, the
-  stand-ins and megatron-core once, so a rank does not import them again: a rank of the default
-  boot started on 16 CPU-seconds instead of 33 (the rest is mostly ``megatron.training``, which
-  stays per rank: :data:`PREIMPORTED_MODULES`). ``NEMO_LW_FP8_POOL_START=spawn`` spawns every
-  rank as a fresh interpreter instead (the former start; each rank imports the stack itself).
+  group, installs the CPU stand-ins (:mod:`nemo_lw_fp8.cpu.megatron.standins`), imports
+  megatron-core and then serves tasks. The ranks are forked from a "zygote" (:class:`_Zygote`), one
+  process per boot (:class:`BootOptions`) and test session that has imported torch, the TE
+  emulation, the stand-ins and megatron-core once, so a rank does not import them again: a rank of
+  the default boot started on 16 CPU-seconds instead of 33 (the rest is mostly
+  ``megatron.training``, which stays per rank: :data:`PREIMPORTED_MODULES`).
+  ``NEMO_LW_FP8_POOL_START=spawn`` spawns every rank as a fresh interpreter instead (the former
+  start; each rank imports the stack itself).
 * A task is a picklable module-level function. It runs on every rank with megatron's parallel
   state initialised for the requested :class:`ParallelSpec`; each rank's return value (or
   traceback) comes back to the caller.

@@ -31,6 +31,24 @@ def parity_data(bias: bool) -> dict[str, torch.Tensor]:
     }
 
 
+def swap_operand_usage(mp: pytest.MonkeyPatch) -> None:
+    """The ``usage`` control: every GEMM operand that holds both copies is read in the other
+    usage (a rowwise read takes the columnwise copy and the reverse)."""
+    from nemo_lw_fp8.cpu.te.tex import gemm as te_kernels_gemm
+
+    real = te_kernels_gemm.dequantize_operand
+
+    def other_usage(tensor: Any, usage: str) -> torch.Tensor:
+        both = all(
+            getattr(tensor, name, None) is not None
+            for name in ("_rowwise_data", "_columnwise_data")
+        )
+        swapped = "rowwise" if usage == "columnwise" else "columnwise"
+        return real(tensor, swapped if both else usage)
+
+    mp.setattr(te_kernels_gemm, "dequantize_operand", other_usage)
+
+
 def mutate_gemms(mp: pytest.MonkeyPatch, mutation: str | None) -> None:
     """Controls: ``usage`` reads each GEMM operand in the other usage where it holds both copies
     (the forward GEMM then reads the weight's and the input's columnwise copies);
@@ -38,17 +56,7 @@ def mutate_gemms(mp: pytest.MonkeyPatch, mutation: str | None) -> None:
     from nemo_lw_fp8.cpu.te.tex import gemm as te_kernels_gemm
 
     if mutation == "usage":
-        real = te_kernels_gemm.dequantize_operand
-
-        def other_usage(tensor: Any, usage: str) -> torch.Tensor:
-            both = all(
-                getattr(tensor, name, None) is not None
-                for name in ("_rowwise_data", "_columnwise_data")
-            )
-            swapped = "rowwise" if usage == "columnwise" else "columnwise"
-            return real(tensor, swapped if both else usage)
-
-        mp.setattr(te_kernels_gemm, "dequantize_operand", other_usage)
+        swap_operand_usage(mp)
     elif mutation == "bias_after_cast":
         real_gemm = te_kernels_gemm.generic_gemm
 

@@ -33,6 +33,34 @@ needs_te = pytest.mark.skipif(
 )
 
 
+def blackwell_script(body: str, *, env: tuple[str, ...] = ()) -> str:
+    """A script for :func:`run_te_script` that runs TE's NVFP4 (a Blackwell recipe) over the
+    emulation: the TE launch variables ``env`` set to 1 before TE is imported (the CPU harness
+    turns off what its bytes cannot reproduce, e.g. stochastic rounding's random bits), the
+    backend activated, and TE's device questions answered as a B200 for the whole script
+    (``NVFP4Quantizer.__init__`` asks ``torch.cuda.current_device`` for its Hadamard tensors).
+    ``body`` follows, with ``R`` (the results), ``torch`` and ``te_device`` in scope."""
+    lines = ["import json, os"]
+    lines += [f'os.environ["{name}"] = "1"' for name in env]
+    lines += [
+        "from nemo_lw_fp8.cpu.te import activate",
+        'R = {"backend": activate()}',
+        "import torch",
+        "from nemo_lw_fp8.cpu.te import device as te_device",
+        "SCOPE = te_device.target_gpu(te_device.BLACKWELL)  # kept: a dropped one exits",
+        "SCOPE.__enter__()",
+    ]
+    return "\n" + "\n".join(lines) + "\n" + body
+
+
+def te_script_results(script: str) -> dict:
+    """:func:`run_te_script`'s results, or the test skipped (with the reason) where Transformer
+    Engine's Python package is not installed."""
+    if TE_PATH is None:
+        pytest.skip("Transformer Engine's Python package is not installed")
+    return run_te_script(script)
+
+
 def run_te_script(script: str, *, timeout: int = 240) -> dict:
     """Run ``script`` in a fresh interpreter that can import TE; return its ``RESULT`` JSON.
 

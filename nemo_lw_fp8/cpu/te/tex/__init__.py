@@ -27,11 +27,11 @@ helpers megatron-core uses (grad-norm and clipping), and nothing else:
 * ``multi_tensor_l2norm``, ``multi_tensor_scale``, ``multi_tensor_scale_tensor``;
 * the distributed-optimizer cast: ``mxfp8_scaling_compute_partial_amax``,
   ``multi_tensor_compute_scale_inv_e8m0``, ``mxfp8_scaling_partial_cast``;
-* the kernels TE 2.20.2's own modules call (issue 28), in one module per kernel family and registered
-  here from their ``TEX_KERNELS``: ``generic_gemm``, ``bgrad_quantize``, the norms, SwiGLU, the
-  unfused-attention softmax kernels, the discrete grouped GEMM with ``split_quantize`` and row
-  padding, and the version / workspace / attention-backend queries (answered as the target GPU
-  of :mod:`nemo_lw_fp8.cpu.te.device`); docs/testing.md, "TE's kernels, emulated", lists each as
+* the kernels TE 2.20.2's own modules call (issue 28), in one module per kernel family,
+  registered here from their ``TEX_KERNELS``: ``generic_gemm``, ``bgrad_quantize``, the norms,
+  SwiGLU, the unfused-attention softmax kernels, the discrete grouped GEMM with ``split_quantize``
+  and row padding, and the version / workspace / attention-backend queries (answered as the target
+  GPU of :mod:`nemo_lw_fp8.cpu.te.device`); docs/testing.md, "TE's kernels, emulated", lists each as
   exact or stand-in;
 * the ``DType`` enum with exactly the members TE's Python side mirrors, and the other enums TE
   reads at import time (values of enums no emulated kernel uses are placeholders);
@@ -135,15 +135,15 @@ for _name in _DUMMY_FUNCTIONS:
 del _name
 
 
-from nemo_lw_fp8.cpu.te.tex import (
-    activation,  # noqa: E402
-    comm,  # noqa: E402
-    gemm,  # noqa: E402
-    grouped_gemm,  # noqa: E402
-    grouped_tensor,  # noqa: E402
-    normalization,  # noqa: E402
-    queries,  # noqa: E402
-    softmax,  # noqa: E402
+from nemo_lw_fp8.cpu.te.tex import (  # noqa: E402
+    activation,
+    comm,
+    gemm,
+    grouped_gemm,
+    grouped_tensor,
+    normalization,
+    queries,
+    softmax,
 )
 from nemo_lw_fp8.cpu.te.tex.cast import (  # noqa: E402
     create_empty_quantized_tensor,
