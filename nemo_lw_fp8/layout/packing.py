@@ -25,7 +25,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# The cost and megatron's own layouts live in modules of their own (ns_cost.py, stock_layout.py;
+# The cost and megatron's own layouts live in modules of their own (ns_cost.py, stock.py;
 # neither imports this one); their names stay importable from here.
 from nemo_lw_fp8.layout.ns_cost import newton_schulz_cost as newton_schulz_cost
 from nemo_lw_fp8.layout.ns_cost import rank_loads as rank_loads

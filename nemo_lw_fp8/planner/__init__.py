@@ -1,13 +1,15 @@
-"""The models this plugin knows and the layout planner that sizes them, without a GPU.
+"""The layout planner: what each layout of layer-wise Muon costs per rank, without a GPU.
 
-Each module imports only the ones listed before it (no cycle, nothing registered on import):
+The models it sizes are the recipe catalogue's (:mod:`nemo_lw_fp8.recipes.architectures`,
+:mod:`nemo_lw_fp8.recipes.parallel`; re-exported here). Each module imports only the ones listed
+before it (no cycle, nothing registered on import):
 
-* :mod:`.architectures`: the six MoE models' hyper-parameters (written down once) and tiny twins;
 * :mod:`.counting`: analytic parameter counts; :mod:`.shapes`: per-parameter shapes and the
-  planner's model names (:data:`SPECS`); :mod:`.parallel`: defaults per GPU family;
-* :mod:`.planner`: per-rank bytes, Newton-Schulz balance and collectives of each layout;
-  :mod:`.pipeline`: that plan for one pipeline rank of a recipe; :mod:`.recipe_plan`: every
-  pipeline rank of a recipe against its GPU; :mod:`.plan_cli`: the ``nemo-lw-fp8 plan`` command.
+  planner's model names (:data:`SPECS`);
+* :mod:`.rank_plan`: per-rank bytes, Newton-Schulz balance and collectives of each layout, from
+  the building blocks of :mod:`.plan_parts`; :mod:`.pipeline`: that plan for one pipeline rank of a
+  recipe; :mod:`.recipe_plan`: every pipeline rank of a recipe against its GPU. The command is
+  :mod:`nemo_lw_fp8.cli.plan`.
 
 Importing this package does not import megatron-core (the planner does when it runs).
 """

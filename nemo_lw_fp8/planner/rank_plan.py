@@ -17,7 +17,7 @@ TP and ETP shards as in :mod:`.tensor_parallel`):
 
 It needs no GPU and no process group: megatron's layout functions run on meta-device stand-ins.
 The reference for every number is docs/planner.md. The table and the ``nemo-lw-fp8 plan`` command
-are in :mod:`.plan_cli`; the plan for one pipeline rank of a recipe in :mod:`.pipeline`.
+are in :mod:`nemo_lw_fp8.cli.plan`; the plan for one pipeline rank of a recipe in :mod:`.pipeline`.
 """
 
 from __future__ import annotations

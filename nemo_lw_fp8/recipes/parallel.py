@@ -141,7 +141,7 @@ GPU_FAMILIES = ("h100", "b200", "gb200")
 # ships it). The two H100 recipes Bridge ships at TP 2 with sequence parallelism keep it:
 # Qwen3-235B (standard attention) and DeepSeek-V3 (multi-latent attention, run at TP 2 with FP8
 # gather in tests/bridge/test_tp_mla_training.py), widths in whole 128-wide blockwise tiles per
-# shard (rules_tensor_parallel.py), each with a TP-2 twin (twins.py). Everything else follows the
+# shard (rules/tensor_parallel.py), each with a TP-2 twin (twins.py). Everything else follows the
 # cited recipe; activation recompute is left to the user, as in every recipe here.
 PARALLELISM: dict[str, dict[str, ParallelismDefaults]] = {
     "deepseek-v3": {

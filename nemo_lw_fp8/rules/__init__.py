@@ -9,10 +9,10 @@ Rules run when the configuration is finalised: in megatron-training's ``validate
 and when the plugin's patched ``LayerWiseDistributedOptimizer`` is built. ``docs/guards.md`` lists
 them; each has a test in ``tests/rules/test_guards.py`` or ``tests/rules/test_guard_catalogue.py``.
 
-The rules themselves live by topic, each module importing only :mod:`.guard_settings`:
-:mod:`.rules_fp8` (FP8 param gather, compact basics), :mod:`.rules_grouped` (single grouped
-expert weights, TE's launch environment), :mod:`.rules_integration` (recipes, launchers, the
-plugin's own settings) and :mod:`.scope_guards` (what is outside the tested scope). This module
+The rules themselves live by topic, each module importing only :mod:`.settings`:
+:mod:`.fp8` (FP8 param gather, compact basics), :mod:`.grouped` (single grouped
+expert weights, TE's launch environment), :mod:`.integration` (recipes, launchers, the
+plugin's own settings) and :mod:`.scope` (what is outside the tested scope). This module
 puts them in one ordered list (the first broken rule is the one reported) and runs them. The
 rules on loading a checkpoint another run wrote are in :mod:`nemo_lw_fp8.rules.checkpoint` and
 importable from here.

@@ -1,9 +1,9 @@
 """What every configuration rule reads and returns: :class:`Settings` (a flat view of megatron's
 configs under megatron's names), :class:`Rule` and :class:`ConfigError`.
 
-A module of its own so that the rule modules (:mod:`.rules_fp8`, :mod:`.rules_grouped`,
-:mod:`.rules_integration`, :mod:`.scope_guards`) and :mod:`.guards`, which lists them all in
-``guards.RULES`` and runs them, import it without importing each other.
+A module of its own so that the rule modules (:mod:`.fp8`, :mod:`.grouped`, :mod:`.integration`,
+:mod:`.scope`) and the catalogue (:mod:`nemo_lw_fp8.rules`, which lists them all in ``RULES``
+and runs them) import it without importing each other.
 """
 
 from __future__ import annotations

@@ -536,3 +536,16 @@ def test_fp8_recipe_agreement_leaves_nvfp4_parameters_to_their_type():
     assert "fp8-recipe-agreement" not in dict(guards.violations(Settings(**nvfp4)))
     blockwise = Settings(**(nvfp4 | dict(fp8_recipe="blockwise")))
     assert "fp8-recipe-agreement" in dict(guards.violations(blockwise))
+
+
+def test_the_rules_first_address_still_answers():
+    """Code written against ``nemo_lw_fp8.guards`` (the catalogue's address before the rules had
+    a package of their own) gets the same objects from ``nemo_lw_fp8.rules``, and a bad
+    combination is refused the same way through it."""
+    import nemo_lw_fp8.guards as first_address
+
+    for name in ("check", "violations", "RULES", "Settings", "Rule", "ConfigError"):
+        assert getattr(first_address, name) is getattr(guards, name), name
+    with pytest.raises(ConfigError) as caught:
+        first_address.check(Settings(**{**LAYER_WISE_MXFP8_GATHER, "bf16": False}))
+    assert caught.value.rule == "fp8-gather-bf16"

@@ -13,9 +13,9 @@ What TE's kernel does (``quantize_mxfp8.cuh``):
   dims ("columnwise", stored in the same ``[M, K]`` layout, *not* transposed), or 32x32 tiles
   when 2-D quantisation is on (both directions then share the tile's scale).
 * ``amax = max |x|`` over the block; NaN elements are ignored (``fmaxf``/``__hmax`` semantics),
-  and the block's E8M0 scale follows from it (:func:`~.mxfp8_format.e8m0_from_amax`).
+  and the block's E8M0 scale follows from it (:func:`~.mxfp8_layout.e8m0_from_amax`).
 * Element codes: ``cvt.rn.satfinite(x * exp2f_rcp(e8m0))`` (see
-  :func:`~.mxfp8_format.quantize_multipliers` for the multiplier's quirks, which are kept).
+  :func:`~.mxfp8_layout.quantize_multipliers` for the multiplier's quirks, which are kept).
   The GPU turns every NaN into the canonical NaN, so a NaN code is always 0x7F.
 * Dequantisation: ``out = OType(q * bits(e << 23))`` (so e8m0 0 dequantises to zero).
 

@@ -1,7 +1,7 @@
 """NVFP4 (E2M1 data, E4M3 block scales, FP32 tensor amax) in plain torch, bit-exact with TE 2.20.
 
 Why this exists: TE's NVFP4 cast runs only as CUDA kernels; on CPU the ``transformer_engine_torch``
-stand-in (:mod:`.te_extension_nvfp4`) needs the same bytes from plain torch. Each rule below names
+stand-in (:mod:`.cast_nvfp4`) needs the same bytes from plain torch. Each rule below names
 the TE 2.20.2 source it reproduces (paths under ``transformer_engine/common/``):
 
 * tensor amax (``recipe/current_scaling.cu``, ``amax_kernel``): max of ``|x|`` with ``fmaxf`` /
@@ -70,7 +70,7 @@ columnwise copy only, ``NVFP4Quantizer::quantize_impl``):
 
 Not emulated, refused by name where TE's quantizer asks for them: stochastic rounding, row-scaled
 NVFP4, the 4over6 block selection, RHT with 16x16 blocks or non-finite input (see
-:mod:`.te_extension_nvfp4`).
+:mod:`.cast_nvfp4`).
 """
 
 from __future__ import annotations

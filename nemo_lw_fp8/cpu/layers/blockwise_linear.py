@@ -1,5 +1,5 @@
 """A linear layer whose GEMMs see blockwise FP8 operands as TE's ``Linear`` under
-``Float8BlockScaling``, for CPU models (the blockwise sibling of :mod:`.fp8_linear`).
+``Float8BlockScaling``, for CPU models (the blockwise sibling of :mod:`.mxfp8_linear`).
 
 Why: the layer-wise blockwise FP8 param gather must be shown bitwise equal to FP8 gather off
 on CPU ranks, and the columnwise (transposed) weight that receivers derive after the gather must

@@ -7,7 +7,7 @@
   :mod:`~nemo_lw_fp8.cpu.formats.blockwise_sharded_cast`.
 * :mod:`~nemo_lw_fp8.cpu.te.backend`: runs TE's own Python classes (``MXFP8Tensor``,
   ``quantized_model_init``, ``quantize_master_weights``) on CPU by replacing only TE's compiled
-  extension (:mod:`~nemo_lw_fp8.cpu.te.tex` and its ``te_extension_*`` parts).
+  extension (:mod:`~nemo_lw_fp8.cpu.te.tex` and its kernel-family modules).
   Call :func:`activate` before anything imports ``megatron.core``.
 * :mod:`~nemo_lw_fp8.cpu.layers.mxfp8_linear`: a linear layer whose GEMM operands go through MXFP8
   the way TE's ``Linear`` does, with bf16 or persistent MXFP8 weights.

@@ -57,14 +57,14 @@ NVFP4_OUTPUT_IS_THE_CAST = {
 
 
 def kernel_quantize(kernel: str, tensor: torch.Tensor, quantizer: Any, output: Any = None) -> Any:
-    """``quantize`` as the emulated TE-module kernels (``te_kernels_*.py``) call it for their
-    quantized outputs. NVFP4 goes through only for the kernels in
+    """``quantize`` as the emulated TE-module kernels (one module per kernel family) call it for
+    their quantized outputs. NVFP4 goes through only for the kernels in
     :data:`NVFP4_OUTPUT_IS_THE_CAST` (TE's C++ read: the output is the plain cast of the
     kernel's unquantized output) and is refused by name elsewhere: TE's fused NVFP4 paths of
     SwiGLU and GEMM outputs have not been read yet. ``split_quantize`` does not come here for
-    NVFP4: TE's grouped NVFP4 cast has its own module (``te_kernels_grouped_nvfp4``).
+    NVFP4: TE's grouped NVFP4 cast has its own module (``split_quantize_nvfp4``).
     ``bgrad_quantize`` does not come here for NVFP4: ``bias.cpp`` has no fused NVFP4 kernel and
-    calls the plain cast (``te_kernels_gemm.bgrad_quantize``)."""
+    calls the plain cast (``gemm.bgrad_quantize``)."""
     if isinstance(quantizer, _nvfp4.nvfp4_classes()[0]) and kernel not in NVFP4_OUTPUT_IS_THE_CAST:
         raise NotImplementedError(
             f"tex.{kernel} with an NVFP4Quantizer is not emulated yet by {_BACKEND}; only "

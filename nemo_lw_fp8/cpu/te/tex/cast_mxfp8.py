@@ -2,7 +2,7 @@
 
 Why a module of its own: this is the glue between TE 2.20's Python ``MXFP8Quantizer`` /
 ``MXFP8Tensor`` and the bit-exact emulation in :mod:`nemo_lw_fp8.cpu.formats.mxfp8` (format in
-:mod:`.mxfp8_format`, sharded cast in :mod:`.mxfp8_sharded_cast`): the MXFP8 side of
+:mod:`.mxfp8_layout`, sharded cast in :mod:`.mxfp8_sharded_cast`): the MXFP8 side of
 ``tex.quantize``, ``tex.dequantize`` and the distributed-optimizer cast kernels
 (``mxfp8_scaling_compute_partial_amax``, ``multi_tensor_compute_scale_inv_e8m0``,
 ``mxfp8_scaling_partial_cast``). Argument conventions follow TE's bindings and their call sites

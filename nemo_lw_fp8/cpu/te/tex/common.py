@@ -1,7 +1,7 @@
 """What every part of the ``transformer_engine_torch`` stand-in shares: TE's enums and dtypes.
 
-Why a module of its own: the MXFP8 kernels (:mod:`.te_extension_mxfp8`), the blockwise FP8
-kernels (:mod:`.te_extension_blockwise`) and the module TE imports
+Why a module of its own: the MXFP8 kernels (:mod:`.cast_mxfp8`), the blockwise FP8
+kernels (:mod:`.cast_blockwise`) and the module TE imports
 (:mod:`nemo_lw_fp8.cpu.te.tex`) all read the same ``DType`` tags, refuse the same
 arguments the same way and wrap quantised buffers in TE's own tensor classes alike. The enums
 mirror TE 2.20's ``pytorch/csrc/common.h`` and ``transformer_engine.h``; values of enums no

@@ -10,10 +10,10 @@ expert's rows with ``fused_multi_row_padding`` / ``fused_multi_row_unpadding``.
 
 * ``split_quantize``: exact; each split quantized by its own quantizer with the project's exact
   quantizers (what TE's bulk kernel writes per split). NVFP4 quantizers go to TE's grouped NVFP4
-  path, :mod:`.te_kernels_grouped_nvfp4` (one amax per split, the group's scale layout).
+  path, :mod:`.split_quantize_nvfp4` (one amax per split, the group's scale layout).
 * ``fused_multi_row_padding`` / ``_unpadding``: exact data movement (padding rows are zero).
 * ``te_general_grouped_gemm``: per expert, exactly the computation of
-  :func:`.te_kernels_gemm.generic_gemm` (the documented fp32 stand-in), into the expert's output
+  :func:`.gemm.generic_gemm` (the documented fp32 stand-in), into the expert's output
   (its rows of the single output when ``single_output``); empty experts zero their output unless
   accumulating, and their bias gradient. NVFP4 operands too: TE's ``nvte_multi_tensor_gemm``
   runs ``multi_stream_cublas_gemm``, one ``nvte_cublas_gemm_v2`` per expert with alpha 1, so
@@ -21,7 +21,7 @@ expert's rows with ``fused_multi_row_padding`` / ``fused_multi_row_unpadding``.
 
 The grouped-tensor path's kernels (``group_quantize``, ``splits_to_offsets_multi``,
 ``te_general_grouped_gemm_for_grouped_tensor`` and its discrete variants), which TE takes on an
-SM 10.0 target with cuBLASLt >= 13.3, are in :mod:`.te_kernels_grouped_tensor`.
+SM 10.0 target with cuBLASLt >= 13.3, are in :mod:`.grouped_tensor`.
 """
 
 from __future__ import annotations

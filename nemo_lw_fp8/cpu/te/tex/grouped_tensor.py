@@ -11,14 +11,14 @@ have no other path. That path calls:
   sizes times ``strides[i]``, with a leading zero when asked, in ``dtypes[i]``; returns the split
   sizes as int64 and the outputs (``nvte_splits_to_offsets_multi``).
 * ``group_quantize`` / ``bgrad_group_quantize`` (exact; MXFP8, and NVFP4 for
-  ``group_quantize`` in :mod:`.te_kernels_grouped_tensor_nvfp4`): each member (a split of the
+  ``group_quantize`` in :mod:`.grouped_tensor_nvfp4`): each member (a split of the
   rows) quantized by the project's exact MXFP8 quantizer into a ``GroupedTensor`` built by TE's
   own ``make_grouped_tensor``; ``bgrad_group_quantize`` also returns each member's bias gradient,
   the fp32 column sum of its rows cast to the input's dtype (the fused kernel's fp32 reduction).
   TE's ``bgrad_group_quantize`` takes no NVFP4 quantizer (its error is raised).
 * ``te_general_grouped_gemm_for_grouped_tensor`` and its ``_for_discrete_in`` (list of weights)
   and ``_for_discrete_out`` (list of weight gradients) variants: per member, exactly the
-  computation of :func:`.te_kernels_gemm.generic_gemm` (the documented fp32 stand-in) with the
+  computation of :func:`.gemm.generic_gemm` (the documented fp32 stand-in) with the
   member's ``alpha`` / ``beta`` (one per member from SM 10.0, one shared before), the member's
   bias; a member without rows zeroes its output unless accumulating. Grouped NVFP4 operands
   are read member by member with their own amaxes (the grouped GEMM's per-group alpha,

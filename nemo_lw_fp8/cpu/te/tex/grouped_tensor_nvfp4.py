@@ -5,7 +5,7 @@ path under ``NVFP4BlockScaling`` on an SM 10.x target whenever the RHT is on
 (``is_op_fuser_grouped_tensor_path_supported``), and so does the module ``GroupedLinear`` with
 ``use_grouped_tensor=True``. That path casts the input and the gradient with ``group_quantize``
 and multiplies with ``te_general_grouped_gemm_for_grouped_tensor`` (and its discrete-in /
-discrete-out variants, :mod:`.te_kernels_grouped_tensor`). What TE's C++ does, read from
+discrete-out variants, :mod:`.grouped_tensor`). What TE's C++ does, read from
 ``pytorch/csrc/extensions/cast.cpp`` (``group_quantize``, ``group_quantize_nvfp4_impl``),
 ``pytorch/csrc/quantizer.cpp`` (``NVFP4Quantizer::create_grouped_tensor``),
 ``common/hadamard_transform/graph_safe_group_hadamard_transform.cu`` and
@@ -46,7 +46,7 @@ members whose rows are not a multiple of 128 (TE's kernels look up a 64-row chun
 other member's amax), non-bf16 or non-finite input, a target outside SM 10.0-11.0 (the kernels
 are built for it only), uniform members without ``first_dims`` (TE's cast reads them), a set
 ``noop`` flag (TE's NVFP4 path ignores it), an output to reuse, and everything
-:func:`.te_extension_nvfp4.check_supported` refuses (stochastic rounding among them).
+:func:`.cast_nvfp4.check_supported` refuses (stochastic rounding among them).
 """
 
 from __future__ import annotations

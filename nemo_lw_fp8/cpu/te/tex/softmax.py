@@ -1,6 +1,6 @@
 """TE 2.20.2's fused softmax kernels for the ``transformer_engine_torch`` stand-in.
 
-Why: with ``get_fused_attn_backend`` answering "no backend" (:mod:`.te_kernels_queries`), TE's
+Why: with ``get_fused_attn_backend`` answering "no backend" (:mod:`.queries`), TE's
 ``DotProductAttention`` runs ``UnfusedDotProductAttention``, whose ``FusedScaleMaskSoftmax``
 (``attention/dot_product_attention/softmax.py``) calls these kernels when its fused path is
 available for the shape, else torch's softmax.

@@ -40,7 +40,7 @@ compute, read from that source (docs/nvfp4.md, "Grouped experts"):
 Refused by name (not compared): non-finite input on the grouped kernels (the bf16x2 max and the
 fused kernel's NaN handling differ from the plain cast's), the grouped amax without the RHT off
 SM >= 10.0 (its kernel body is compiled for SM 10.0+ only), quantizers of one list that differ in
-their usages, and everything :func:`.te_extension_nvfp4.check_supported` refuses (stochastic
+their usages, and everything :func:`.cast_nvfp4.check_supported` refuses (stochastic
 rounding, row-scaled, 4over6, amax reduction, fast math).
 """
 
