@@ -71,7 +71,7 @@ def _build_overrides() -> list[Override]:
 
 PATCH = register_bridge_patch(
     FEATURE,
-    "Megatron-Bridge refuses a checkpoint of another model, FP8 recipe or optimizer",
+    "Megatron-Bridge refuses a checkpoint of another model, FP8 / FP4 recipe or optimizer",
     _detect_native,
     _build_overrides,
 )

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 #: Fields of a Bridge ``run_config.yaml`` that a resume cannot change: the model's shapes, its
-#: FP8 recipe (the weights' quantized form) and the optimizer (its state's meaning).
+#: FP8 or FP4 recipe and bf16-kept layers (the weights' quantized form) and the optimizer (its
+#: state's meaning).
 CHECKPOINT_FIXED_FIELDS: tuple[tuple[str, str], ...] = tuple(
     ("model", name)
     for name in (
@@ -24,6 +25,10 @@ CHECKPOINT_FIXED_FIELDS: tuple[tuple[str, str], ...] = tuple(
         "kv_lora_rank", "num_moe_experts", "moe_ffn_hidden_size",
         "moe_shared_expert_intermediate_size", "mtp_num_layers", "vocab_size",
         "experimental_attention_variant", "fp8", "fp8_recipe",
+        # NVFP4 primary weights are stored as FP4 codes: a bf16 or FP8 run cannot read them, and
+        # the bf16-kept last layers decide which weights are FP4 at all.
+        "fp4", "fp4_recipe", "fp4_param", "first_last_layers_bf16",
+        "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
     )
 ) + (("optimizer", "optimizer"),)  # fmt: skip
 
@@ -40,7 +45,7 @@ def checkpoint_mismatch(saved: dict[str, Any], current: dict[str, Any], where: s
     if not differences:
         return None
     return (
-        f"the checkpoint {where} was written by another model, FP8 recipe or optimizer: "
+        f"the checkpoint {where} was written by another model, FP8 / FP4 recipe or optimizer: "
         + "; ".join(differences)
         + ". Fix: point checkpoint.load at a checkpoint of this recipe, or set these back; "
         "to start this run from scratch, drop checkpoint.load. Nothing was loaded."

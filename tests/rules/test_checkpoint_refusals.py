@@ -30,6 +30,42 @@ def test_mismatch_names_every_differing_field():
     assert "hidden_size" not in message
 
 
+NVFP4_SAVED = {
+    "model": {
+        **SAVED["model"],
+        "fp8": None,
+        "fp8_recipe": None,
+        "fp4": "e2m1",
+        "fp4_recipe": "nvfp4",
+        "fp4_param": True,
+        "first_last_layers_bf16": True,
+        "num_layers_at_start_in_bf16": 0,
+        "num_layers_at_end_in_bf16": 1,
+    },
+    "optimizer": SAVED["optimizer"],
+}
+
+
+def test_an_nvfp4_checkpoint_is_refused_by_a_run_of_another_precision():
+    """NVFP4 primary weights are FP4 codes on disk: a bf16 run (the same model otherwise) is
+    refused naming the FP4 fields; a run that keeps another count of bf16 last layers too. The
+    same NVFP4 run resumes."""
+    same = {section: dict(values) for section, values in NVFP4_SAVED.items()}
+    assert guards.checkpoint_mismatch(NVFP4_SAVED, same, "ck/iter_2") is None
+    bf16_model = {name: None for name in ("fp4", "fp4_recipe")}
+    bf16_model |= {"fp4_param": False, "first_last_layers_bf16": False}
+    bf16_model |= {"num_layers_at_end_in_bf16": 0}
+    bf16 = {**same, "model": {**same["model"], **bf16_model}}
+    message = guards.checkpoint_mismatch(NVFP4_SAVED, bf16, "ck/iter_2")
+    assert "model.fp4: 'e2m1' in the checkpoint, None here" in message
+    assert "model.fp4_param: True in the checkpoint, False here" in message
+    assert "Fix:" in message and "checkpoint.load" in message
+    fewer_bf16 = {**same, "model": {**same["model"], "num_layers_at_end_in_bf16": 2}}
+    message = guards.checkpoint_mismatch(NVFP4_SAVED, fewer_bf16, "ck/iter_2")
+    assert message is not None and "num_layers_at_end_in_bf16: 1" in message
+    assert "model.fp4:" not in message
+
+
 def test_missing_files_are_listed(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
