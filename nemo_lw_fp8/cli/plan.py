@@ -75,7 +75,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['model']}: dp={result['dp']} ep={result['ep']} "
         f"(expert dp {result['expert_dp']}), "
-        f"bucket_size={result['bucket_size']}, fp8_param_gather={result['fp8_param_gather']}, "
+        f"bucket_size={result['bucket_size']}, param gather {result['param_gather']}, "
         f"grads {result['grad_dtype']}, linear_qkv owned {result['qkv_ownership']}, "
         f"compact grad_sync={result['grad_sync']}; "
         f"{result['params']['per_rank']:,} params per rank"

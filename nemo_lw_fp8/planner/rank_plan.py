@@ -387,6 +387,8 @@ def plan(
         "bucket_size": bucket_size,
         "fp8_param_gather": fp8_param_gather,
         "weight_format": weight_format,
+        # what the quantized weights' param gather moves: their own format, or bf16
+        "param_gather": weight_format if fp8_param_gather else "bf16",
         "grad_dtype": grad_dtype,
         "grouped_weight_ownership": grouped_weight_ownership,
         "qkv_ownership": qkv_ownership,

@@ -288,6 +288,9 @@ def plan_recipe(setup: RecipeSetup) -> dict[str, Any]:
     result = dict(by_rank[busiest])
     memory = GPU_MEMORY[setup.gpu]
     top = peak(result)
+    if setup.blockwise and setup.fp8_param_gather:
+        # counted as MXFP8-sized weights; what the Hopper recipes gather is blockwise FP8
+        result["param_gather"] = "blockwise"
     result.update(
         {
             "model": arch.name,

@@ -65,3 +65,22 @@ def test_recipe_plan_tiny_hopper_has_discrete_experts():
     mxfp8 = recipe_plan.recipe_setup("tiny_deepseek_v3")
     assert hopper.arch == mxfp8.arch and hopper.par == mxfp8.par
     assert (hopper.single_grouped_weight, mxfp8.single_grouped_weight) == (False, True)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "gather"),
+    [
+        ("tiny_deepseek_v3", [], "mxfp8"),
+        ("tiny_deepseek_v3_hopper", [], "blockwise"),
+        ("tiny_deepseek_v3_nvfp4", [], "nvfp4"),
+        ("tiny_deepseek_v3_nvfp4", ["mixed_precision.fp4_param_gather=false"], "bf16"),
+    ],
+)
+def test_recipe_plan_names_the_gather_the_recipe_runs(capsys, recipe, overrides, gather):
+    """The plan's header names what the recipe's param gather moves (NVFP4 recipes gather FP4
+    bytes, Hopper ones blockwise FP8), not just whether an FP8 gather is on."""
+    from nemo_lw_fp8 import cli
+
+    assert cli.main(["plan", "--recipe", recipe, *overrides]) == 0
+    out = capsys.readouterr().out
+    assert f"param gather {gather}," in out
