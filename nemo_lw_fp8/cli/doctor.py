@@ -150,14 +150,14 @@ def nvfp4_support(accelerator_report: dict[str, object]) -> dict[str, object]:
         "refused_on_cpu": list(te_extension_nvfp4.REFUSED),
         "layer_wise_muon": "NVFP4 compute with bf16 weights trains (TE-spec GPT, experts as "
         "SequentialMLP or TEGroupedMLP with discrete weights, stochastic "
-        "rounding off); bf16 single grouped NVFP4 expert weights refused (rule "
+        "rounding off on CPU only); bf16 single grouped NVFP4 expert weights refused (rule "
         "grouped-weight-nvfp4-layer-wise), FP4 primary ones train; NVFP4 primary "
         "weights (fp4_param + "
         "fp4_param_gather) train with FP4 bytes on the data-parallel wire (owner-quantized codes "
         "+ 16x16 tile scales + amax, about 0.25x of bf16), bitwise like bf16 weights, at TP 1 on "
         "the padded or compact layout; the rest refused (rule fp4-primary-weights-layer-wise); "
         "NVFP4 recipes: deepseek_v3_nvfp4, qwen3_235b_a22b_nvfp4 (discrete experts, "
-        "stochastic rounding off; docs/nvfp4.md, NVFP4 recipes)",
+        "TE's stochastic rounding on GPUs, off on CPU; docs/nvfp4.md, NVFP4 recipes)",
     }
 
 

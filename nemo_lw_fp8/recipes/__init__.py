@@ -11,7 +11,8 @@ explicit hyper-parameters of :mod:`nemo_lw_fp8.recipes.architectures` (no Huggin
   compute, blockwise FP8 parameters with FP8 codes + scales on the wire, no grad-buffer reuse);
   ``nvfp4`` (GB200 / B200, DeepSeek-V3 and Qwen3-235B only: Bridge's ``bf16_with_nvfp4_mixed``,
   NVFP4 primary weights with FP4 codes + tile scales + amax on the wire, the last 15% of the
-  decoder layers in bf16, stochastic rounding off; docs/nvfp4.md, "NVFP4 recipes");
+  decoder layers in bf16, TE's stochastic rounding as TE ships it; docs/nvfp4.md, "NVFP4
+  recipes");
 * single grouped expert weights (TE's ``GroupedLinear`` with one parameter) on the grouped GEMM
   (``mxfp8`` recipes, tiny ones included; the blockwise gather handles discrete expert weights
   only, and single grouped NVFP4 weights are not verified: discrete for ``hopper`` and

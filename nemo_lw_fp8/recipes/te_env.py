@@ -4,11 +4,6 @@ One place computes it; ``nemo-lw-fp8 pretrain`` (before TE is imported), ``nemo 
 the sbatch script, the nemo-run executor and the recipes' own ``env_vars`` all read it. Decided
 from the source of megatron-core 0.19.2 and TE 2.20.2 (docs/recipes.md, "Launch environment"):
 
-``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1`` (the NVFP4 recipes)
-    TE's ``NVFP4BlockScaling`` takes its ``disable_stochastic_rounding`` default from it when
-    ``transformer_engine`` is imported; megatron's ``get_fp4_recipe`` builds the recipe with the
-    defaults. Exported before TE's import (``pretrain --cpu`` re-reads it when megatron builds
-    the recipe: :mod:`nemo_lw_fp8.cpu.megatron.bridge_pretrain`).
 ``NVTE_GROUPED_LINEAR_SINGLE_PARAM=1`` (single grouped expert weights)
     TE's ``resolve_grouped_linear_single_param_flags`` (``transformer_engine/pytorch/utils.py``)
     honours ``GroupedLinear(single_grouped_weight=True)`` only when it is > 0; otherwise it warns
@@ -30,6 +25,11 @@ Both paths read a single grouped MXFP8 weight as the plugin leaves it: the CuTe-
 takes the ``GroupedTensor`` parameter itself when it has a quantizer (MXFP8 primary weights) and
 its backward the same tensor's ``columnwise_data`` (swizzled in a copy), so the weights are the
 bytes the owner quantized and the FP8 param gather wrote, rowwise and columnwise.
+
+Nothing here changes how TE rounds: the NVFP4 recipes keep TE's ``NVFP4BlockScaling`` defaults on
+a GPU, stochastic rounding of the gradients included (docs/nvfp4.md, "Stochastic rounding"); a
+team that wants it off exports ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1`` itself. Only the CPU
+backend turns it off, for its own runs (:mod:`nemo_lw_fp8.cpu.megatron.bridge_pretrain`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 
 from nemo_lw_fp8.recipes import catalogue
 from nemo_lw_fp8.recipes.architectures import get_architecture
-from nemo_lw_fp8.vocabulary import CUTEDSL_ENV, NVFP4_NO_SR_ENV, SINGLE_GROUPED_WEIGHT_ENV
+from nemo_lw_fp8.vocabulary import CUTEDSL_ENV, SINGLE_GROUPED_WEIGHT_ENV
 
 #: TE 2.20.2's floor for its fused grouped MLP (``_cudnn_frontend_version_supported``).
 CUDNN_FRONTEND_MIN = "1.23.0"
@@ -65,11 +65,6 @@ class LaunchVar:
 _SINGLE_PARAM_WHY = (
     "TE builds one grouped parameter per expert linear only with this set; without it TE warns "
     "and builds weight0..N, and the recipe would not train what it was configured for"
-)
-_NO_SR_WHY = (
-    "the NVFP4 recipes train without stochastic rounding (the rounding they are verified with "
-    "on CPU; docs/nvfp4.md, NVFP4 recipes): megatron builds NVFP4BlockScaling() with TE's "
-    "defaults, which TE reads from this variable when transformer_engine is imported"
 )
 _CUTEDSL_WHY = (
     "megatron-core 0.19.2 builds op-fuser SwiGLU experts only with this set (else it asserts "
@@ -118,8 +113,6 @@ def needs(model: Any) -> list[LaunchVar]:
         out.append(LaunchVar(SINGLE_GROUPED_WEIGHT_ENV, "1", _SINGLE_PARAM_WHY))
     if op_fuser_experts(model) and glu_experts(model):
         out.append(LaunchVar(CUTEDSL_ENV, "1", _CUTEDSL_WHY, before_import=True))
-    if _get(model, "fp4") and _get(model, "fp4_recipe") == "nvfp4":
-        out.append(LaunchVar(NVFP4_NO_SR_ENV, "1", _NO_SR_WHY, before_import=True))
     return out
 
 
@@ -172,7 +165,8 @@ def as_dict(variables: list[LaunchVar]) -> dict[str, str]:
 
 def export(variables: list[LaunchVar], environ: Any = None) -> dict[str, str]:
     """Set the variables in ``environ`` (the process environment) where they are unset; values
-    already there win (the guard ``te-launch-env`` refuses a contradicting one). Returns what
+    already there win (the rules ``op-fuser-glu-experts-env`` and ``grouped-weight-te-switch``
+    refuse a contradicting one, :func:`check_environment`). Returns what
     was set."""
     environ = os.environ if environ is None else environ
     set_now = {}

@@ -5,7 +5,8 @@ recipes"): what they ship, what the planner counts for them, and their twins tra
 
 A twin keeps its recipe's parallelism structure (PP 2 x VPP 2 x EP 2 on 4 ranks, MTP and MLA for
 DeepSeek-V3), Bridge's NVFP4 preset (NVFP4 compute, NVFP4 primary weights, FP4 param gather),
-discrete expert weights (TE's ``GroupedLinear``) and the recipe's stochastic-rounding switch.
+discrete expert weights (TE's ``GroupedLinear``); the CPU backend turns TE's stochastic
+rounding off for them (a GPU keeps it on; docs/nvfp4.md, "Stochastic rounding").
 
 FP4 param gather ON = OFF bitwise: every iteration's reduced loss and grad norm, every
 evaluation, every rank's fp32 masters and optimizer state. ON holds persistent ``NVFP4Tensor``

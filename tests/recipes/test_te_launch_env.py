@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import unittest.mock
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,7 @@ from tests.support.harness import BootOptions, run_on_ranks
 MXFP8_TINY = [recipes.tiny_name(model) for model in recipes.MODELS]
 FULL = [name for name in recipes.RECIPES if not name.startswith(("tiny_", "twin_"))]
 ASSERTION = "Fused GroupedMLP is not supported for this configuration."
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------- what is needed
@@ -35,10 +37,7 @@ def test_every_recipe_needs_what_its_experts_take(name):
     """MXFP8 recipes (single grouped weights through TE's op fuser, SwiGLU experts) need both
     variables; Hopper recipes (discrete experts, no op fuser) need none."""
     needed = te_env.as_dict(te_env.for_recipe(name))
-    if name.endswith("_nvfp4"):  # discrete experts; stochastic rounding off before TE's import
-        assert needed == {te_env.NVFP4_NO_SR_ENV: "1"}
-        assert [v.name for v in te_env.for_recipe(name) if v.before_import] == list(needed)
-    elif name.endswith("_hopper"):
+    if name.endswith(("_nvfp4", "_hopper")):  # discrete experts; NVFP4 rounds as TE ships it
         assert needed == {}
     else:
         assert needed == {te_env.SINGLE_GROUPED_WEIGHT_ENV: "1", te_env.CUTEDSL_ENV: "1"}
@@ -268,3 +267,23 @@ def test_pretrain_exports_before_transformer_engine_is_imported():
                           timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[-2] == "{'NVTE_CUTEDSL_FUSED_GROUPED_MLP': '1'} 1 False False"
+
+
+NVFP4 = [name for name in sorted(recipes.RECIPES) if name.endswith("_nvfp4")]
+
+
+@pytest.mark.parametrize("name", NVFP4)
+def test_nvfp4_recipes_round_as_te_ships_them_on_gpus(name):
+    """Stochastic rounding of NVFP4 gradients is TE's default (and Bridge's): no launcher of an
+    NVFP4 recipe turns it off (the recipe's ``env_vars``, its YAML, the sbatch script, the
+    nemo-run executor's environment); only the CPU backend does, for itself
+    (``tests/cpu/test_nvfp4_rounding_on_cpu.py``). A user's own setting is carried as given."""
+    from nemo_lw_fp8.cli.slurm.environment import resolve_env
+    from nemo_lw_fp8.vocabulary import NVFP4_NO_SR_ENV
+
+    assert NVFP4_NO_SR_ENV not in te_env.as_dict(te_env.for_recipe(name))
+    assert NVFP4_NO_SR_ENV not in (REPO / "recipes" / f"{name}.yaml").read_text()
+    assert NVFP4_NO_SR_ENV not in write_sbatch(name, nodes=2, gpu_arch="blackwell")
+    assert NVFP4_NO_SR_ENV not in {var.name for var in resolve_env("blackwell", recipe=name)}
+    mine = {var.name: var.value for var in resolve_env("blackwell", {NVFP4_NO_SR_ENV: "1"}, name)}
+    assert mine[NVFP4_NO_SR_ENV] == "1"

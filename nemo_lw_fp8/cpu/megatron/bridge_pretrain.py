@@ -31,14 +31,12 @@ build a Gated DeltaNet)
     CPU tensors, whichever spec builds it; the PyTorch references of
     :mod:`nemo_lw_fp8.cpu.megatron.gated_delta_rule` stand in
     (:mod:`nemo_lw_fp8.cpu.megatron.standins`).
-``nvfp4_recipe_from_env`` (``--cpu-modules te``)
-    megatron's ``fp4_utils.get_fp4_recipe`` builds ``NVFP4BlockScaling()``, whose
-    ``disable_stochastic_rounding`` default TE read from ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING``
-    when it was imported; on CPU TE is imported by the boot (or by the test's launch server)
-    before a recipe's ``env_vars`` are exported, so the variable is read again when megatron
-    builds the recipe. Set to 1 (the NVFP4 recipes' ``env_vars``): the recipe megatron gets has
-    stochastic rounding off, which the emulation refuses by name (docs/nvfp4.md); unset or 0:
-    megatron's recipe unchanged.
+``nvfp4_without_stochastic_rounding`` (``--cpu-modules te``)
+    TE's NVFP4 stochastic rounding draws random bits on the GPU that the CPU cannot reproduce, so
+    the emulation refuses it by name (docs/nvfp4.md). On a GPU the recipes keep TE's default (on);
+    on CPU, and only here, the ``NVFP4BlockScaling`` megatron's ``fp4_utils.get_fp4_recipe`` builds
+    gets ``disable_stochastic_rounding=True``, said once on stderr. An explicit
+    ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=0`` is left as set: the emulation then refuses it.
 ``router_torch_gemm`` (``--cpu-modules project`` only)
     With TE importable, megatron's ``RouterGatingLinearFunction`` (``moe_utils.py``) runs the
     router GEMM through TE's cuBLAS ``general_gemm``; megatron's own fallback (``torch.mm``, taken
@@ -70,6 +68,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from nemo_lw_fp8.vocabulary import NVFP4_NO_SR_ENV
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -157,7 +157,7 @@ def install(modules: str = "te") -> None:
 
         if apex_wgrad.install():
             _undo.append(apex_wgrad.uninstall)
-        _install_nvfp4_recipe_from_env()
+        _install_nvfp4_without_stochastic_rounding()
         return
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -176,24 +176,37 @@ def install(modules: str = "te") -> None:
     _swap(moe_utils, "te_general_gemm", None)
 
 
-def _install_nvfp4_recipe_from_env() -> None:
-    """``nvfp4_recipe_from_env`` (module docstring)."""
+def _install_nvfp4_without_stochastic_rounding() -> None:
+    """``nvfp4_without_stochastic_rounding`` (module docstring)."""
     import dataclasses
     import os
+    import sys
 
     from megatron.core import fp4_utils
 
     original = fp4_utils.get_fp4_recipe
+    said: list[bool] = []
 
     @functools.wraps(original)
-    def nvfp4_recipe_from_env(config: Any) -> Any:
+    def nvfp4_without_stochastic_rounding(config: Any) -> Any:
         recipe = original(config)
-        wanted = os.environ.get("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING", "0") == "1"
-        if wanted and type(recipe).__name__ == "NVFP4BlockScaling":
+        explicit_on = os.environ.get(NVFP4_NO_SR_ENV) == "0"
+        if (
+            type(recipe).__name__ == "NVFP4BlockScaling"
+            and not recipe.disable_stochastic_rounding
+            and not explicit_on
+        ):
             recipe = dataclasses.replace(recipe, disable_stochastic_rounding=True)
+            first_rank = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+            if not said and first_rank:
+                said.append(True)
+                sys.stderr.write(
+                    "nemo_lw_fp8 --cpu: TE's NVFP4 stochastic rounding is off on CPU (its random "
+                    "bits cannot be reproduced here); GPUs keep TE's default\n"
+                )
         return recipe
 
-    _swap(fp4_utils, "get_fp4_recipe", nvfp4_recipe_from_env)
+    _swap(fp4_utils, "get_fp4_recipe", nvfp4_without_stochastic_rounding)
 
 
 def uninstall() -> None:
