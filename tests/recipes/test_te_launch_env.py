@@ -257,7 +257,8 @@ def test_pretrain_exports_before_transformer_engine_is_imported():
     code = (
         "import os, sys\n"
         "os.environ.pop('NVTE_CUTEDSL_FUSED_GROUPED_MLP', None)\n"
-        "from nemo_lw_fp8.cli import pretrain, te_env\n"
+        "from nemo_lw_fp8.cli import pretrain\n"
+        "from nemo_lw_fp8.recipes import te_env\n"
         "pretrain.check_command_line('deepseek_v3_mxfp8', None, [])\n"
         "print(te_env.export_for_launch('deepseek_v3_mxfp8', []),\n"
         "      os.environ['NVTE_CUTEDSL_FUSED_GROUPED_MLP'],\n"
