@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from nemo_lw_fp8.cli.slurm.sbatch import write_sbatch
-from tests.support.slurm_jobs import CONFIGS, HOSTILE, REPO, VENV_BIN, recipe_names
+from tests.support.slurm_jobs import CONFIGS, HOSTILE, VENV_BIN, recipe_names
 
 STANDIN_SRUN = """#!/bin/bash
 # Stand-in srun: record the options (NUL-separated), drop them, run the command here as node 0.
@@ -194,27 +194,10 @@ def test_standin_run_two_gloo_ranks(tmp_path: Path, standin_bin: Path) -> None:
         assert rec["foo"] == "a b$c"
 
 
-def _tiny_recipe_missing() -> str | None:
-    """Why the real CLI cannot run yet, or None when it can (flips on by itself)."""
-    names = recipe_names()
-    if names is None:
-        return "nemo_lw_fp8.recipes does not exist yet (the pretrain CLI's recipes)"
-    if "tiny_deepseek_v3" not in names:
-        return "nemo_lw_fp8.recipes has no tiny_deepseek_v3 yet"
-    if '"pretrain"' not in (REPO / "nemo_lw_fp8" / "cli" / "__init__.py").read_text():
-        return "nemo_lw_fp8/cli/__init__.py has no pretrain command yet"
-    return None
-
-
 @pytest.mark.slow
 def test_end_to_end_tiny_recipe_two_cpu_ranks(tmp_path: Path, standin_bin: Path) -> None:
-    """The generated script trains tiny_deepseek_v3 for 2 steps on 2 gloo ranks (stand-in srun).
-
-    Runs as soon as nemo_lw_fp8.recipes has tiny_deepseek_v3 and cli.py has `pretrain`.
-    """
-    missing = _tiny_recipe_missing()
-    if missing:
-        pytest.skip(f"{missing}; this test enables itself when it lands")
+    """The generated script trains tiny_deepseek_v3 for 2 steps on 2 gloo ranks (stand-in srun)."""
+    assert "tiny_deepseek_v3" in recipe_names()
     # find_spec, not import: importing Bridge here would need the CLI's TE handling first.
     if importlib.util.find_spec("megatron.bridge") is None:
         pytest.skip("needs Megatron-Bridge (pip install 'nemo-lw-fp8[bridge]')")
