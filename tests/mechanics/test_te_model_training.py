@@ -152,3 +152,40 @@ def test_te_spec_moe_resumes_bitwise(tmp_path):
         [{**r, "losses": []} for r in nudged],
         compare=assert_same_losses_and_masters,
     )
+
+
+def build_with_cpu_initialization(cpu_init: bool) -> str:
+    """Build the TE-spec MoE with persistent MXFP8 weights and the layer-wise optimizer; the
+    error the optimizer build raised, or ``"built"``."""
+    import nemo_lw_fp8
+    from nemo_lw_fp8.cpu.te import device as te_device
+    from tests.support import training
+    from tests.support.scenarios import Scenario
+
+    scenario = Scenario(
+        model="moe_grouped", single_grouped_weight=True, fp8=True, fp8_param_gather=True,
+        plugin=True, optimizer="muon", distribution="layerwise_compact", seed=11,
+    )  # fmt: skip
+    nemo_lw_fp8.apply()
+    with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(te_device.BLACKWELL):
+        for name, value in TE_ENV.items():
+            mp.setenv(name, value)
+        module, config = build_te_moe(True, seed=11, cpu_init=cpu_init)
+        try:
+            training.wrap_and_build_optimizer(module, config, scenario)
+        except ValueError as exc:
+            return str(exc)
+    return "built"
+
+
+def test_stale_init_value_is_refused():
+    """With ``use_cpu_initialization=True`` megatron writes TE's weights after TE kept their
+    high-precision init values (uninitialised memory): the layer-wise optimizer refuses to start
+    its fp32 masters from them, in one line naming the flag and the fix. Control: the same
+    build with ``use_cpu_initialization=False`` starts. (Restored: docs/muon-fp8-param-gather.md
+    cites it, and a past edit had dropped it.)"""
+    refused = run_on_ranks(build_with_cpu_initialization, True, world_size=1, boot=BOOT)[0]
+    assert "use_cpu_initialization=False" in refused and "init value" in refused, refused
+    assert "\n" not in refused
+    started = run_on_ranks(build_with_cpu_initialization, False, world_size=1, boot=BOOT)[0]
+    assert started == "built", started
