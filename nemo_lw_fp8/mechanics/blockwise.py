@@ -227,8 +227,9 @@ def unpack(state: BlockwiseGroup, gathered: torch.Tensor, my_rank: int) -> None:
 def derive_columnwise(params: list[torch.nn.Parameter]) -> None:
     """Every codec derives the columnwise copies of its weights among ``params``, in the
     codecs' order (:func:`.wire.codecs`)."""
+    formats = [wire.codec_of(param) for param in params]
     for codec in wire.codecs():
-        own = [param for param in params if wire.codec_of(param) is codec]
+        own = [param for param, form in zip(params, formats, strict=True) if form is codec]
         if own:
             codec.derive_columnwise(own)
 

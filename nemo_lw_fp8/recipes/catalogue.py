@@ -67,11 +67,6 @@ def tiny_variant_of(name: str) -> tuple[str, str] | None:
     return None
 
 
-def full_recipe_names() -> list[str]:
-    """``<model>_<variant>`` for every shipped model and variant."""
-    return [f"{recipe_key(model)}_{variant}" for model in MODELS for variant in variants_of(model)]
-
-
 def recipe_names() -> list[str]:
     """Every recipe name the registry holds: full, tiny and twin, in the registry's order."""
     names = []
