@@ -3,7 +3,10 @@
 A rule looks at a flat view of the settings (:class:`Settings`, built from megatron's
 ``OptimizerConfig`` + ``DistributedDataParallelConfig``, from megatron-training ``args``, or by
 hand) and returns a message when the combination is unsupported. :func:`check` raises
-:class:`ConfigError` naming the flag and the fix; nothing is ever corrected silently.
+:class:`ConfigError` naming the flag and the fix; nothing is ever corrected silently. Each
+:class:`Rule` declares the flag(s) its message names and the words of its fix (``names``,
+``fix``; :data:`CHECKPOINT_MESSAGES` for the checkpoint rules), which
+``tests/rules/test_guard_messages.py`` checks every message and docs/guards.md against.
 
 Rules run when the configuration is finalised: in megatron-training's ``validate_args`` (patched),
 and when the plugin's patched ``LayerWiseDistributedOptimizer`` is built. ``docs/guards.md`` lists
@@ -26,6 +29,7 @@ from nemo_lw_fp8.rules import scope as scope_guards
 
 # The checkpoint-load rules: a module of their own, listed here with every other rule.
 from nemo_lw_fp8.rules.checkpoint import CHECKPOINT_FIXED_FIELDS as CHECKPOINT_FIXED_FIELDS
+from nemo_lw_fp8.rules.checkpoint import CHECKPOINT_MESSAGES as CHECKPOINT_MESSAGES
 from nemo_lw_fp8.rules.checkpoint import CHECKPOINT_RULES as CHECKPOINT_RULES
 from nemo_lw_fp8.rules.checkpoint import checkpoint_bucket_resplit as checkpoint_bucket_resplit
 from nemo_lw_fp8.rules.checkpoint import checkpoint_mismatch as checkpoint_mismatch
@@ -47,13 +51,20 @@ from nemo_lw_fp8.rules.integration import qkv_split_blockwise_message as qkv_spl
 from nemo_lw_fp8.rules.settings import ConfigError as ConfigError
 from nemo_lw_fp8.rules.settings import Rule as Rule
 from nemo_lw_fp8.rules.settings import Settings as Settings
+from nemo_lw_fp8.rules.settings import message_misses as message_misses
 
 #: Settings outside what the plugin is tested on (nemo_lw_fp8/rules/scope.py).
 SCOPE_RULES: tuple[Rule, ...] = (
     Rule("layer-wise-context-parallel", "layer-wise Muon is tested with context parallel 1",
-         scope_guards.layer_wise_context_parallel),
+         scope_guards.layer_wise_context_parallel,
+         names=("model.context_parallel_size", "--context-parallel-size"),
+         fix="set model.context_parallel_size=1 (--context-parallel-size 1), or use Adam with "
+         "the distributed optimizer for long-context runs"),
     Rule("layer-wise-checkpoint-format", "layer-wise runs save and resume torch_dist",
-         scope_guards.layer_wise_ckpt_format),
+         scope_guards.layer_wise_ckpt_format,
+         names=("checkpoint.ckpt_format", "--ckpt-format"),
+         fix=f"set checkpoint.ckpt_format={scope_guards.TESTED_CKPT_FORMAT} "
+         f"(--ckpt-format {scope_guards.TESTED_CKPT_FORMAT})"),
 )
 #: The rules of recipes, launchers and the plugin's own settings (their cases are in
 #: tests/rules/test_guard_catalogue.py; the others' in tests/rules/test_guards.py).

@@ -148,3 +148,34 @@ CHECKPOINT_RULES: tuple[tuple[str, str], ...] = (
     ("checkpoint-bucket-resplit", "a dp_reshardable resume keeps the saved optimizer buckets"),
     ("checkpoint-tp-resplit", "a dp_reshardable resume keeps the saved tensor-parallel size"),
 )
+#: What each checkpoint rule's message must name and the words of its fix, as ``Rule.names`` and
+#: ``Rule.fix`` for the other rules (``<...>``: a value the message fills in;
+#: ``nemo_lw_fp8.rules.settings.message_misses``). docs/guards.md lists the names in its rows.
+CHECKPOINT_MESSAGES: dict[str, tuple[tuple[str, ...], str]] = {
+    "checkpoint-mismatch": (
+        ("<section>.<field>: <saved> in the checkpoint, <this run's> here", "checkpoint.load"),
+        "point checkpoint.load at a checkpoint of this recipe, or set these back; to start this "
+        "run from scratch, drop checkpoint.load",
+    ),
+    "checkpoint-missing-shard": (
+        ("the checkpoint <iteration directory>", "checkpoint.ckpt_step=N"),
+        "copy the whole iteration directory (<why>), or load an earlier iteration "
+        "(checkpoint.ckpt_step=N)",
+    ),
+    "checkpoint-truncated-shard": (
+        ("the checkpoint <iteration directory>", "checkpoint.ckpt_step=N"),
+        "copy the whole iteration directory again (<why>), or load an earlier iteration "
+        "(checkpoint.ckpt_step=N)",
+    ),
+    "checkpoint-bucket-resplit": (
+        ("ddp.bucket_size=<saved>", "checkpoint.dist_ckpt_optim_fully_reshardable=true"),
+        "set ddp.bucket_size=<saved> for this run, or resume from a checkpoint saved with "
+        "checkpoint.dist_ckpt_optim_fully_reshardable=true",
+    ),
+    "checkpoint-tp-resplit": (
+        ("model.tensor_model_parallel_size=<saved>",
+         "checkpoint.dist_ckpt_optim_fully_reshardable=true"),
+        "set model.tensor_model_parallel_size=<saved> for this run, or resume from a checkpoint "
+        "saved with checkpoint.dist_ckpt_optim_fully_reshardable=true",
+    ),
+}  # fmt: skip

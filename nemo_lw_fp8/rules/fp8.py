@@ -33,8 +33,9 @@ def _fp8_gather_recipe(s: Settings) -> str | None:
     if s.layer_wise and s.fp8_param_gather and recipe_known and wrong_recipe:
         return (
             f"layer-wise Muon with --fp8-param-gather supports --fp8-recipe mxfp8 (Blackwell) or "
-            f"--fp8-recipe blockwise (Hopper) only, got {s.fp8_recipe!r}. Fix: use one of them, "
-            "or drop --fp8-param-gather (FP8 compute with bf16 parameters works with any recipe)."
+            f"--fp8-recipe blockwise (Hopper) only, got {s.fp8_recipe!r}. Fix: set --fp8-recipe "
+            "mxfp8 or --fp8-recipe blockwise, or drop --fp8-param-gather (FP8 compute with bf16 "
+            "parameters works with any recipe)."
         )
     return None
 
@@ -48,11 +49,11 @@ def _fp8_recipe_agreement(s: Settings) -> str | None:
         return None
     if s.layer_wise and all(recipes) and recipes[0] != recipes[1]:
         return (
-            f"the optimizer config says fp8_recipe={s.optimizer_fp8_recipe!r}, but the model's FP8 "
+            f"OptimizerConfig.fp8_recipe={s.optimizer_fp8_recipe!r}, but the model's FP8 "
             f"parameters are built for {s.fp8_recipe!r}: megatron's optimizer and the plugin's "
-            f"param gather would each follow a different recipe. Fix: --fp8-recipe "
-            f"{s.fp8_recipe} (OptimizerConfig.fp8_recipe={s.fp8_recipe!r}), or leave the "
-            "optimizer's fp8_recipe unset."
+            "param gather would each follow a different recipe. Fix: set "
+            f"--fp8-recipe {s.fp8_recipe} (OptimizerConfig.fp8_recipe={s.fp8_recipe!r}), or leave "
+            "OptimizerConfig.fp8_recipe unset."
         )
     return None
 
@@ -121,32 +122,60 @@ RULES: tuple[Rule, ...] = (
         "fp8-gather-needs-grad-buffer-reuse",
         "MXFP8 layer-wise gather stages in the grad buffer",
         _fp8_gather_needs_reuse,
+        names=("--fp8-param-gather", "--fp8-recipe mxfp8", "--reuse-grad-buf-for-mxfp8-param-ag"),
+        fix="add --reuse-grad-buf-for-mxfp8-param-ag, or drop --fp8-param-gather",
     ),
     Rule(
         "fp8-gather-recipe",
         "layer-wise FP8 gather supports MXFP8 and blockwise",
         _fp8_gather_recipe,
+        names=("--fp8-param-gather", "--fp8-recipe mxfp8", "--fp8-recipe blockwise"),
+        fix="set --fp8-recipe mxfp8 or --fp8-recipe blockwise, or drop --fp8-param-gather",
     ),
     Rule(
         "fp8-recipe-agreement",
         "the optimizer's fp8_recipe matches the parameters' recipe",
         _fp8_recipe_agreement,
+        names=("OptimizerConfig.fp8_recipe", "--fp8-recipe <the parameters' recipe>"),
+        fix="set --fp8-recipe <the parameters' recipe> (OptimizerConfig.fp8_recipe=<the same>), "
+        "or leave OptimizerConfig.fp8_recipe unset",
     ),
     Rule(
         "blockwise-gather-no-grad-buffer-reuse",
         "blockwise layer-wise gather ships FP8 bytes, no grad-buffer staging",
         _blockwise_gather_no_reuse,
+        names=(
+            "--fp8-param-gather", "--fp8-recipe blockwise", "--reuse-grad-buf-for-mxfp8-param-ag"
+        ),
+        fix="drop --reuse-grad-buf-for-mxfp8-param-ag",
     ),
-    Rule("fp8-gather-layout", "layer-wise FP8 gather needs a param layout", _fp8_gather_layout),
-    Rule("fp8-gather-bf16", "layer-wise FP8 gather needs bf16 training", _fp8_gather_bf16),
+    Rule(
+        "fp8-gather-layout",
+        "layer-wise FP8 gather needs a param layout",
+        _fp8_gather_layout,
+        names=("--fp8-param-gather", "--no-use-layer-wise-param-layout"),
+        fix="drop --no-use-layer-wise-param-layout",
+    ),
+    Rule(
+        "fp8-gather-bf16",
+        "layer-wise FP8 gather needs bf16 training",
+        _fp8_gather_bf16,
+        names=("--fp8-param-gather", "--bf16"),
+        fix="add --bf16",
+    ),
     Rule(
         "compact-single-instance",
         "compact layout needs one distributed-optimizer instance",
         _compact_single_instance,
+        names=("layer_wise_layout='compact'", "--num-distributed-optimizer-instances"),
+        fix="set --num-distributed-optimizer-instances 1, or use layer_wise_layout='padded'",
     ),
     Rule(
         "compact-needs-param-layout",
         "compact layout needs use_layer_wise_param_layout=True",
         _compact_needs_param_layout,
+        names=("layer_wise_layout='compact'", "--no-use-layer-wise-param-layout"),
+        fix="drop --no-use-layer-wise-param-layout (keep use_layer_wise_param_layout=True), or "
+        "use layer_wise_layout='legacy'",
     ),
 )

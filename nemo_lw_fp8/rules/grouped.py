@@ -117,8 +117,8 @@ def _grouped_nvfp4_layer_wise(s: Settings) -> str | None:
         "GroupedLinear casts them with group_quantize at every forward, and group_quantize "
         "has no NVFP4 kernel for the weight quantizer (16x16 blocks, no RHT; TE raises '2D "
         "scaling grouped quant kernel is not ready yet') (docs/nvfp4.md). Fix: use FP4 primary "
-        "weights (--fp4-param-gather), --fp8-recipe mxfp8 or bf16 for the experts, or "
-        "--moe-single-grouped-weight off (discrete expert weights)."
+        "weights (--fp4-param-gather), --fp8-recipe mxfp8 or bf16 for the experts, or drop "
+        "--moe-single-grouped-weight (discrete expert weights)."
     )
 
 
@@ -175,38 +175,64 @@ def _fp4_primary_weights_layer_wise(s: Settings) -> str | None:
 
 GROUPED_WEIGHT_RULES: tuple[Rule, ...] = (
     Rule(
-        "grouped-weight-fsdp", "single grouped expert weights do not work with FSDP", _grouped_fsdp
+        "grouped-weight-fsdp",
+        "single grouped expert weights do not work with FSDP",
+        _grouped_fsdp,
+        names=("--moe-single-grouped-weight", "--use-<megatron-fsdp or torch-fsdp2>"),
+        fix="drop --use-<megatron-fsdp or torch-fsdp2> (use DDP with the distributed or "
+        "layer-wise optimizer), or drop --moe-single-grouped-weight",
     ),
     Rule(
         "grouped-weight-mxfp8-primary-needs-reuse",
         "grouped MXFP8 primary weights stage their gather in the grad buffer",
         _grouped_mxfp8_primary_needs_reuse,
+        names=(
+            "--moe-single-grouped-weight", "--fp8-param-gather", "--fp8-recipe mxfp8",
+            "--reuse-grad-buf-for-mxfp8-param-ag",
+        ),
+        fix="add --reuse-grad-buf-for-mxfp8-param-ag",
     ),
     Rule(
-        "grouped-weight-te-version", "single grouped weights need TE >= 2.14", _grouped_te_version
+        "grouped-weight-te-version",
+        "single grouped weights need TE >= 2.14",
+        _grouped_te_version,
+        names=("--moe-single-grouped-weight", f"transformer-engine >= {GROUPED_WEIGHT_MIN_TE}"),
+        fix=f"install transformer-engine >= {GROUPED_WEIGHT_MIN_TE} (tested: 2.20.2), or drop "
+        "--moe-single-grouped-weight",
     ),
     Rule(
         "grouped-weight-te-switch",
         "single grouped weights need NVTE_GROUPED_LINEAR_SINGLE_PARAM=1",
         _grouped_te_switch,
+        names=("--moe-single-grouped-weight", f"{SINGLE_GROUPED_WEIGHT_ENV}=1"),
+        fix=f"export {SINGLE_GROUPED_WEIGHT_ENV}=1 on every rank, or drop "
+        "--moe-single-grouped-weight",
     ),
     Rule(
         "grouped-weight-nvfp4-layer-wise",
         "single grouped weights under an FP4 recipe with layer-wise Muon (TE cannot run bf16 "
         "ones; FP4 primary ones train)",
         _grouped_nvfp4_layer_wise,
+        names=(
+            "--moe-single-grouped-weight", "--fp4-recipe", "--fp4-param-gather",
+            "--fp8-recipe mxfp8",
+        ),
+        fix="use FP4 primary weights (--fp4-param-gather), --fp8-recipe mxfp8 or bf16 for the "
+        "experts, or drop --moe-single-grouped-weight",
     ),
     Rule(
         "fp4-primary-weights-layer-wise",
         "NVFP4 primary weights under layer-wise Muon outside what is verified",
         _fp4_primary_weights_layer_wise,
+        # (also what the optimizer build's refusal of 1x16 blocks says, mechanics/nvfp4_gather.py)
+        names=("--fp4-param-gather",),
+        fix="<the verified setting>, or drop --fp4-param-gather",
     ),
 )
 
 
 # --------------------------------------------------------------------------- the launch
 # environment TE's op-fuser experts need (issue 28; docs/recipes.md, "Launch environment")
-
 
 
 def _env_flag(value: bool | None, name: str) -> bool | None:
@@ -251,5 +277,9 @@ LAUNCH_ENV_RULES: tuple[Rule, ...] = (
         "op-fuser-glu-experts-env",
         f"op-fuser GLU experts need {CUTEDSL_ENV}=1",
         _op_fuser_glu_env,
+        names=("model.use_transformer_engine_op_fuser", f"{CUTEDSL_ENV}=1"),
+        fix=f"export {CUTEDSL_ENV}=1 on every rank before transformer_engine is imported "
+        "(<who sets it>), or set model.use_transformer_engine_op_fuser=False with discrete "
+        "expert weights",
     ),
 )

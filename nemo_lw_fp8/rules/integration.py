@@ -49,8 +49,9 @@ def _op_fuser_experts_expert_tensor_parallel(s: Settings) -> str | None:
         return None
     return (
         f"grouped MoE experts through TE's op fuser (model.use_transformer_engine_op_fuser=True)"
-        f" at expert tensor parallel {etp} (unset ETP follows TP="
-        f"{s.tensor_model_parallel_size}): megatron-core 0.19.2 fuses TEGroupedMLP only at "
+        f" at expert tensor parallel {etp} (model.expert_tensor_parallel_size; unset, it follows "
+        f"model.tensor_model_parallel_size={s.tensor_model_parallel_size}): megatron-core "
+        "0.19.2 fuses TEGroupedMLP only at "
         "expert TP 1 (TEGroupedMLP._is_fused_impl_supported) and asserts 'Fused GroupedMLP is "
         "not supported for this configuration.' at model build; single grouped weights exist "
         "only there. Fix: set model.expert_tensor_parallel_size=1 (use EP for memory), or "
@@ -75,17 +76,24 @@ def _overlap_agreement(s: Settings) -> str | None:
         return (
             f"ddp.overlap_param_gather={ddp} but optimizer.overlap_param_gather="
             f"{s.overlap_param_gather}: Megatron-Bridge would silently switch both on; the plugin "
-            "does not guess which one you meant. Fix: set both to the same value."
+            "does not guess which one you meant. Fix: set ddp.overlap_param_gather and "
+            "optimizer.overlap_param_gather to the same value."
         )
     return None
 
 
 def _layer_wise_fsdp(s: Settings) -> str | None:
     if s.layer_wise and (s.use_megatron_fsdp or s.use_torch_fsdp2):
+        flag = (
+            "--use-megatron-fsdp (ddp.use_megatron_fsdp=true)"
+            if s.use_megatron_fsdp
+            else "--use-torch-fsdp2"
+        )
         return (
-            "layer-wise Muon gives each data-parallel rank whole matrices; FSDP shards every "
-            "parameter by element ranges instead. Fix: set ddp.use_megatron_fsdp=false (and no "
-            "torch FSDP2), or use Adam with the distributed optimizer for FSDP runs."
+            f"layer-wise Muon with {flag}: layer-wise Muon gives each data-parallel rank whole "
+            "matrices; FSDP shards every parameter by element ranges instead. Fix: drop "
+            "--use-megatron-fsdp (ddp.use_megatron_fsdp=false) and --use-torch-fsdp2, or use "
+            "Adam with the distributed optimizer for FSDP runs."
         )
     return None
 
@@ -114,8 +122,9 @@ def _layer_wise_cpu_offload(s: Settings) -> str | None:
 def _layout_value(s: Settings) -> str | None:
     if s.layer_wise and s.layer_wise_layout not in LAYER_WISE_LAYOUTS:
         return (
-            f"layer_wise_layout={s.layer_wise_layout!r} is not a layout. Fix: use 'compact' "
-            "(no padding, the plugin's default), 'padded' (megatron 0.19.2's) or 'legacy'."
+            f"layer_wise_layout={s.layer_wise_layout!r} is not a layout. Fix: set "
+            "layer_wise_layout to 'compact' (no padding, the plugin's default), 'padded' "
+            "(megatron 0.19.2's) or 'legacy'."
         )
     return None
 
@@ -124,11 +133,12 @@ def _grouped_blockwise_gather(s: Settings) -> str | None:
     blockwise_gather = s.layer_wise and s.fp8_param_gather and s.fp8_recipe == "blockwise"
     if blockwise_gather and s.moe_single_grouped_weight:
         return (
-            "--moe-single-grouped-weight with layer-wise Muon and blockwise FP8 param gather is "
-            "not supported: the blockwise gather ships each weight's FP8 codes and 128x128 tile "
-            "scales, and a single grouped weight is one GroupedTensor whose per-expert blockwise "
-            "members it does not handle. Fix: discrete expert weights "
-            "(model.moe_single_grouped_weight=false), or MXFP8 (Blackwell), or no FP8 gather."
+            "--moe-single-grouped-weight with layer-wise Muon and blockwise FP8 param gather "
+            "(--fp8-param-gather, --fp8-recipe blockwise) is not supported: the blockwise gather "
+            "ships each weight's FP8 codes and 128x128 tile scales, and a single grouped weight "
+            "is one GroupedTensor whose per-expert blockwise members it does not handle. Fix: "
+            "drop --moe-single-grouped-weight (model.moe_single_grouped_weight=false: discrete "
+            "expert weights), or use --fp8-recipe mxfp8 (Blackwell), or drop --fp8-param-gather."
         )
     return None
 
@@ -137,7 +147,9 @@ def _padding_tolerance(s: Settings) -> str | None:
     if s.layer_wise and s.layer_wise_layout == "compact" and not s.gather_padding_tolerance >= 0:
         return (
             f"gather_padding_tolerance={s.gather_padding_tolerance} must be >= 0 (a fraction of "
-            "the gathered payload; inf always takes the even all_gather). Fix: use e.g. 0.1."
+            "the gathered payload; inf always takes the even all_gather). Fix: set "
+            "gather_padding_tolerance to a fraction >= 0, e.g. the default "
+            f"{DEFAULT_GATHER_PADDING_TOLERANCE}."
         )
     return None
 
@@ -148,8 +160,8 @@ def _bucket_cap(s: Settings) -> str | None:
     if s.layer_wise and cap is not None and bad:
         return (
             f"bucket_cap_numel={cap!r} must be None (buckets end where the padded layout ends "
-            "them) or an element count >= 0 (0: megatron's plain bucket_size). Fix: leave it "
-            "unset, or use e.g. 500000000."
+            "them) or an element count >= 0 (0: megatron's plain bucket_size). Fix: leave "
+            "bucket_cap_numel unset, or set it to an element count >= 0, e.g. 500000000."
         )
     return None
 
@@ -158,7 +170,8 @@ def _ownership_value(s: Settings) -> str | None:
     if s.layer_wise and s.grouped_weight_ownership not in GROUPED_WEIGHT_OWNERSHIP:
         return (
             f"grouped_weight_ownership={s.grouped_weight_ownership!r} is not an ownership mode. "
-            "Fix: use 'whole' (one rank per grouped weight), 'expert' or 'auto'."
+            "Fix: set grouped_weight_ownership to 'whole' (one rank per grouped weight), 'expert' "
+            "or 'auto'."
         )
     return None
 
@@ -166,8 +179,8 @@ def _ownership_value(s: Settings) -> str | None:
 def _qkv_ownership_value(s: Settings) -> str | None:
     if s.layer_wise and s.qkv_ownership not in QKV_OWNERSHIP:
         return (
-            f"qkv_ownership={s.qkv_ownership!r} is not an ownership mode. Fix: use 'auto' (the "
-            "default: parts owned apart where the layout can), 'split' or 'whole'."
+            f"qkv_ownership={s.qkv_ownership!r} is not an ownership mode. Fix: set qkv_ownership "
+            "to 'auto' (the default: parts owned apart where the layout can), 'split' or 'whole'."
         )
     return None
 
@@ -215,8 +228,9 @@ def _split_ownership_needs_compact(s: Settings) -> str | None:
 def _grad_sync_value(s: Settings) -> str | None:
     if s.layer_wise and s.layer_wise_grad_sync not in GRAD_SYNC_MODES:
         return (
-            f"layer_wise_grad_sync={s.layer_wise_grad_sync!r} is not a gradient sync. Fix: use "
-            "'reduce_to_owner' (each Muon gradient to its owner) or 'all_reduce'."
+            f"layer_wise_grad_sync={s.layer_wise_grad_sync!r} is not a gradient sync. Fix: set "
+            "layer_wise_grad_sync to 'reduce_to_owner' (each Muon gradient to its owner) or "
+            "'all_reduce'."
         )
     return None
 
@@ -277,52 +291,116 @@ def _compact_only_padding_tolerance(s: Settings) -> str | None:
     return None
 
 
+#: The layout an unsupported compact-only setting is fixed with.
+_COMPACT = "layer_wise_layout='compact'"
+
 INTEGRATION_RULES: tuple[Rule, ...] = (
     Rule("grouped-weight-needs-grouped-gemm", "one grouped weight = TE grouped GEMM experts",
-         _grouped_needs_grouped_gemm),
+         _grouped_needs_grouped_gemm,
+         names=("--moe-single-grouped-weight", "--moe-grouped-gemm", "model.moe_grouped_gemm=True"),
+         fix="set model.moe_grouped_gemm=True, or drop --moe-single-grouped-weight"),
     Rule("grouped-weight-needs-op-fuser", "0.19.2 trains grouped weights via TE's op fuser",
-         _grouped_needs_op_fuser),
+         _grouped_needs_op_fuser,
+         names=("--moe-single-grouped-weight", "model.use_transformer_engine_op_fuser=True"),
+         fix="set model.use_transformer_engine_op_fuser=True, or drop --moe-single-grouped-weight"),
     Rule("op-fuser-experts-expert-tensor-parallel",
          "0.19.2 fuses grouped experts (TE's op fuser) at expert TP 1 only",
-         _op_fuser_experts_expert_tensor_parallel),
-    Rule("fp8-gather-without-fp8", "FP8 param gather needs FP8 on", _fp8_gather_without_fp8),
+         _op_fuser_experts_expert_tensor_parallel,
+         names=("model.use_transformer_engine_op_fuser=True", "model.expert_tensor_parallel_size",
+                "model.tensor_model_parallel_size"),
+         fix="set model.expert_tensor_parallel_size=1 (use EP for memory), or "
+         "model.use_transformer_engine_op_fuser=False with model.moe_single_grouped_weight=False"),
+    Rule("fp8-gather-without-fp8", "FP8 param gather needs FP8 on", _fp8_gather_without_fp8,
+         names=("--fp8-param-gather", "--fp8-format", "mixed_precision=bf16_with_mxfp8_mixed",
+                "mixed_precision.fp8_param_gather=false"),
+         fix="choose mixed_precision=bf16_with_mxfp8_mixed (Blackwell) or a blockwise FP8 preset "
+         "(Hopper), or set mixed_precision.fp8_param_gather=false"),
     Rule("fp8-gather-tensor-parallel",
          "layer-wise FP8 gather at TP > 1: verified with standard and multi-latent attention",
-         rules_tensor_parallel.fp8_gather_tensor_parallel),
+         rules_tensor_parallel.fp8_gather_tensor_parallel,
+         names=("--fp8-param-gather", "model.tensor_model_parallel_size=1"),
+         fix="set model.tensor_model_parallel_size=1 (use PP / EP for memory), or drop "
+         "--fp8-param-gather"),
     Rule("fp8-gather-tp-block-boundary", "TP / ETP shards hold whole quantization blocks",
-         rules_tensor_parallel.fp8_gather_tp_block_boundary),
+         rules_tensor_parallel.fp8_gather_tp_block_boundary,
+         names=("--fp8-param-gather", "model.<dimension>=<width>",
+                "model.<tensor_model or expert_tensor>_parallel_size"),
+         fix="make <the dimension> a multiple of <TP or ETP x block>, or change "
+         "model.<tensor_model or expert_tensor>_parallel_size, or drop --fp8-param-gather"),
     Rule("overlap-param-gather-agreement", "DDP and optimizer agree on overlapped gather",
-         _overlap_agreement),
+         _overlap_agreement,
+         names=("ddp.overlap_param_gather", "optimizer.overlap_param_gather"),
+         fix="set ddp.overlap_param_gather and optimizer.overlap_param_gather to the same value"),
     Rule("layer-wise-fsdp", "layer-wise Muon owns whole matrices, FSDP shards them",
-         _layer_wise_fsdp),
+         _layer_wise_fsdp,
+         names=("--use-megatron-fsdp", "ddp.use_megatron_fsdp=false", "--use-torch-fsdp2"),
+         fix="drop --use-megatron-fsdp (ddp.use_megatron_fsdp=false) and --use-torch-fsdp2, or "
+         "use Adam with the distributed optimizer for FSDP runs"),
     Rule("layer-wise-overlap-with-optimizer-step", "an Adam-only overlap mode",
-         _layer_wise_overlap_with_step),
-    Rule("layer-wise-cpu-offload", "optimizer CPU offload is Adam-only", _layer_wise_cpu_offload),
+         _layer_wise_overlap_with_step,
+         names=("--overlap-param-gather-with-optimizer-step",),
+         fix="drop --overlap-param-gather-with-optimizer-step (keep --overlap-param-gather)"),
+    Rule("layer-wise-cpu-offload", "optimizer CPU offload is Adam-only", _layer_wise_cpu_offload,
+         names=("--optimizer-cpu-offload",),
+         fix="drop --optimizer-cpu-offload, or use PP / EP to reduce per-rank optimizer memory"),
     Rule("grouped-weight-blockwise-gather", "blockwise gather handles discrete experts only",
-         _grouped_blockwise_gather),
-    Rule("layer-wise-layout-name", "layout is padded, compact or legacy", _layout_value),
+         _grouped_blockwise_gather,
+         names=("--moe-single-grouped-weight", "--fp8-param-gather", "--fp8-recipe blockwise",
+                "model.moe_single_grouped_weight=false"),
+         fix="drop --moe-single-grouped-weight (model.moe_single_grouped_weight=false: discrete "
+         "expert weights), or use --fp8-recipe mxfp8 (Blackwell), or drop --fp8-param-gather"),
+    Rule("layer-wise-layout-name", "layout is padded, compact or legacy", _layout_value,
+         names=("layer_wise_layout",),
+         fix="set layer_wise_layout to 'compact' (<why>), 'padded' (<why>) or 'legacy'"),
     Rule("compact-gather-padding-tolerance", "tolerance is a non-negative fraction",
-         _padding_tolerance),
+         _padding_tolerance,
+         names=("gather_padding_tolerance",),
+         fix="set gather_padding_tolerance to a fraction >= 0, e.g. the default "
+         f"{DEFAULT_GATHER_PADDING_TOLERANCE}"),
     Rule("compact-grad-sync-name", "grad sync is reduce_to_owner or all_reduce",
-         _grad_sync_value),
+         _grad_sync_value,
+         names=("layer_wise_grad_sync",),
+         fix="set layer_wise_grad_sync to 'reduce_to_owner' (<what>) or 'all_reduce'"),
     Rule("compact-owner-grads-not-logged", "per-parameter grad norms need all-reduced grads",
-         _owner_grads_logged),
+         _owner_grads_logged,
+         names=("logger.log_l2_norm_grad_to_tensorboard", "layer_wise_grad_sync='reduce_to_owner'",
+                "optimizer.layer_wise_grad_sync=all_reduce"),
+         fix="optimizer.layer_wise_grad_sync=all_reduce, or "
+         "logger.log_l2_norm_grad_to_tensorboard=false"),
     Rule("compact-bucket-cap", "bucket cap is None or a non-negative element count",
-         _bucket_cap),
+         _bucket_cap,
+         names=("bucket_cap_numel",),
+         fix="leave bucket_cap_numel unset, or set it to an element count >= 0"),
     Rule("grouped-weight-ownership-name", "ownership is whole, expert or auto",
-         _ownership_value),
+         _ownership_value,
+         names=("grouped_weight_ownership",),
+         fix="set grouped_weight_ownership to 'whole' (<what>), 'expert' or 'auto'"),
     Rule("grouped-weight-split-ownership-needs-compact", "expert runs need the compact gather",
-         _split_ownership_needs_compact),
-    Rule("qkv-ownership-name", "QKV ownership is auto, split or whole", _qkv_ownership_value),
+         _split_ownership_needs_compact,
+         names=("grouped_weight_ownership", _COMPACT),
+         fix=f"{_COMPACT}, or grouped_weight_ownership='whole'"),
+    Rule("qkv-ownership-name", "QKV ownership is auto, split or whole", _qkv_ownership_value,
+         names=("qkv_ownership",),
+         fix="set qkv_ownership to 'auto' (<what>), 'split' or 'whole'"),
     Rule("qkv-split-needs-compact", "Q / K / V parts are owned apart on the compact layout only",
-         _qkv_split_needs_compact),
+         _qkv_split_needs_compact,
+         names=("qkv_ownership='split'", _COMPACT),
+         fix=f"qkv_ownership='auto' (the default) or 'whole', or {_COMPACT}"),
     Rule("qkv-split-blockwise", "blockwise FP8 QKV weights are owned whole",
-         _qkv_split_blockwise),
+         _qkv_split_blockwise,
+         names=("qkv_ownership='split'", "--fp8-recipe blockwise"),
+         fix="qkv_ownership='auto' (<what>) or 'whole'"),
     Rule("compact-only-grad-sync", "grad sync is a compact-layout setting",
-         _compact_only_grad_sync),
+         _compact_only_grad_sync,
+         names=("layer_wise_grad_sync", _COMPACT),
+         fix=f"leave layer_wise_grad_sync unset, or {_COMPACT}"),
     Rule("compact-only-bucket-cap", "the bucket cap is a compact-layout setting",
-         _compact_only_bucket_cap),
+         _compact_only_bucket_cap,
+         names=("bucket_cap_numel", _COMPACT),
+         fix=f"leave bucket_cap_numel unset (<why>), or {_COMPACT}"),
     Rule("compact-only-gather-padding-tolerance",
          "the gather padding tolerance is a compact-layout setting",
-         _compact_only_padding_tolerance),
+         _compact_only_padding_tolerance,
+         names=("gather_padding_tolerance", _COMPACT),
+         fix=f"leave gather_padding_tolerance unset (<default>), or {_COMPACT}"),
 )

@@ -8,6 +8,7 @@ and runs them) import it without importing each other.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -150,6 +151,34 @@ class Settings:
 
 @dataclass(frozen=True)
 class Rule:
+    """A rule: its ``name``, a ``summary``, the check (``violated``: a one-line message, or None)
+    and what every message of it must say: ``names``, the flag(s) it is about, and ``fix``, the
+    words of its fix (after ``Fix:``). Both may hold ``<...>`` placeholders for values the
+    message fills in (:func:`message_misses`); docs/guards.md lists ``names`` in its rows."""
+
     name: str
     summary: str
     violated: Callable[[Settings], str | None]
+    names: tuple[str, ...]
+    fix: str
+
+
+_PLACEHOLDER = re.compile(r"<[^<>]+>")
+
+
+def _pattern(text: str) -> re.Pattern[str]:
+    """``text`` as a regular expression, each ``<...>`` placeholder standing for any text."""
+    pieces = _PLACEHOLDER.split(text)
+    return re.compile(".+?".join(re.escape(piece) for piece in pieces))
+
+
+def message_misses(message: str, names: tuple[str, ...], fix: str) -> list[str]:
+    """What a refusal's ``message`` lacks of a rule's table entry: each name of ``names`` not in
+    it, the ``fix`` not after its ``Fix:``, a message of more than one line. Empty: none."""
+    missing = [f"name {name!r}" for name in names if not _pattern(name).search(message)]
+    _, found, after = message.partition("Fix:")
+    if not found or not _pattern(fix).search(after):
+        missing.append(f"fix {fix!r} after 'Fix:'")
+    if len(message.splitlines()) != 1:
+        missing.append("one line")
+    return missing
