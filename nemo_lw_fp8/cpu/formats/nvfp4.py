@@ -1,4 +1,4 @@
-"""NVFP4 (E2M1 data, E4M3 block scales, FP32 tensor amax) in plain torch, bit-exact with TE 2.20.
+"""NVFP4 (E2M1 data, E4M3 block scales, FP32 tensor amax) in plain torch, per TE 2.20.2's source.
 
 Why this exists: TE's NVFP4 cast runs only as CUDA kernels; on CPU the ``transformer_engine_torch``
 stand-in (:mod:`.cast_nvfp4`) needs the same bytes from plain torch. Each rule below names

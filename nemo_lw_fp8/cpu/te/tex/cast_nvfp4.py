@@ -2,9 +2,9 @@
 
 Why a module of its own: this is the glue between TE 2.20's Python ``NVFP4Quantizer`` /
 ``NVFP4Tensor`` (``tensor/nvfp4_tensor.py``, ``tensor/storage/nvfp4_tensor_storage.py``) and the
-bit-exact cast in :mod:`nemo_lw_fp8.cpu.formats.nvfp4`: the NVFP4 side of ``tex.quantize``,
-``tex.dequantize`` and ``tex.create_empty_quantized_tensor``, and the two helpers
-``NVFP4TensorStorage._create_columnwise`` calls (``nvfp4_data_transpose``,
+cast in :mod:`nemo_lw_fp8.cpu.formats.nvfp4` (bit-exact per TE 2.20.2's source): the NVFP4 side
+of ``tex.quantize``, ``tex.dequantize`` and ``tex.create_empty_quantized_tensor``, and the two
+helpers ``NVFP4TensorStorage._create_columnwise`` calls (``nvfp4_data_transpose``,
 ``nvfp4_2d_scale_transpose``). What each replaces in TE's C++: ``NVFP4Quantizer::create_tensor``
 and ``NVFP4Quantizer::quantize_impl`` (``pytorch/csrc/quantizer.cpp``), ``nvte_dequantize``'s
 NVFP4 kernel (``common/cast/nvfp4/dequantize_nvfp4.cuh``), ``nvfp4_data_transpose`` /
@@ -38,19 +38,22 @@ __all__ = [
 
 _FP4_DTYPE = 10  # DType.kFloat4E2M1
 
-#: What of TE's NVFP4 runs on CPU (``doctor`` prints it; docs/nvfp4.md has the detail).
+#: What of TE's NVFP4 runs on CPU (``doctor`` prints it; docs/nvfp4.md has the detail). "Per TE
+#: 2.20.2's source": the bytes follow TE's kernels as read (and torchao's reference where the two
+#: define the same arithmetic); no GPU has compared them yet (tests/cpu/test_nvfp4_gpu_bytes.py).
 EMULATED = (
     "NVFP4Quantizer casts (1x16 and 16x16 blocks, rowwise / columnwise, compact and "
-    "GEMM-swizzled scales), TE-exact",
+    "GEMM-swizzled scales), per TE 2.20.2's source",
     "random Hadamard transform of the columnwise copy (with_rht, post-RHT amax, bf16 input, "
-    "1x16 blocks), TE-exact where a group's 16 terms span at most 12 binades",
+    "1x16 blocks), per TE 2.20.2's source where a group's 16 terms span at most 12 binades",
     "generic_gemm on NVFP4 x NVFP4 operands (TE Linear's fprop, dgrad, wgrad): exact operands, "
     "fp32 product",
     "bgrad_quantize with an NVFP4 quantizer",
     "NVFP4 outputs of rmsnorm_fwd / layernorm_fwd (TE LayerNormLinear's input): the norm cast "
     "to its out_dtype, then the cast above, as TE's normalization.cpp does",
     "split_quantize with NVFP4 quantizers (TE GroupedLinear's input and gradient): one amax per "
-    "split, the grouped RHT path and its group-wide scale layout, TE-exact as the casts above",
+    "split, the grouped RHT path and its group-wide scale layout, per TE 2.20.2's source as the "
+    "casts above",
     "te_general_grouped_gemm on NVFP4 operands: one generic_gemm per expert, each with its own "
     "operands' alpha",
     "group_quantize with an RHT NVFP4Quantizer (the op-fuser GroupedLinear's grouped-tensor "
