@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[DEBUG_ENV] = "1"  # subcommands and torchrun's ranks read it
     command = argv[0] if argv else ""
     from nemo_lw_fp8.errors import ConfigError
+    from nemo_lw_fp8.patches.framework import UntestedMegatronVersion
+    from nemo_lw_fp8.patches.record import UpstreamChanged
 
     try:
         return _dispatch(argv)
@@ -111,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         # A rule's message names the flag and its fix already.
+        return _report(command, str(error), "")
+    except (UpstreamChanged, UntestedMegatronVersion) as error:
+        if debug:
+            raise
+        # A patch refused the installed stack: its one line names the object and the fix.
         return _report(command, str(error), "")
     except ImportError as error:
         if debug or "megatron.bridge" not in str(error) and "Megatron-Bridge" not in str(error):

@@ -1,23 +1,26 @@
-"""``nemo-lw-fp8 doctor``: what is installed, which FP8 backend is in use, what upstream has.
+"""``nemo-lw-fp8 doctor``: what is installed, which FP8 backend is in use, what each patch does.
 
-For each tracked upstream change the status is one of:
+The patch table has one row per patch (megatron-core, Megatron-Bridge and the plugin's own), and
+its status is the verdict ``nemo_lw_fp8.apply()`` acts on, from the same function
+(:func:`nemo_lw_fp8.patches.framework.decide`; tests assert the two equal):
 
-``native``       the installed megatron-core already behaves as wanted (detected, not assumed);
-``patched``      megatron-core lacks it and the plugin's patch is applied in this process;
-``patchable``    megatron-core lacks it and the plugin has a patch (``nemo_lw_fp8.apply()``);
-``native (extended)``  megatron-core has it for some optimizers and the plugin's extension to the
-                 others is applied (``native (extendable)``: available, not applied);
-``unavailable``  megatron-core lacks it and this plugin version cannot bring it (reason given).
+``patched``   the record has this exact code and the patch applies (or is applied);
+``native``    the record says this exact upstream code already does it: nothing is installed;
+``refused``   the installed version, or an object the patch wraps, is not one it was tested on
+              (named); ``apply()`` raises the same one line;
+``pending``   a Megatron-Bridge patch where Bridge cannot be imported in this process.
 
-The report reads package versions from their metadata, and names every package whose version
-differs from the environment the suite passed in (:mod:`nemo_lw_fp8.cli.tested_env`, the
-constraints file ``make`` installs from) and the upstream status from the patch
-detectors. The detectors read megatron-core's definitions from its source files when megatron is
-not imported (:mod:`nemo_lw_fp8.patches.symbols`), so a fresh ``doctor`` process imports torch (for
-the accelerator) and the plugin's patch modules, never megatron-core: about 2 s of CPU instead of
-the 17 s that importing ``megatron.core`` and ``megatron.training`` cost on a shared 2-core box.
-Third-party warnings printed meanwhile (torch's pynvml notice) are held back
-(:mod:`nemo_lw_fp8.cli.quiet`): one summary line, ``--verbose`` prints them.
+Under ``NEMO_LW_FP8_ALLOW_UNTESTED_MEGATRON=1`` a refused patch reads ``patched``, with the
+changed objects named. The upstream table then names each tracked Megatron-LM change with the
+state of its patch, and notes where upstream landed part of it (``native (extendable)``: for
+DistributedOptimizer; the plugin extends it to the layer-wise optimizer).
+
+To fingerprint what ``apply()`` would wrap, ``doctor`` imports megatron-core and, when it is
+installed, Megatron-Bridge's config module (over the CPU emulation of TE where TE has no GPU):
+some 15 s on a shared 2-core box. The report also names every package whose version differs
+from the environment the suite passed in (:mod:`nemo_lw_fp8.cli.tested_env`). Third-party
+warnings printed meanwhile are held back (:mod:`nemo_lw_fp8.cli.quiet`): one summary line,
+``--verbose`` prints them.
 """
 
 from __future__ import annotations
@@ -82,29 +85,80 @@ def fp8_backend() -> dict[str, str]:
     }
 
 
-def upstream_status() -> list[ChangeStatus]:
-    """One row per tracked megatron-core change: the patch registry plus the changes that need
-    no patch (:mod:`nemo_lw_fp8.patches.upstream`)."""
+def _import_stack() -> str:
+    """Import what ``apply()`` would patch: megatron-core, and Bridge's config module when
+    Bridge is installed (its patches then get a verdict, not ``pending``). Returns why Bridge
+    was not imported ("" if it was)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.bridge") is None:
+        return "Megatron-Bridge is not installed"
+    from nemo_lw_fp8.cpu.te import backend as te_backend
+
+    try:
+        te_backend.activate()
+        import megatron.bridge.training.config  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - the reason is the finding
+        return f"Megatron-Bridge did not import: {type(error).__name__}: {error}"
+    return ""
+
+
+def patch_verdicts() -> list[dict[str, object]]:
+    """One row per patch: the verdict ``apply()`` acts on here (the same function decides)."""
+    from nemo_lw_fp8 import patches
+    from nemo_lw_fp8.patches import framework
+
+    bridge_missing = _import_stack()
+    patches.load_all()
+    rows = []
+    for name, verdict in framework.verdicts().items():
+        patch = framework.registry()[name]
+        reason = verdict.reason
+        if verdict.status == "pending" and bridge_missing:
+            reason = bridge_missing
+        rows.append(
+            {
+                "patch": name,
+                "target": patch.target,
+                "status": verdict.status,
+                "reason": reason,
+                "changed": list(verdict.changed),
+                "upstream_pr": patch.upstream_pr,
+            }
+        )
+    return rows
+
+
+def upstream_status(verdicts: list[dict[str, object]] | None = None) -> list[ChangeStatus]:
+    """One row per tracked megatron-core change: its patch's verdict (``patch_verdicts``), or
+    for a change the plugin needs no patch for, whether megatron-core has it."""
     from nemo_lw_fp8.patches.upstream import megatron_core_changes
 
+    by_patch = {row["patch"]: row for row in verdicts or patch_verdicts()}
     rows = []
     for pr, (title, detect, patch) in megatron_core_changes().items():
-        try:
-            native, reason = detect()
-        except Exception as exc:  # noqa: BLE001 - a detector failure is itself a finding
-            rows.append(ChangeStatus(pr, title, "unavailable", f"detector failed: {exc}"))
+        part = None
+        if detect is not None:
+            try:
+                part = detect()
+            except Exception as exc:  # noqa: BLE001 - a detector failure is itself a finding
+                rows.append(ChangeStatus(pr, title, "unavailable", f"detector failed: {exc}"))
+                continue
+        if patch is None:
+            native, reason = part
+            status = "native" if native else "unavailable"
+            if not native:
+                reason = f"{reason}; the plugin has no patch for it"
+            rows.append(ChangeStatus(pr, title, status, reason))
             continue
-        if native and patch is not None and not patch.detect_native()[0]:
+        verdict = by_patch[patch.name]
+        status, reason = str(verdict["status"]), str(verdict["reason"])
+        if status == "patched" and not patch.applied:
+            status = "patchable"
+        if part is not None and part[0] and status in ("patched", "patchable"):
             # Upstream has the change for some optimizers; the plugin extends it further.
             status = "native (extended)" if patch.applied else "native (extendable)"
-            reason = f"{reason}; layer-wise extension: {patch.summary}"
-        elif native:
-            status = "native"
-        elif patch is not None:
-            status = "patched" if patch.applied else "patchable"
-        else:
-            status = "unavailable"
-            reason = f"{reason}; the plugin has no patch for it"
+            reason = f"{part[1]}; layer-wise extension: {patch.summary}"
         rows.append(ChangeStatus(pr, title, status, reason))
     return rows
 
@@ -169,13 +223,15 @@ def collect() -> dict[str, object]:
     # Looked up by normalized name, so TE's package in <venv>/te-emulation counts as installed.
     versions.update({label: installed.get(tested_env.normalize(dist)) for label, dist in PACKAGES})
     device = accelerator()
+    verdicts = patch_verdicts()
     return {
         "versions": versions,
         "drift": [asdict(row) for row in tested_env.drift(installed=installed)],
         "accelerator": device,
         "nvfp4": nvfp4_support(device),
         "fp8_backend": fp8_backend(),
-        "upstream": [asdict(row) for row in upstream_status()],
+        "patches": verdicts,
+        "upstream": [asdict(row) for row in upstream_status(verdicts)],
         "expert_path": expert_paths(),
     }
 
@@ -215,6 +271,10 @@ def render(report: dict[str, object]) -> str:
         lines += [f"  emulated on CPU:       {item}" for item in fp4["cpu_emulation"]]
         lines += [f"  refused on CPU:        {item}" for item in fp4["refused_on_cpu"]]
         lines.append(f"  layer-wise Muon:       {fp4['layer_wise_muon']}")
+    lines.append("")
+    lines.append("patches (the verdict apply() acts on here; docs/install.md, supported lines):")
+    for row in report["patches"]:
+        lines.append(f"  {row['patch']:<28} {row['status']:<9} {row['target']:<16} {row['reason']}")
     lines.append("")
     lines.append(f"{'change':<7} {'status':<20} {'what':<52} reason")
     for row in report["upstream"]:

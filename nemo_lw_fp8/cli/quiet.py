@@ -5,6 +5,8 @@ missing, "TE version 0.0.0", fla/Triton on CPU, ``torch.jit.script`` deprecated,
 runtime") before a command says anything. :func:`held_back` records Python warnings and whatever
 reaches file descriptor 2 (logging handlers, C extensions) while its block runs, so a command
 can print its own output first and the noise as one summary line (or in full on request).
+The plugin's own warnings (a category defined in ``nemo_lw_fp8``, e.g. a patch applied over
+untested code under the override) are never held back: they go to stderr as the block ends.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def held_back() -> Iterator[Held]:
     """Record warnings and file-descriptor-2 output of the block into the yielded :class:`Held`
     (filled when the block ends, also when it raises)."""
     held = Held()
+    shown: list[str] = []
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as sink:
@@ -62,12 +65,17 @@ def held_back() -> Iterator[Held]:
                         if (item.filename, item.lineno, text) in seen:
                             continue
                         seen.add((item.filename, item.lineno, text))
+                        if item.category.__module__.startswith("nemo_lw_fp8"):
+                            shown.append(f"warning: {item.message}")  # the plugin's own
+                            continue
                         held.messages.append(f"{item.filename}:{item.lineno}: {text}")
                         held.sources.append(_package_of(item.filename))
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
+            for line in shown:
+                sys.stderr.write(line + "\n")
             sink.seek(0)
             for line in sink.read().decode(errors="replace").splitlines():
                 if line.strip():

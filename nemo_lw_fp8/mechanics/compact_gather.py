@@ -27,10 +27,10 @@ def unpack(group: Any, plan: CompactGroup, gathered: torch.Tensor) -> None:
     """Write the gathered segments into the weights. Expert slices and QKV parts of a quantized
     (MXFP8) weight are assembled into one bf16 tensor first and quantized once, from the same
     bytes a whole owner would have sent."""
-    from megatron.core.distributed.param_and_grad_buffer import (
-        _param_uses_quantized_storage,
-        copy_tensor_to_quantized_param,
-    )
+    # Each from the module that defines it: 0.20 no longer re-exports the copy from
+    # param_and_grad_buffer, while fp8_utils defines it on 0.19.0, 0.19.2 and 0.20 alike.
+    from megatron.core.distributed.param_and_grad_buffer import _param_uses_quantized_storage
+    from megatron.core.fp8_utils import copy_tensor_to_quantized_param
 
     assembled: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
     for rank in owner_gather.ranks_to_unpack(plan, group.data_parallel_group.rank()):

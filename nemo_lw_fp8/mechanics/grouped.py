@@ -69,6 +69,15 @@ def is_nonlinear_or_embedding(param: torch.Tensor) -> bool:
     return not is_muon_matrix(param)
 
 
+def is_muon_excluded(param: torch.Tensor) -> bool:
+    """megatron-core 0.20's wider exclusion (its predicate ``muon_excluded``): what
+    :func:`is_nonlinear_or_embedding` excludes, and any param a model tagged ``use_muon=False``
+    (0.20's Mamba / gated-delta input projections)."""
+    if not getattr(param, "use_muon", True):
+        return True
+    return is_nonlinear_or_embedding(param)
+
+
 def orthogonalize_per_expert(
     original: Callable[..., torch.Tensor],
     muon: Any,

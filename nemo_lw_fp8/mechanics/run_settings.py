@@ -111,7 +111,8 @@ def read(optimizer: Any) -> guards.Settings:
                  "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                  "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                  "multi_latent_attention", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-                 "experimental_attention_variant", "attention_output_gate"):
+                 "experimental_attention_variant", "attention_output_gate",
+                 "context_parallel_size"):
         take(name, model_config, name, "TransformerConfig")
     if getattr(model_config, "fp4", None):
         # NVFP4 primary weights (TE builds them under megatron's fp4_param) and their recipe

@@ -1,8 +1,8 @@
 """Patch modules for the installed megatron-core, one module per behaviour.
 
 Each module opens with a docstring: the behaviour it brings, the upstream change it mirrors (by
-PR number), what it patches, and how it detects that upstream already has it. A patch module is
-its detector plus wiring: the overrides it installs call the mechanisms in
+PR number), what it patches, and that its verdict is the record's (:mod:`.record`). A patch
+module is wiring: the overrides it installs call the mechanisms in
 :mod:`nemo_lw_fp8.mechanics`, and no patch module imports another (a patch that needs another
 names it in ``requires``). Modules register a :class:`~nemo_lw_fp8.patches.framework.Patch` when
 they are imported; :data:`PATCH_MODULES` lists them so :func:`load_all` can import every one.
@@ -18,13 +18,16 @@ from nemo_lw_fp8.patches.framework import (
     Override,
     Patch,
     UntestedMegatronVersion,
+    UntestedUpstreamWarning,
     UpstreamChanged,
+    Verdict,
     applied,
     apply,
     original,
     register,
     registry,
     revert,
+    verdicts,
 )
 
 #: Patch modules shipped with the plugin (imported lazily: they import megatron-core).
@@ -60,7 +63,9 @@ __all__ = [
     "PATCH_MODULES",
     "Patch",
     "UntestedMegatronVersion",
+    "UntestedUpstreamWarning",
     "UpstreamChanged",
+    "Verdict",
     "applied",
     "apply",
     "load_all",
@@ -68,4 +73,5 @@ __all__ = [
     "register",
     "registry",
     "revert",
+    "verdicts",
 ]

@@ -21,36 +21,17 @@ checks, masters, inner step, gather plans), ``_ParamAndGradBucketGroup.start_par
 ``.finish_param_sync`` / ``._post_param_sync`` (blockwise groups only), ``partition_buckets`` as
 DDP calls it (only when a layer-wise buffer holds blockwise FP8 weights).
 
-Detection: native when megatron's layer-wise optimizer or bucket-group gather code handles
-blockwise scales itself (refers to ``Float8BlockwiseQTensor`` or ``_rowwise_scale_inv``).
+Verdict: the record's (``patches/record.py``): applied over every recorded build, checked by the
+fingerprint of each object it wraps; never decided by reading upstream's source.
 """
 
 from __future__ import annotations
-
-import inspect
 
 from nemo_lw_fp8.mechanics import blockwise, lifecycle
 from nemo_lw_fp8.patches.bucket_group_sync import planned_group_sync
 from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "blockwise_fp8_param_gather"
-
-
-def _detect_native() -> tuple[bool, str]:
-    from megatron.core.distributed import param_and_grad_buffer as buffer_module
-    from megatron.core.optimizer import layer_wise_optimizer
-
-    group_cls = buffer_module._ParamAndGradBucketGroup
-    sources = [inspect.getsource(layer_wise_optimizer)]
-    for name in ("start_param_sync", "finish_param_sync"):
-        sources.append(inspect.getsource(group_cls.__dict__[name]))
-    text = "\n".join(sources)
-    if "Float8BlockwiseQTensor" in text or "_rowwise_scale_inv" in text:
-        return True, "megatron's layer-wise gather handles blockwise FP8 scales itself"
-    return False, (
-        "layer-wise buckets gather bf16 (or nothing for blockwise FP8 weights); no upstream "
-        "change ships blockwise FP8 codes + scales for layer-wise gathers"
-    )
 
 
 def _set_up(optimizer) -> None:
@@ -106,7 +87,6 @@ PATCH = register(
         name=FEATURE,
         upstream_pr=0,
         summary="layer-wise blockwise FP8 param gather: owner-quantized FP8 codes + scales",
-        detect_native=_detect_native,
         build_overrides=_build_overrides,
         requires=("muon_fp8_param_gather", "compact_layout", "layer_wise_init"),
     )

@@ -16,29 +16,20 @@ Patches: ``megatron.bridge.training.checkpointing._load_checkpoint_from_path`` (
 run being loaded into) and that module's ``read_run_config`` (Bridge reads the checkpoint's
 config through it, rank 0 reading and broadcasting, before any tensor is loaded).
 
-Detection: only when Megatron-Bridge has been imported; native when Bridge's load path compares
-the FP8 recipe itself (its source mentions ``fp8_recipe``).
+Verdict: the record's (``patches/record.py``): applied over every recorded build, checked by the
+fingerprint of each object it wraps; never decided by reading upstream's source.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from typing import Any
 
 from nemo_lw_fp8.mechanics import checkpointing
-from nemo_lw_fp8.patches.bridge_support import bridge_detector, register_bridge_patch, wrap_own
+from nemo_lw_fp8.patches.bridge_support import bridge_module, register_bridge_patch, wrap_own
 from nemo_lw_fp8.patches.framework import Override
 
 FEATURE = "bridge_checkpoint_compat"
 _CHECKPOINTING = "megatron.bridge.training.checkpointing"
-
-
-@bridge_detector(_CHECKPOINTING)
-def _detect_native(source: Callable[[str], str]) -> tuple[bool, str]:
-    if "fp8_recipe" in source("_load_checkpoint_from_path"):
-        return True, "Bridge's checkpoint load compares the FP8 recipe itself"
-    return False, "Bridge's checkpoint load compares only TP and PP with the saved config"
 
 
 def _make_load(original):
@@ -61,7 +52,7 @@ def _make_read(original):
 
 
 def _build_overrides() -> list[Override]:
-    module = sys.modules[_CHECKPOINTING]
+    module = bridge_module(_CHECKPOINTING)
     # _make_load is looked up here, at build time: tests/support/bridge_run.py replaces it.
     return [
         wrap_own(module, "_load_checkpoint_from_path", _make_load),
@@ -72,6 +63,5 @@ def _build_overrides() -> list[Override]:
 PATCH = register_bridge_patch(
     FEATURE,
     "Megatron-Bridge refuses a checkpoint of another model, FP8 / FP4 recipe or optimizer",
-    _detect_native,
     _build_overrides,
 )

@@ -15,29 +15,20 @@ Patches: ``megatron.bridge.training.checkpointing.get_rng_state`` (the entry it 
 load). The checkpoint's iteration directory comes from ``bridge_checkpoint_compat``, which sees
 Bridge read the checkpoint's ``run_config.yaml`` first (hence ``requires``).
 
-Detection: only when Megatron-Bridge has been imported; native when Bridge's
-``get_rng_state`` no longer shards by the data-parallel size.
+Verdict: the record's (``patches/record.py``): applied over every recorded build, checked by the
+fingerprint of each object it wraps; never decided by reading upstream's source.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from typing import Any
 
 from nemo_lw_fp8.mechanics import checkpointing
-from nemo_lw_fp8.patches.bridge_support import bridge_detector, register_bridge_patch, wrap_own
+from nemo_lw_fp8.patches.bridge_support import bridge_module, register_bridge_patch, wrap_own
 from nemo_lw_fp8.patches.framework import Override
 
 FEATURE = "bridge_checkpoint_rng"
 _CHECKPOINTING = "megatron.bridge.training.checkpointing"
-
-
-@bridge_detector(_CHECKPOINTING)
-def _detect_native(source: Callable[[str], str]) -> tuple[bool, str]:
-    if "dp_size" not in source("get_rng_state"):
-        return True, "Bridge's RNG state does not depend on the data-parallel size"
-    return False, "Bridge shards the RNG state by the data-parallel size with EP > 1"
 
 
 def _make_get_rng_state(original):
@@ -49,13 +40,12 @@ def _make_get_rng_state(original):
 
 
 def _build_overrides() -> list[Override]:
-    return [wrap_own(sys.modules[_CHECKPOINTING], "get_rng_state", _make_get_rng_state)]
+    return [wrap_own(bridge_module(_CHECKPOINTING), "get_rng_state", _make_get_rng_state)]
 
 
 PATCH = register_bridge_patch(
     FEATURE,
     "Megatron-Bridge loads an EP run's RNG state at another data-parallel size",
-    _detect_native,
     _build_overrides,
     requires=("bridge_checkpoint_compat",),
 )

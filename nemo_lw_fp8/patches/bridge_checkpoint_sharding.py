@@ -17,30 +17,20 @@ Mirrors: no Megatron-LM PR; megatron-training 0.19.2's own ``_build_sharded_stat
 Patches: ``megatron.bridge.training.checkpointing.save_checkpoint`` (records whether the run is
 layer-wise while it saves) and ``._build_sharded_state_dict_metadata`` (reads that record).
 
-Detection: only when Megatron-Bridge has been imported (this never imports Bridge itself);
-native when Bridge's ``_build_sharded_state_dict_metadata`` source mentions the layer-wise
-optimizer.
+Verdict: the record's (``patches/record.py``): applied over every recorded build, checked by the
+fingerprint of each object it wraps; never decided by reading upstream's source.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from typing import Any
 
 from nemo_lw_fp8.mechanics import checkpointing
-from nemo_lw_fp8.patches.bridge_support import bridge_detector, register_bridge_patch, wrap_own
+from nemo_lw_fp8.patches.bridge_support import bridge_module, register_bridge_patch, wrap_own
 from nemo_lw_fp8.patches.framework import Override
 
 FEATURE = "bridge_checkpoint_sharding"
 _CHECKPOINTING = "megatron.bridge.training.checkpointing"
-
-
-@bridge_detector(_CHECKPOINTING)
-def _detect_native(source: Callable[[str], str]) -> tuple[bool, str]:
-    if "layer_wise" in source("_build_sharded_state_dict_metadata"):
-        return True, "Bridge names the sharding type for layer-wise runs"
-    return False, "Bridge names the sharding type only with use_distributed_optimizer"
 
 
 def _make_save_checkpoint(original):
@@ -61,7 +51,7 @@ def _make_metadata(original):
 
 
 def _build_overrides() -> list[Override]:
-    module = sys.modules[_CHECKPOINTING]
+    module = bridge_module(_CHECKPOINTING)
     return [
         wrap_own(module, "save_checkpoint", _make_save_checkpoint),
         wrap_own(module, "_build_sharded_state_dict_metadata", _make_metadata),
@@ -71,6 +61,5 @@ def _build_overrides() -> list[Override]:
 PATCH = register_bridge_patch(
     FEATURE,
     "Megatron-Bridge names the DistributedOptimizer sharding type in layer-wise saves",
-    _detect_native,
     _build_overrides,
 )

@@ -12,24 +12,17 @@ mirrors the checks of Megatron-LM PR #4987 in megatron-training's ``validate_arg
 
 Patches: ``megatron.bridge.training.config.ConfigContainer.validate`` (wrapped).
 
-Detection: only when Megatron-Bridge has been imported (this never imports it); never native.
+Verdict: the record's (``patches/record.py``): applied over every recorded build, checked by the
+fingerprint of each object it wraps; never decided by reading upstream's source.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-
-from nemo_lw_fp8.patches.bridge_support import bridge_detector, register_bridge_patch, wrap_own
+from nemo_lw_fp8.patches.bridge_support import bridge_module, register_bridge_patch, wrap_own
 from nemo_lw_fp8.patches.framework import Override
 
 FEATURE = "bridge_config_guards"
 _CONFIG_MODULE = "megatron.bridge.training.config"
-
-
-@bridge_detector(_CONFIG_MODULE)  # the module whose import says Bridge is in use
-def _detect_native(_source: Callable[[str], str]) -> tuple[bool, str]:
-    return False, "Bridge does not know the plugin's rules"
 
 
 def _make_validate(original):
@@ -44,12 +37,11 @@ def _make_validate(original):
 
 
 def _build_overrides() -> list[Override]:
-    return [wrap_own(sys.modules[_CONFIG_MODULE].ConfigContainer, "validate", _make_validate)]
+    return [wrap_own(bridge_module(_CONFIG_MODULE).ConfigContainer, "validate", _make_validate)]
 
 
 PATCH = register_bridge_patch(
     FEATURE,
     "plugin rules run in Megatron-Bridge's ConfigContainer.validate",
-    _detect_native,
     _build_overrides,
 )

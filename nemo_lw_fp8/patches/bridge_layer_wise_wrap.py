@@ -16,30 +16,20 @@ megatron-training 0.19.2 wires and Bridge 0.6.2 does not.
 
 Patches: ``megatron.bridge.models.model_provider._ddp_wrap`` (the name Bridge calls).
 
-Detection: only when Megatron-Bridge has been imported (this never imports it: it would import
-Transformer Engine); native when Bridge's ``_ddp_wrap`` source mentions the layer-wise optimizer.
+Verdict: the record's (``patches/record.py``): applied over every recorded build, checked by the
+fingerprint of each object it wraps; never decided by reading upstream's source.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from typing import Any
 
 from nemo_lw_fp8 import config as plugin_config
-from nemo_lw_fp8.patches.bridge_support import bridge_detector, register_bridge_patch, wrap_own
+from nemo_lw_fp8.patches.bridge_support import bridge_module, register_bridge_patch, wrap_own
 from nemo_lw_fp8.patches.framework import Override
 
 FEATURE = "bridge_layer_wise_wrap"
 _PROVIDER_MODULE = "megatron.bridge.models.model_provider"
-
-
-@bridge_detector(_PROVIDER_MODULE, imported_only=True)  # importing it imports TE
-def _detect_native(source: Callable[[str], str]) -> tuple[bool, str]:
-    text = source("_ddp_wrap")
-    if "layer_wise" in text or "LayerWise" in text:
-        return True, "Bridge wraps layer-wise models with a layer-wise layout"
-    return False, "Bridge computes only the distributed optimizer's layout"
 
 
 def _make_ddp_wrap(original):
@@ -52,7 +42,11 @@ def _make_ddp_wrap(original):
         use_torch_fsdp2: bool = False,
         *,
         pg_collection: Any,
+        **layer_wise: Any,
     ) -> list:
+        # ``layer_wise``: the keywords megatron-training 0.20's ``_ddp_wrap`` (Bridge 0.7's)
+        # added, ``use_layer_wise_distributed_optimizer`` / ``use_layer_wise_param_layout``.
+        # Bridge 0.7 does not pass them; whoever does gets them through on Bridge's own path.
         chosen = plugin_config.read(ddp_config)
         if chosen is None or not chosen.uses_param_layout or use_megatron_fsdp or use_torch_fsdp2:
             return original(
@@ -63,6 +57,13 @@ def _make_ddp_wrap(original):
                 use_megatron_fsdp,
                 use_torch_fsdp2,
                 pg_collection=pg_collection,
+                **layer_wise,
+            )
+        if layer_wise.get("use_layer_wise_param_layout", True) is False:
+            raise ValueError(
+                "_ddp_wrap(use_layer_wise_param_layout=False) contradicts the nemo_lw_fp8 "
+                f"layer-wise layout {chosen.layout!r} attached to this DDP config; "
+                "drop the keyword or the plugin's layout."
             )
         from megatron.core.utils import get_model_config
         from megatron.training.training import wrap_model_chunks_with_ddp
@@ -93,13 +94,12 @@ def _make_ddp_wrap(original):
 
 
 def _build_overrides() -> list[Override]:
-    return [wrap_own(sys.modules[_PROVIDER_MODULE], "_ddp_wrap", _make_ddp_wrap)]
+    return [wrap_own(bridge_module(_PROVIDER_MODULE), "_ddp_wrap", _make_ddp_wrap)]
 
 
 PATCH = register_bridge_patch(
     FEATURE,
     "Megatron-Bridge wraps layer-wise Muon models with the padded / compact layout",
-    _detect_native,
     _build_overrides,
     upstream_pr=3524,
     upstream_title="overlapped param gather for the layer-wise optimizer (Bridge's wrap)",

@@ -17,31 +17,20 @@ which counts ``use_layer_wise_distributed_optimizer`` for the sync before a save
 Patches: ``megatron.bridge.training.train.save_checkpoint_and_time`` (the name Bridge's
 ``train`` loop calls for every save, the final one included).
 
-Detection: only when Megatron-Bridge has been imported (this never imports Bridge itself);
-native when Bridge's ``save_checkpoint_and_time`` or ``should_disable_forward_pre_hook`` source
-mentions the layer-wise optimizer.
+Verdict: the record's (``patches/record.py``): applied over every recorded build, checked by the
+fingerprint of each object it wraps; never decided by reading upstream's source.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from typing import Any
 
 from nemo_lw_fp8.mechanics import checkpointing
-from nemo_lw_fp8.patches.bridge_support import bridge_detector, register_bridge_patch
+from nemo_lw_fp8.patches.bridge_support import bridge_module, register_bridge_patch
 from nemo_lw_fp8.patches.framework import Override
 
 FEATURE = "bridge_save_param_sync"
 _TRAIN = "megatron.bridge.training.train"
-
-
-@bridge_detector(_TRAIN)
-def _detect_native(source: Callable[[str], str]) -> tuple[bool, str]:
-    for name in ("save_checkpoint_and_time", "should_disable_forward_pre_hook"):
-        if "layer_wise" in source(name):
-            return True, f"Bridge's {name} syncs layer-wise runs before a save"
-    return False, "Bridge forces the param gather before a save only with the DistributedOptimizer"
 
 
 def _make_save(original, module: Any):
@@ -56,7 +45,7 @@ def _make_save(original, module: Any):
 
 
 def _build_overrides() -> list[Override]:
-    module = sys.modules[_TRAIN]
+    module = bridge_module(_TRAIN)
     original = module.__dict__["save_checkpoint_and_time"]
     return [Override(module, "save_checkpoint_and_time", _make_save(original, module))]
 
@@ -64,6 +53,5 @@ def _build_overrides() -> list[Override]:
 PATCH = register_bridge_patch(
     FEATURE,
     "Megatron-Bridge syncs layer-wise weights to the masters before a save",
-    _detect_native,
     _build_overrides,
 )

@@ -25,12 +25,8 @@ after its ``__init__`` (``reload_model_params`` reads QKV parts from their fused
 ``_ParamAndGradBucketGroup.start_param_sync`` / ``.finish_param_sync`` and ``.start_grad_sync``
 (compact groups only; megatron's ``finish_grad_sync`` waits on the owner reduce's handle).
 
-Detection: upstream's part is there when ``DistributedDataParallelConfig`` carries a per-buffer
-layer-wise layout field (``use_layer_wise_param_layout``) - #5388's design. That layout all-reduces
-gradients, owns by ping-pong and rejects grouped weights and checkpoints, so the plugin's layout
-(which the owner reduce, Q/K/V parts and expert runs are built on) is never "native": on such a
-megatron the patch still applies over it, or refuses when the objects it wraps changed
-(:mod:`nemo_lw_fp8.patches.fingerprints`). It never steps aside silently.
+Verdict: the record's (``patches/record.py``). ``doctor`` also notes whether upstream's part
+is there (``DistributedDataParallelConfig`` carries a per-buffer layer-wise layout).
 """
 
 from __future__ import annotations
@@ -63,13 +59,6 @@ def _detect_upstream_part() -> tuple[bool, str]:
     if "use_layer_wise_param_layout" not in config.fields("DistributedDataParallelConfig"):
         return False, "DistributedDataParallelConfig has no per-buffer layer-wise layout setting"
     return True, "DistributedDataParallelConfig carries the decoupled layer-wise layout"
-
-
-def _detect_native() -> tuple[bool, str]:
-    return False, (
-        "the plugin's compact layout (owner reduce, Q/K/V parts, expert runs, MXFP8 gather) is "
-        "not upstream's, whether or not upstream has a compact layout of its own"
-    )
 
 
 def _make_compute_full_param_layout(original):
@@ -227,7 +216,6 @@ PATCH = register(
         upstream_pr=5388,
         upstream_title="compact, decoupled layer-wise DDP layout",
         summary="compact layer-wise buffers, cost-balanced ownership, one gather per group",
-        detect_native=_detect_native,
         detect_upstream_part=_detect_upstream_part,
         build_overrides=_build_overrides,
         requires=("muon_fp8_param_gather", "layer_wise_init"),

@@ -1,17 +1,12 @@
-"""Fingerprints of the upstream objects the patches wrap, per tested version.
+"""Writes the record (:mod:`.upstream_fingerprints`): per tested version, per patch, its verdict
+and the fingerprint (:func:`.record.fingerprint`) of every object it wraps.
 
-A version number says which release is installed, not what its code does: a source install, a
-container's cherry-picked fix or an upgrade that keeps the number can change a method a patch
-wraps. Each patch therefore also checks, before it installs anything, that every object it
-replaces is the one it was tested over: a hash of that object's source text, recorded per
-tested megatron-core (or Megatron-Bridge) version in
-:mod:`nemo_lw_fp8.patches.upstream_fingerprints`. A different hash refuses the patch with one
-line naming the object, the version and the override (:class:`UpstreamChanged`), instead of
-wrapping code it was never run on.
+A version is recorded after the suite passed on it (docs/install.md, "How support is decided"):
+its entries are what that install holds. A verdict already in the record stays; a new version's
+patches are recorded ``patched`` unless ``--native=PATCH=REASON`` says upstream does it there
+(then ``apply()`` installs nothing for that patch on that exact code)::
 
-Regenerate the record after a deliberate upgrade (then run the suite on it)::
-
-    python -m nemo_lw_fp8.patches.fingerprints --write
+    python -m nemo_lw_fp8.patches.fingerprints --write [--native=PATCH=REASON ...]
 """
 
 from __future__ import annotations
@@ -20,14 +15,17 @@ import re
 import sys
 from pathlib import Path
 
-from nemo_lw_fp8.patches.record import fingerprint, target_name
+from nemo_lw_fp8.patches.record import NATIVE, PATCHED, fingerprint
 
 
-def current() -> dict[str, dict[str, dict[str, str]]]:
+def current(verdicts: dict[str, dict[str, dict[str, object]]] | None = None) -> dict[
+    str, dict[str, dict[str, object]]
+]:
     """Every registered plugin patch's targets as installed now, keyed like the record.
 
     Builds each patch's overrides without applying them; the Bridge patches need Megatron-Bridge
-    imported (done here, over the CPU emulation when no GPU stack is present).
+    imported (done here, over the CPU emulation when no GPU stack is present). ``verdicts``:
+    the record so far, whose verdicts stay.
     """
     from nemo_lw_fp8.cpu.te import backend as te_backend
 
@@ -37,18 +35,22 @@ def current() -> dict[str, dict[str, dict[str, str]]]:
     from nemo_lw_fp8.patches import PATCH_MODULES, framework, load_all
 
     load_all()
-    table: dict[str, dict[str, dict[str, str]]] = {}
+    table: dict[str, dict[str, dict[str, object]]] = {}
     for name in PATCH_MODULES:
         patch = framework.registry()[name]
         key = framework.version_key(patch)
         targets = {}
-        patch.detect_native()  # a Bridge patch's detector imports the modules it patches
         for override in patch.build_overrides():
             upstream = framework.unpatched_own_attr(override.owner, override.attr)
-            targets[target_name(override.owner, override.attr)] = fingerprint(
+            targets[override.target] = fingerprint(
                 upstream, framework.MISSING
             )
-        table.setdefault(key, {})[name] = dict(sorted(targets.items()))
+        before = (verdicts or {}).get(key, {}).get(name, {})
+        entry: dict[str, object] = {"verdict": before.get("verdict", PATCHED)}
+        if before.get("reason"):
+            entry["reason"] = before["reason"]
+        entry["targets"] = dict(sorted(targets.items()))
+        table.setdefault(key, {})[name] = entry
     return table
 
 
@@ -57,19 +59,25 @@ def _shared_name(version: str) -> str:
     return "_" + re.sub(r"[^0-9A-Za-z]+", "_", version).upper()
 
 
-def _patch_lines(patches: dict[str, dict[str, str]], indent: str) -> list[str]:
+def _patch_lines(patches: dict[str, dict[str, object]], indent: str) -> list[str]:
     """One version's per-patch entries, each line starting with ``indent``."""
     lines = []
     for patch in sorted(patches):
+        entry = patches[patch]
         lines.append(f"{indent}{patch!r}: {{")
-        for target, value in patches[patch].items():
-            lines.append(f"{indent}    {target!r}:")
-            lines.append(f"{indent}        {value!r},")
+        lines.append(f"{indent}    'verdict': {entry['verdict']!r},")
+        if entry.get("reason"):
+            lines.append(f"{indent}    'reason': {entry['reason']!r},")
+        lines.append(f"{indent}    'targets': {{")
+        for target, value in entry["targets"].items():
+            lines.append(f"{indent}        {target!r}:")
+            lines.append(f"{indent}            {value!r},")
+        lines.append(f"{indent}    }},")
         lines.append(f"{indent}}},")
     return lines
 
 
-def render(table: dict[str, dict[str, dict[str, str]]]) -> str:
+def render(table: dict[str, dict[str, dict[str, object]]]) -> str:
     """The source of :mod:`nemo_lw_fp8.patches.upstream_fingerprints` for ``table``.
 
     Versions whose tables are equal (a patch release that left every wrapped object alone) are
@@ -80,8 +88,9 @@ def render(table: dict[str, dict[str, dict[str, str]]]) -> str:
     shared: dict[str, str] = {}  # version -> name of the dict it shares with others
     lines = [
         '"""Recorded by ``python -m nemo_lw_fp8.patches.fingerprints --write`` (do not edit):',
-        "per tested version, per patch, each wrapped upstream object's source fingerprint.",
-        "tests/patches/test_patch_framework.py checks this record against the installed stack.",
+        "per tested version, per patch, its verdict and each wrapped object's fingerprint",
+        "(nemo_lw_fp8/patches/record.py). tests/patches/test_upstream_fingerprints.py checks",
+        "this record against the installed stack.",
         '"""',
         "",
     ]
@@ -94,10 +103,10 @@ def render(table: dict[str, dict[str, dict[str, str]]]) -> str:
         name = _shared_name(version)
         shared.update(dict.fromkeys(same, name))
         lines.append(f"#: {', '.join(same)}: the same record.")
-        lines.append(f"{name}: dict[str, dict[str, str]] = {{")
+        lines.append(f"{name}: dict[str, dict[str, object]] = {{")
         lines += _patch_lines(table[version], "    ")
         lines += ["}", ""]
-    lines.append("FINGERPRINTS: dict[str, dict[str, dict[str, str]]] = {")
+    lines.append("FINGERPRINTS: dict[str, dict[str, dict[str, object]]] = {")
     for version in versions:
         if version in shared:
             lines.append(f"    {version!r}: {shared[version]},")
@@ -113,7 +122,15 @@ def main(argv: list[str]) -> int:
     from nemo_lw_fp8.patches.upstream_fingerprints import FINGERPRINTS
 
     # Versions recorded on other installs stay; this install's versions are recorded afresh.
-    text = render({**FINGERPRINTS, **current()})
+    fresh = current(FINGERPRINTS)
+    for word in argv:
+        if word.startswith("--native="):
+            name, _, reason = word.removeprefix("--native=").partition("=")
+            for patches in fresh.values():
+                if name in patches:
+                    patches[name] = {"verdict": NATIVE, "reason": reason, **patches[name]}
+                    patches[name]["verdict"] = NATIVE
+    text = render({**FINGERPRINTS, **fresh})
     path = Path(__file__).with_name("upstream_fingerprints.py")
     if "--write" in argv:
         path.write_text(text)

@@ -1,11 +1,15 @@
 """The machinery every patch module uses: declare targets, detect upstream, apply, revert.
 
-A :class:`Patch` names the upstream change it mirrors, the megatron-core versions it was tested
-on, a detector that says whether the installed megatron-core already behaves as wanted, and a
-builder that returns its :class:`Override` s (owner object, attribute, replacement). Applying
-records the exact original objects (read from the owner's ``__dict__`` for classes, so inherited,
-static and class methods come back unchanged) and applying twice is a no-op. :func:`revert`
-puts back the very same objects. :func:`original` keeps every original reachable while patched.
+A :class:`Patch` names the upstream change it mirrors, the versions it was tested on and a
+builder that returns its :class:`Override` s (owner object, attribute, replacement). Whether it
+applies is :func:`decide`'s one verdict, which ``apply()`` acts on and ``doctor`` shows: the
+record (:mod:`.record`) decides first. Every object the patch would replace must have a recorded
+fingerprint of the installed version; then the recorded verdict holds (``patched``, or
+``native`` where the record says that exact upstream code already does it). Nothing is decided
+by reading upstream's source for a word. Applying records the exact original objects (read from
+the owner's ``__dict__`` for classes, so inherited, static and class methods come back
+unchanged) and applying twice is a no-op. :func:`revert` puts back the very same objects.
+:func:`original` keeps every original reachable while patched.
 """
 
 from __future__ import annotations
@@ -20,7 +24,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_lw_fp8.patches.record import UpstreamChanged, fingerprint, recorded, target_name
+from nemo_lw_fp8.patches.record import (
+    NATIVE,
+    PATCHED,
+    UpstreamChanged,
+    fingerprint,
+    recorded,
+    target_name,
+)
 
 #: Set to 1 to apply patches on a megatron-core version they were not tested on.
 ALLOW_UNTESTED_ENV = "NEMO_LW_FP8_ALLOW_UNTESTED_MEGATRON"
@@ -36,6 +47,11 @@ class LateApplyWarning(UserWarning):
     """Patches were applied after megatron DDP wrappers or optimizers already existed."""
 
 
+class UntestedUpstreamWarning(UserWarning):
+    """A patch applied, under the override, over code or a version it was not tested on
+    (always shown: :mod:`nemo_lw_fp8.cli.quiet` never holds the plugin's own warnings back)."""
+
+
 @dataclass
 class Override:
     """Replace ``owner.attr`` with ``replacement`` while the patch is applied."""
@@ -43,6 +59,16 @@ class Override:
     owner: Any
     attr: str
     replacement: Any
+    #: How the record names the owner when it has no module-level name of its own (an entry of
+    #: a registry dict); "" for a module or class.
+    owner_name: str = ""
+
+    @property
+    def target(self) -> str:
+        """The record's name for what this override replaces."""
+        if self.owner_name:
+            return f"{self.owner_name}.{self.attr}"
+        return target_name(self.owner, self.attr)
 
 
 @dataclass
@@ -53,19 +79,18 @@ class Patch:
     #: The Megatron-LM pull request this patch mirrors (0: none, the plugin's own behaviour).
     upstream_pr: int
     summary: str
-    #: Whether the installed stack already behaves as this patch makes it: ``(native, reason)``.
-    detect_native: Callable[[], tuple[bool, str]]
     build_overrides: Callable[[], list[Override]]
-    #: Versions of ``target`` (megatron-core or Megatron-Bridge) the patch was tested on. 0.19.0:
-    #: every object the patches wrap has 0.19.2's source (patches/upstream_fingerprints.py) and
-    #: ``make test-mcore-0.19.0`` runs a subset covering every patch on it (docs/install.md).
-    tested_versions: tuple[str, ...] = ("0.19.0", "0.19.2")
+    #: Versions of ``target`` (megatron-core or Megatron-Bridge) the patch was tested on; each
+    #: also needs its record (patches/upstream_fingerprints.py), so the number alone admits
+    #: nothing. 0.19.0: ``make test-mcore-0.19.0``; 0.20.0: the snapshot Megatron-Bridge's main
+    #: pins, ``make test-next-release`` (docs/install.md, supported lines).
+    tested_versions: tuple[str, ...] = ("0.19.0", "0.19.2", "0.20.0")
     requires: tuple[str, ...] = ()
     #: The upstream change's title, as ``doctor`` lists it ("" for the plugin's own patches).
     upstream_title: str = ""
     #: Where the upstream change has landed only for some optimizers (DistributedOptimizer),
-    #: whether the installed megatron-core has that part; the patch extends it (doctor:
-    #: ``native (extendable)`` / ``native (extended)``). None: the change lands whole.
+    #: whether the installed megatron-core has that part (by the symbols it defines, for
+    #: ``doctor``'s notes only: it never decides whether the patch applies).
     detect_upstream_part: Callable[[], tuple[bool, str]] | None = None
     #: What the patch changes: megatron-core ("megatron-core") or Megatron-Bridge call sites.
     target: str = "megatron-core"
@@ -73,7 +98,6 @@ class Patch:
     #: Position in the sequence of applications (revert goes newest first).
     _order: int = field(default=0, repr=False)
     applied: bool = False
-    native_reason: str | None = None
 
 
 _REGISTRY: dict[str, Patch] = {}
@@ -129,46 +153,164 @@ def _untested_allowed(allow_untested: bool) -> bool:
     return allow_untested or os.environ.get(ALLOW_UNTESTED_ENV) == "1"
 
 
-def _check_version(patch: Patch, allow_untested: bool) -> None:
-    installed = installed_version(patch.target)
-    if installed in patch.tested_versions:
-        return
-    if _untested_allowed(allow_untested):
-        warnings.warn(
-            f"nemo_lw_fp8 patch {patch.name!r} was tested on {patch.target} "
-            f"{', '.join(patch.tested_versions)}, not {installed}; applying anyway because "
-            f"{ALLOW_UNTESTED_ENV}=1 / allow_untested=True.",
-            stacklevel=4,
-        )
-        return
-    raise UntestedMegatronVersion(
-        f"nemo_lw_fp8 patch {patch.name!r} (mirrors Megatron-LM PR #{patch.upstream_pr}) was "
-        f"tested on {patch.target} {', '.join(patch.tested_versions)}, but {patch.target} "
-        f"{installed} is installed. Install {patch.target}=={patch.tested_versions[-1]}, or set "
-        f"{ALLOW_UNTESTED_ENV}=1 (or apply(..., allow_untested=True)) to try it at your own risk."
+def _origin(patch: Patch) -> str:
+    """How a message names what a patch mirrors."""
+    if patch.upstream_pr:
+        return f"mirrors Megatron-LM PR #{patch.upstream_pr}"
+    return "the plugin's own behaviour"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What :func:`apply` does with one patch here, and why (``doctor`` shows the same)."""
+
+    patch: str
+    #: ``patched`` (applied or to apply), ``native`` (the record says upstream does it),
+    #: ``pending`` (a Bridge patch before Bridge's import) or ``refused``.
+    status: str
+    reason: str
+    #: Objects whose fingerprint no recorded build of this patch has (named in the refusal,
+    #: or in the warnings when the override lets the patch apply anyway).
+    changed: tuple[str, ...] = ()
+    error: Exception | None = field(default=None, compare=False, repr=False)
+
+
+def _targets(patch: Patch) -> tuple[list[Override] | None, Exception | None]:
+    """The patch's overrides, or None and the error that says why they cannot be built here
+    (a builder that finds upstream changed raises :class:`UpstreamChanged` itself)."""
+    try:
+        return patch.build_overrides(), None
+    except (UpstreamChanged, AttributeError, KeyError, ImportError, TypeError) as error:
+        return None, error
+
+
+def _known_anywhere(patch: Patch, name: str, found: str) -> bool:
+    """Whether any recorded build of ``patch`` (any version) had ``found`` under ``name``."""
+    from nemo_lw_fp8.patches.upstream_fingerprints import FINGERPRINTS
+
+    return any(
+        entry.get(patch.name, {}).get("targets", {}).get(name) == found
+        for entry in FINGERPRINTS.values()
     )
 
 
-def _check_fingerprints(patch: Patch, overrides: list[Override], allow_untested: bool) -> None:
-    """Refuse to wrap upstream objects that differ from those the patch was tested over.
+def _refused(patch: Patch, kind: type[Exception], message: str, changed=()) -> Verdict:
+    error = kind(message, tuple(changed)) if kind is UpstreamChanged else kind(message)
+    return Verdict(patch.name, "refused", message, tuple(changed), error)
 
-    Patches without a record (a test's own patch) and runs that allow untested versions are
-    not checked; an applied patch's replacement counts as the original it replaced.
+
+def decide(patch: Patch, allow_untested: bool = False) -> tuple[Verdict, list[Override]]:
+    """The one verdict for ``patch`` on this install, and the overrides to install for it.
+
+    The record decides first: each object the patch would replace is fingerprinted
+    (:func:`.record.fingerprint`) and compared with the record of the installed version;
+    any difference refuses the patch, naming the objects, before anything else is asked.
+    Only a full match gives the recorded verdict. With the override (``allow_untested`` or
+    :data:`ALLOW_UNTESTED_ENV`), an untested version or changed code is patched anyway, each
+    changed object named in an :class:`UntestedUpstreamWarning` by the caller; never "native".
     """
-    expected = recorded(version_key(patch), patch.name)
-    if expected is None or _untested_allowed(allow_untested):
-        return
+    if patch.applied:
+        return Verdict(patch.name, PATCHED, "applied"), []
+    if _pending(patch):
+        return Verdict(patch.name, "pending", "applies when Megatron-Bridge is imported"), []
+    for name in patch.requires:  # apply() installs these first: a refusal there stops it
+        needed = decide(_REGISTRY[name], allow_untested)[0]
+        if needed.status == "refused":
+            return Verdict(patch.name, "refused", f"needs {name}: {needed.reason}",
+                           needed.changed, needed.error), []  # fmt: skip
+    allowed = _untested_allowed(allow_untested)
+    installed = installed_version(patch.target)
+    key = version_key(patch)
+    tested = installed in patch.tested_versions
+    if not tested and not allowed:
+        return _refused(
+            patch,
+            UntestedMegatronVersion,
+            f"nemo_lw_fp8 patch {patch.name!r} ({_origin(patch)}) was tested on {patch.target} "
+            f"{', '.join(patch.tested_versions)}, not the installed {installed}: install "
+            f"{patch.target}=={patch.tested_versions[-1]} (docs/install.md, supported lines), or "
+            f"set {ALLOW_UNTESTED_ENV}=1 to apply it at your own risk.",
+        ), []
+    overrides, failure = _targets(patch)
+    if overrides is None:
+        if isinstance(failure, UpstreamChanged):  # its message names the object and the fix
+            return Verdict(patch.name, "refused", str(failure), failure.objects, failure), []
+        return _refused(
+            patch,
+            UpstreamChanged,
+            f"nemo_lw_fp8 patch {patch.name!r} cannot find what it wraps in {key} "
+            f"({type(failure).__name__}: {failure}): upstream changed; install a supported "
+            "release (docs/install.md, supported lines).",
+        ), []
+    entry = recorded(key, patch.name)
+    if entry is None and not _recorded_anywhere(patch):
+        # Not one of the plugin's patches (tests register their own); the plugin's are all
+        # recorded (tests/patches/test_upstream_fingerprints.py).
+        return Verdict(patch.name, PATCHED, "not in the record"), overrides
+    changed = []
     for override in overrides:
-        name = target_name(override.owner, override.attr)
+        name = override.target
         found = fingerprint(unpatched_own_attr(override.owner, override.attr), _MISSING)
-        if expected.get(name) != found:
-            raise UpstreamChanged(
-                f"nemo_lw_fp8 patch {patch.name!r} wraps {name}, which is not the code it was "
-                f"tested over in {version_key(patch)} (fingerprint {found}, recorded "
-                f"{expected.get(name, 'nothing')}): upstream changed what this patch wraps. "
-                f"Reinstall the released {version_key(patch).replace(' ', '==')}, or set "
-                f"{ALLOW_UNTESTED_ENV}=1 to apply over it at your own risk."
-            )
+        if entry is not None and entry.targets.get(name) == found:
+            continue
+        if entry is None and _known_anywhere(patch, name, found):
+            continue  # an untested version whose object some tested build had
+        changed.append(f"{name} (fingerprint {found})")
+    if entry is None and tested:
+        return _refused(
+            patch,
+            UpstreamChanged,
+            f"nemo_lw_fp8 patch {patch.name!r} has no record for {key}: run "
+            f"`python -m nemo_lw_fp8.patches.fingerprints --write` after testing it there.",
+        ), []
+    if changed and not allowed:
+        return _refused(
+            patch,
+            UpstreamChanged,
+            f"nemo_lw_fp8 patch {patch.name!r} wraps {', '.join(changed)}, which is not the code "
+            f"it was tested over in {key}: reinstall the released {key.replace(' ', '==')} "
+            f"(docs/install.md), or set {ALLOW_UNTESTED_ENV}=1 to apply it at your own risk.",
+            changed,
+        ), []
+    if changed or entry is None:
+        reason = f"applied over untested {key} ({ALLOW_UNTESTED_ENV}=1)"
+        return Verdict(patch.name, PATCHED, reason, tuple(changed)), overrides
+    if entry.verdict == NATIVE:
+        return Verdict(patch.name, NATIVE, entry.reason), []
+    return Verdict(patch.name, PATCHED, f"recorded over {key}"), overrides
+
+
+def _recorded_anywhere(patch: Patch) -> bool:
+    from nemo_lw_fp8.patches.upstream_fingerprints import FINGERPRINTS
+
+    return any(patch.name in entry for entry in FINGERPRINTS.values())
+
+
+def _warn_untested(patch: Patch, verdict: Verdict) -> None:
+    """Name, in a shown warning, what the override let ``patch`` apply over."""
+    key = version_key(patch)
+    if installed_version(patch.target) not in patch.tested_versions:
+        warnings.warn(
+            f"nemo_lw_fp8 patch {patch.name!r} was tested on {patch.target} "
+            f"{', '.join(patch.tested_versions)}, not {key}; applying anyway "
+            f"({ALLOW_UNTESTED_ENV}=1 / allow_untested=True).",
+            UntestedUpstreamWarning,
+            stacklevel=4,
+        )
+    for name in verdict.changed:
+        warnings.warn(
+            f"nemo_lw_fp8 patch {patch.name!r} applies over {name}, which no tested build has "
+            f"({ALLOW_UNTESTED_ENV}=1).",
+            UntestedUpstreamWarning,
+            stacklevel=4,
+        )
+
+
+def verdicts(features: Iterable[str] | None = None, *, allow_untested: bool = False) -> dict[
+    str, Verdict
+]:
+    """:func:`decide` for the named patches (all by default), installing nothing."""
+    return {patch.name: decide(patch, allow_untested)[0] for patch in _resolve(features)}
 
 
 def _own_attr(owner: Any, attr: str) -> Any:
@@ -211,17 +353,16 @@ def _warn_if_late(names: list[str]) -> None:
 
 def _apply_one(patch: Patch, allow_untested: bool) -> str:
     if patch.applied:
-        return "patched"
-    if patch.target == "megatron-bridge" and BRIDGE_IN_USE_MODULE not in sys.modules:
+        return PATCHED
+    if _pending(patch):
         _apply_when_bridge_is_imported(patch, allow_untested)
         return "pending"
-    _check_version(patch, allow_untested)
-    native, reason = patch.detect_native()
-    if native:
-        patch.native_reason = reason
-        return "native"
-    overrides = patch.build_overrides()
-    _check_fingerprints(patch, overrides, allow_untested)
+    verdict, overrides = decide(patch, allow_untested)
+    if verdict.error is not None:
+        raise verdict.error
+    if verdict.status == NATIVE:
+        return NATIVE
+    _warn_untested(patch, verdict)
     saved: list[tuple[Any, str, Any]] = []
     try:
         for override in overrides:
@@ -236,7 +377,7 @@ def _apply_one(patch: Patch, allow_untested: bool) -> str:
     patch._saved = saved
     patch._order = _APPLY_COUNTER
     patch.applied = True
-    return "patched"
+    return PATCHED
 
 
 def _restore(saved: list[tuple[Any, str, Any]]) -> None:
@@ -273,17 +414,26 @@ def _resolve(features: Iterable[str] | None) -> list[Patch]:
 def apply(features: Iterable[str] | None = None, *, allow_untested: bool = False) -> dict[str, str]:
     """Apply the named patches (all registered ones by default).
 
-    Returns ``{name: "patched" | "native" | "pending"}``; ``pending``: a Megatron-Bridge patch
-    while Bridge is not imported yet, applied (or refused) the moment Bridge's config module is.
-    Idempotent: a patch already applied stays as it is.
+    Returns ``{name: "patched" | "native" | "pending"}`` (each patch's :func:`decide` verdict;
+    a refused one raises :class:`UpstreamChanged` or :class:`UntestedMegatronVersion`);
+    ``pending``: a Megatron-Bridge patch while Bridge is not imported yet, applied (or refused)
+    the moment Bridge's config module is. Idempotent: a patch already applied stays as it is.
     """
     chosen = _resolve(features)
     names = [patch.name for patch in chosen]
     # Only a patch this call will install can come too late (a native one installs nothing).
-    if any(not patch.applied and not _pending(patch) and not patch.detect_native()[0]
+    if any(not patch.applied and not _pending(patch) and not _recorded_native(patch)
            for patch in chosen):  # fmt: skip
         _warn_if_late(names)
     return {patch.name: _apply_one(patch, allow_untested) for patch in chosen}
+
+
+def _recorded_native(patch: Patch) -> bool:
+    try:
+        entry = recorded(version_key(patch), patch.name)
+    except Exception:  # noqa: BLE001 - a package without a version: decide() refuses it
+        return False
+    return entry is not None and entry.verdict == NATIVE
 
 
 def _with_dependents(chosen: list[Patch]) -> list[Patch]:

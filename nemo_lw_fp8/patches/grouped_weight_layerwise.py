@@ -18,11 +18,13 @@ Mirrors the layer-wise Muon side of Megatron-LM PR #5464 (whose numerical fixes 
 Patches: ``megatron.core.optimizer.emerging_optimizers.TensorParallelMuon.orthogonalize``; the
 routing rule ``layer_wise_optimizer.is_managed_by_layer_wise_optimizer`` (and its import in
 ``megatron.core.optimizer``), ``emerging_optimizers._is_nonlinear_or_embedding`` and the
-``nonlinear_or_embedding`` predicate of Muon's default param overrides: TE 2.20.2's grouped weight
-has wrapper shape ``(E, out, in)`` (3-D), which 0.19.2 counts as "not a matrix" and hands to Adam.
+exclusion predicate of Muon's default param overrides (``nonlinear_or_embedding`` on 0.19.x,
+renamed ``muon_excluded`` on 0.20, which also excludes ``use_muon=False`` params; replaced under
+the name the installed line uses): TE 2.20.2's grouped weight has wrapper shape ``(E, out, in)``
+(3-D), which 0.19.2 counts as "not a matrix" and hands to Adam.
 
-Detection: native when megatron's ``TensorParallelMuon.orthogonalize`` itself splits grouped
-tensors (its source mentions grouped members); 0.19.2 splits only fused QKV weights.
+Verdict: the record's (``patches/record.py``). ``doctor`` also notes whether #5464's Adam part
+is there (megatron's grouped-weight FP8 helpers and dispatch reset).
 
 The mechanics (what a grouped weight is, Muon per expert): :mod:`nemo_lw_fp8.mechanics.grouped`.
 """
@@ -36,7 +38,8 @@ import torch
 
 from nemo_lw_fp8.mechanics import grouped
 from nemo_lw_fp8.patches import symbols
-from nemo_lw_fp8.patches.framework import Override, Patch, register
+from nemo_lw_fp8.patches.framework import Override, Patch, defines, original, register
+from nemo_lw_fp8.patches.record import UpstreamChanged
 
 FEATURE = "grouped_weight_layerwise"
 
@@ -53,21 +56,6 @@ def _detect_upstream_part() -> tuple[bool, str]:
     found[reset] = ddp.has(reset)
     return symbols.all_defined(
         found, "grouped-weight FP8 numerics and dispatch reset present (Adam DistOpt path)"
-    )
-
-
-def _detect_native() -> tuple[bool, str]:
-    orth = symbols.module("megatron.core.optimizer.emerging_optimizers").source(
-        "TensorParallelMuon.orthogonalize"
-    )
-    routing = symbols.module("megatron.core.optimizer.layer_wise_optimizer").source(
-        "is_managed_by_layer_wise_optimizer"
-    )
-    if "grouped" in orth and "grouped" in routing:
-        return True, "megatron routes single grouped weights to Muon and splits them per expert"
-    return False, (
-        "Muon skips a single grouped expert weight (3-D GroupedTensor -> Adam, which the "
-        "layer-wise + DistOpt path refuses for experts) and would orthogonalise it as one stack"
     )
 
 
@@ -88,6 +76,25 @@ def _is_nonlinear_or_embedding(param: torch.Tensor) -> bool:
     return grouped.is_nonlinear_or_embedding(param)
 
 
+def _is_muon_excluded(param: torch.Tensor) -> bool:
+    return grouped.is_muon_excluded(param)
+
+
+def _exclusion_predicates(eo: Any) -> dict[str, tuple[Any, Any]]:
+    """Muon's "send to the scalar optimizer" predicate under the name each megatron line gives
+    it: name -> (the line's own function, ours). 0.19.x names it ``nonlinear_or_embedding``;
+    0.20 names it ``muon_excluded`` (the same test, or a param tagged ``use_muon=False``)."""
+    found = {
+        "nonlinear_or_embedding": (
+            original(eo, "_is_nonlinear_or_embedding"),
+            _is_nonlinear_or_embedding,
+        )
+    }
+    if defines(eo, "_is_muon_excluded"):
+        found["muon_excluded"] = (original(eo, "_is_muon_excluded"), _is_muon_excluded)
+    return found
+
+
 def _routing_overrides() -> list[Override]:
     """Route grouped weights to Muon / the layer-wise optimizer, as their discrete twins are.
 
@@ -106,21 +113,36 @@ def _routing_overrides() -> list[Override]:
         ),
         Override(eo, "_is_nonlinear_or_embedding", _is_nonlinear_or_embedding),
     ]
+    exclusions = _exclusion_predicates(eo)
     for name in ("muon", "adaptive_muon"):
         entry = eo._EMERGING_OPTIMIZERS.get(name)
         if entry is None:
             continue
-        routed = {}
-        for key, value in entry.default_param_overrides.items():
+        routed, replaced = {}, 0
+        for key, value in original(entry, "default_param_overrides").items():
             predicate = getattr(key, "predicate", None)
-            if getattr(predicate, "name", None) == "nonlinear_or_embedding":
+            upstream, ours = exclusions.get(getattr(predicate, "name", None), (None, None))
+            # The line's own predicate only (its name and its function), kept under its name:
+            # the registry's other entries and a user's own predicates stay as they are.
+            if ours is not None and getattr(predicate, "fn", None) is upstream:
                 fields = {f: getattr(key, f) for f in key.__dataclass_fields__}
-                fields["predicate"] = ParamPredicate(
-                    name="nonlinear_or_embedding", fn=_is_nonlinear_or_embedding
-                )
+                fields["predicate"] = ParamPredicate(name=predicate.name, fn=ours)
                 key = ParamKey(**fields)
+                replaced += 1
             routed[key] = copy.deepcopy(value)
-        overrides.append(Override(entry, "default_param_overrides", routed))
+        owner = f"{eo.__name__}._EMERGING_OPTIMIZERS[{name!r}]"
+        if not replaced:
+            # Even under the override: applying would leave grouped weights on the scalar
+            # optimizer, a feature switched off without a word.
+            target = f"{owner}.default_param_overrides"
+            raise UpstreamChanged(
+                f"nemo_lw_fp8 patch {FEATURE!r}: {target} holds none of the exclusion "
+                f"predicates it follows ({sorted(exclusions)}), so single grouped expert "
+                "weights would still go to the scalar optimizer: megatron renamed or replaced "
+                "the predicate; install a supported release (docs/install.md, supported lines).",
+                (target,),
+            )
+        overrides.append(Override(entry, "default_param_overrides", routed, owner_name=owner))
     return overrides
 
 
@@ -143,7 +165,6 @@ PATCH = register(
             "single grouped expert weights go to Muon (layer-wise), one Newton-Schulz and one "
             "scale per expert"
         ),
-        detect_native=_detect_native,
         detect_upstream_part=_detect_upstream_part,
         build_overrides=_build_overrides,
     )

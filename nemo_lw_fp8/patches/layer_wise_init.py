@@ -11,7 +11,8 @@ Mirrors: no upstream change (megatron-core has no extension point at that place)
 
 Patches: ``LayerWiseDistributedOptimizer.__init__``.
 
-Detection: never native.
+Verdict: the record's (``patches/record.py``): applied over every recorded build, checked by the
+fingerprint of each object it wraps; never decided by reading upstream's source.
 """
 
 from __future__ import annotations
@@ -20,10 +21,6 @@ from nemo_lw_fp8.mechanics import lifecycle
 from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "layer_wise_init"
-
-
-def _detect_native() -> tuple[bool, str]:
-    return False, "megatron-core has no hook for plugin steps in the layer-wise optimizer's build"
 
 
 def _make_init(original_init):
@@ -56,7 +53,6 @@ PATCH = register(
         name=FEATURE,
         upstream_pr=0,
         summary="one wrapper of the layer-wise optimizer's __init__ for the features' steps",
-        detect_native=_detect_native,
         build_overrides=_build_overrides,
     )
 )

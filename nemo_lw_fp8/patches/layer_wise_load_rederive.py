@@ -16,13 +16,11 @@ checkpoint entries for the weights.
 Patches: ``LayerWiseDistributedOptimizer.load_state_dict`` (which first puts back param groups
 that a load shaped like the checkpoint's, :mod:`nemo_lw_fp8.mechanics.param_groups_load`).
 
-Detection: native when megatron's own ``load_state_dict`` already runs a param sync (its source
-mentions ``param_sync`` or ``_copy_main_params_to_model_params``).
+Verdict: the record's (``patches/record.py``): applied over every recorded build, checked by the
+fingerprint of each object it wraps; never decided by reading upstream's source.
 """
 
 from __future__ import annotations
-
-import inspect
 
 from nemo_lw_fp8.mechanics import checkpointing, param_groups_load
 from nemo_lw_fp8.patches.framework import Override, Patch, register
@@ -34,13 +32,6 @@ def _layer_wise_class():
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 
     return LayerWiseDistributedOptimizer
-
-
-def _detect_native() -> tuple[bool, str]:
-    source = inspect.getsource(_layer_wise_class().__dict__["load_state_dict"])
-    if "param_sync" in source or "_copy_main_params_to_model_params" in source:
-        return True, "LayerWiseDistributedOptimizer.load_state_dict re-syncs the weights itself"
-    return False, "a loaded layer-wise optimizer keeps the weights the model's checkpoint gave"
 
 
 def _make_load_state_dict(original):
@@ -66,7 +57,6 @@ PATCH = register(
         name=FEATURE,
         upstream_pr=0,
         summary="a loaded layer-wise optimizer re-derives every weight from its fp32 masters",
-        detect_native=_detect_native,
         build_overrides=_build_overrides,
     )
 )

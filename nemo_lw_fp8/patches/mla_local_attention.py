@@ -14,27 +14,18 @@ Mirrors: no upstream pull request yet (a bug in 0.19.2's local MLA spec; see
 Patches: ``DotProductAttention.__init__`` (wrapped: the two keywords are consumed, the original
 runs, then the per-partition output width is set from ``v_channels``).
 
-Detection: native when ``DotProductAttention.__init__`` declares a ``k_channels`` parameter.
+Verdict: the record's (``patches/record.py``): applied over every recorded build, checked by the
+fingerprint of each object it wraps; never decided by reading upstream's source.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
-from nemo_lw_fp8.patches.framework import Override, Patch, register, unpatched_own_attr
+from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "mla_local_attention"
-
-
-def _detect_native() -> tuple[bool, str]:
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    init = unpatched_own_attr(DotProductAttention, "__init__")
-    if "k_channels" in inspect.signature(init).parameters:
-        return True, "the local DotProductAttention accepts k_channels / v_channels"
-    return False, "the local DotProductAttention rejects MLA's k_channels / v_channels"
 
 
 def _make_init(original):
@@ -73,7 +64,6 @@ PATCH = register(
         name=FEATURE,
         upstream_pr=0,
         summary="local DotProductAttention accepts MLA's k_channels / v_channels",
-        detect_native=_detect_native,
         build_overrides=_build_overrides,
     )
 )

@@ -20,8 +20,8 @@ only when TE is already imported), the layer-wise optimizer's build step (a step
 start_param_sync_for_bucket_group_subset``; ``ChainedOptimizer._enable_deferred_mxfp8_param_sync``;
 ``megatron.training.arguments.validate_args``.
 
-Detection: upstream has it when ``LayerWiseDistributedOptimizer`` defines both staging methods
-itself and its bucket-group sync no longer decides ownership from ``buckets[0]``.
+Verdict: the record's (``patches/record.py``): applied over every recorded build, checked by the
+fingerprint of each object it wraps; never decided by reading upstream's source.
 """
 
 from __future__ import annotations
@@ -32,22 +32,9 @@ import torch
 
 from nemo_lw_fp8 import rules as guards
 from nemo_lw_fp8.mechanics import bucket_owners, lifecycle, masters, run_settings, staging
-from nemo_lw_fp8.patches import symbols
 from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "muon_fp8_param_gather"
-
-
-def _detect_native() -> tuple[bool, str]:
-    lw = symbols.module("megatron.core.optimizer.layer_wise_optimizer")
-    cls = "LayerWiseDistributedOptimizer"
-    if not lw.has(f"{cls}._copy_main_params_to_param_buffer"):
-        return False, "LayerWiseDistributedOptimizer does not stage masters into the param buffer"
-    if not lw.has(f"{cls}.prepare_model_params_for_param_sync"):
-        return False, "LayerWiseDistributedOptimizer has no prepare_model_params_for_param_sync"
-    if "buckets[0]" in lw.source(f"{cls}.start_param_sync_for_bucket_group_subset"):
-        return False, "layer-wise param sync decides ownership from a group's first bucket only"
-    return True, "LayerWiseDistributedOptimizer stages and gathers MXFP8 params per bucket"
 
 
 # --------------------------------------------------------------------------- wiring
@@ -170,7 +157,6 @@ PATCH = register(
         upstream_pr=4987,
         upstream_title="Muon + MXFP8 FP8 param gather in LayerWise",
         summary="Muon + MXFP8 param gather in LayerWiseDistributedOptimizer",
-        detect_native=_detect_native,
         build_overrides=_build_overrides,
         requires=("layer_wise_init",),
     )

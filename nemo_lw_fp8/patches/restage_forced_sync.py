@@ -22,10 +22,8 @@ Patches: ``DistributedDataParallel.zero_grad_buffer``, ``.forward``, ``.start_pa
 ``ChainedOptimizer.prepare_model_params_for_param_sync``,
 ``DistributedOptimizer.step_with_ready_grads`` and ``._copy_main_params_to_param_buffer``.
 
-Detection: native when ``LayerWiseDistributedOptimizer`` defines
-``prepare_model_params_for_param_sync`` itself and megatron's ``force_param_sync`` takes the
-optimizer (upstream then re-stages the layer-wise optimizer at its call sites); the
-DistributedOptimizer part of #4994 is detected on its own (:func:`_detect_distopt_part`).
+Verdict: the record's (``patches/record.py``). ``doctor`` also notes whether #4994's
+DistributedOptimizer part is there (:func:`_detect_distopt_part`).
 """
 
 from __future__ import annotations
@@ -48,16 +46,6 @@ def _detect_distopt_part() -> tuple[bool, str]:
     if "optimizer" not in training.parameters("force_param_sync"):
         return False, "megatron.training.force_param_sync does not take the optimizer"
     return True, "forced param syncs re-stage DistributedOptimizer masters first"
-
-
-def _detect_native() -> tuple[bool, str]:
-    native_distopt, reason = _detect_distopt_part()
-    if not native_distopt:
-        return False, reason
-    lw = symbols.module("megatron.core.optimizer.layer_wise_optimizer")
-    if not lw.has("LayerWiseDistributedOptimizer.prepare_model_params_for_param_sync"):
-        return False, "forced syncs re-stage DistributedOptimizer only, not the layer-wise one"
-    return True, "forced syncs re-stage every optimizer"
 
 
 def _make_distopt_step(original):
@@ -143,7 +131,6 @@ PATCH = register(
         upstream_pr=4994,
         upstream_title="re-stage masters before every forced param sync",
         summary="re-stage layer-wise MXFP8 masters after every zero_grad_buffer / forced sync",
-        detect_native=_detect_native,
         detect_upstream_part=_detect_distopt_part,
         build_overrides=_build_overrides,
         requires=("muon_fp8_param_gather",),

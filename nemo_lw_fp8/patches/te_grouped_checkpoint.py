@@ -21,33 +21,16 @@ Patches: ``megatron.core.extensions.transformer_engine.TEGroupedLinear._sharded_
 and ``megatron.core.transformer.moe.experts.TEGroupedMLP.sharded_state_dict`` (wrapped: the
 original runs first; only single grouped weights' entries change).
 
-Detection: native when megatron maps a grouped parameter to its checkpoint entry itself: its
-``get_param_id_to_sharded_param_map`` or ``TEGroupedMLP.sharded_state_dict`` mentions grouped
-parameters (0.19.2's does not).
+Verdict: the record's (``patches/record.py``): applied over every recorded build, checked by the
+fingerprint of each object it wraps; never decided by reading upstream's source.
 """
 
 from __future__ import annotations
 
 from nemo_lw_fp8.mechanics import grouped_checkpoint
-from nemo_lw_fp8.patches import symbols
 from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "te_grouped_checkpoint"
-
-
-def _detect_native() -> tuple[bool, str]:
-    mapping = symbols.module("megatron.core.dist_checkpointing.optimizer").source(
-        "get_param_id_to_sharded_param_map"
-    )
-    experts = symbols.module("megatron.core.transformer.moe.experts").source(
-        "TEGroupedMLP.sharded_state_dict"
-    )
-    if "grouped" in mapping or "single_grouped" in experts:
-        return True, "megatron maps single grouped expert weights to their checkpoint entries"
-    return False, (
-        "TE's single grouped expert weight is written as per-expert entries that megatron's "
-        "optimizers (identity lookup) cannot map: KeyError at the first save or load"
-    )
 
 
 def _make_grouped(original):
@@ -93,7 +76,6 @@ PATCH = register(
             "TE's single grouped expert weights checkpoint as one entry over the parameter, "
             "built into TE's per-expert layout (optimizer state of whole weights and expert runs)"
         ),
-        detect_native=_detect_native,
         build_overrides=_build_overrides,
     )
 )

@@ -1,11 +1,10 @@
 """Upstream Megatron-LM changes the plugin tracks that need no patch of its own.
 
 Each patch module records the upstream change it mirrors (``Patch.upstream_pr``,
-``upstream_title``) and owns its detector; ``nemo-lw-fp8 doctor`` reads them from the patch
-registry. This module adds the changes that the installed megatron-core must simply have, so
-``doctor`` reports them too: a detector looks at megatron's symbols, never its version string,
-and returns ``(native, reason)``; it reads them through :mod:`nemo_lw_fp8.patches.symbols`, so
-``doctor`` answers without importing megatron-core.
+``upstream_title``); ``nemo-lw-fp8 doctor`` reads them from the patch registry. This module adds
+the changes that the installed megatron-core must simply have, so ``doctor`` reports them too:
+a detector looks at which symbols megatron defines (never its version string, never a word in
+its source) and returns ``(native, reason)``, through :mod:`nemo_lw_fp8.patches.symbols`.
 """
 
 from __future__ import annotations
@@ -50,28 +49,22 @@ TRACKED_WITHOUT_PATCH: tuple[TrackedChange, ...] = (
 )
 
 
-def megatron_core_changes() -> dict[int, tuple[str, Callable[[], tuple[bool, str]], object]]:
-    """Every tracked megatron-core change: ``pr -> (title, detector, patch or None)``.
+def megatron_core_changes() -> dict[
+    int, tuple[str, Callable[[], tuple[bool, str]] | None, object]
+]:
+    """Every tracked megatron-core change: ``pr -> (title, upstream detector or None, patch)``.
 
-    The detector answers whether upstream has the change as far as it lands upstream (for a
-    patch that extends an upstream change to the layer-wise optimizer: the upstream part).
+    A change without a patch has its detector (does megatron-core have it?); a patch's change
+    has its ``detect_upstream_part`` where upstream landed part of it (for ``doctor``'s note),
+    else None: whether the patch applies is its verdict (:func:`.framework.decide`).
     """
     from nemo_lw_fp8 import patches
 
     patches.load_all()
-    changes: dict[int, tuple[str, Callable[[], tuple[bool, str]], object]] = {
+    changes: dict[int, tuple[str, Callable[[], tuple[bool, str]] | None, object]] = {
         item.pr: (item.title, item.detect, None) for item in TRACKED_WITHOUT_PATCH
     }
     for patch in patches.registry().values():
         if patch.upstream_pr and patch.target == "megatron-core":
-            detect = patch.detect_upstream_part or patch.detect_native
-            changes[patch.upstream_pr] = (patch.upstream_title, detect, patch)
+            changes[patch.upstream_pr] = (patch.upstream_title, patch.detect_upstream_part, patch)
     return dict(sorted(changes.items()))
-
-
-def detect(pr: int) -> tuple[bool, str]:
-    """Whether the installed megatron-core has upstream change ``pr`` (its upstream part)."""
-    changes = megatron_core_changes()
-    if pr not in changes:
-        raise KeyError(f"not a tracked upstream change: #{pr}")
-    return changes[pr][1]()

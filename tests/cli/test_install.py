@@ -65,8 +65,13 @@ def test_makefile_installs_the_recorded_versions():
             if "pip install" not in command or "--upgrade pip" in command:
                 continue
             if "$(MCORE_0190_DIR)" in command:
-                # The one release outside the record (it pins 0.19.2): exact, and off the venv.
+                # A release outside the record (it pins 0.19.2): exact, and off the venv.
                 assert "--target $(MCORE_0190_DIR) megatron-core==0.19.0" in command, command
+                continue
+            if "$(NEXT_RELEASE_DIR)" in command:
+                # The next release's wheels, checked against their SHA256SUMS: off the venv,
+                # without dependencies (nothing else moves).
+                assert "--no-deps --target $(NEXT_RELEASE_DIR) $$wheels" in command, command
                 continue
             assert "-c $(CONSTRAINTS)" in command, command
 

@@ -16,7 +16,7 @@ import pytest
 from tests.support.fp8_mlp import FP8_BOOT, MUON_FP8_MLP, skip_module_without_te
 from tests.support.harness import run_on_ranks
 from tests.support.parity import assert_diverges, assert_fp8_gather_parity
-from tests.support.scenarios import Scenario
+from tests.support.scenarios import Scenario, boot_for
 from tests.support.training import train
 
 skip_module_without_te("the FP8 emulation needs TE's Python package")
@@ -103,3 +103,33 @@ def guard_message_with_reuse_on_ddp(scenario: Scenario) -> str:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(training, "_reuse_grad_buf", lambda scenario: True)
         return guard_message(scenario)
+
+
+def guard_message_at_context_parallel(scenario: Scenario, size: int) -> str:
+    """Build the optimizer of a model whose config says ``context_parallel_size=size`` (what a
+    megatron-core user building at CP 2 hands the optimizer); return the rule message."""
+    from nemo_lw_fp8.errors import ConfigError
+    from tests.support.scenarios import build_model
+    from tests.support.training import wrap_and_build_optimizer
+
+    module, config = build_model(scenario)
+    config.context_parallel_size = size
+    try:
+        wrap_and_build_optimizer(module, config, scenario)
+    except ConfigError as error:
+        return str(error)
+    return ""
+
+
+def test_context_parallel_is_refused_where_the_optimizer_is_built():
+    """Rule ``layer-wise-context-parallel`` runs at the megatron-core optimizer build, not only
+    in megatron-training's and Bridge's argument checks (issue 43). Control: the same build at
+    CP 1 passes every rule."""
+    scenario = Scenario(optimizer="muon", distribution="layerwise_padded", model="gpt",
+                        plugin=True)  # fmt: skip
+    boot = boot_for(scenario)
+    refused = run_on_ranks(guard_message_at_context_parallel, scenario, 2, boot=boot)
+    for message in refused:
+        assert "layer-wise-context-parallel" in message, message
+        assert "context_parallel_size=2 from TransformerConfig.context_parallel_size" in message
+    assert run_on_ranks(guard_message_at_context_parallel, scenario, 1, boot=boot) == ["", ""]

@@ -43,16 +43,37 @@ def _build_overrides() -> list[Override]:
     ]
 
 
-def make_patch(native: bool = False, tested: tuple[str, ...] | None = None) -> Patch:
+def make_patch(tested: tuple[str, ...] | None = None) -> Patch:
     tested = (framework.megatron_core_version(),) if tested is None else tested
     return Patch(
         name=TEST_FEATURE,
         upstream_pr=0,
         summary="framework self-test",
-        detect_native=lambda: (native, "self-test detector"),
         build_overrides=_build_overrides,
         tested_versions=tested,
     )
+
+
+def _record(monkeypatch, patch: Patch, verdict: str, **changes: str) -> None:
+    """File ``patch`` in the record at the installed version with ``verdict`` and the
+    fingerprints its targets have now (``changes``: target name -> another fingerprint)."""
+    from nemo_lw_fp8.patches import upstream_fingerprints
+    from nemo_lw_fp8.patches.record import fingerprint
+
+    targets = {
+        o.target: fingerprint(
+            framework.unpatched_own_attr(o.owner, o.attr), framework.MISSING
+        )
+        for o in patch.build_overrides()
+    }
+    for name, value in changes.items():
+        targets[name] = value
+    key = framework.version_key(patch)
+    table = {k: dict(v) for k, v in upstream_fingerprints.FINGERPRINTS.items()}
+    table.setdefault(key, {})[patch.name] = {
+        "verdict": verdict, "reason": "self-test record", "targets": targets
+    }
+    monkeypatch.setattr(upstream_fingerprints, "FINGERPRINTS", table)
 
 
 @pytest.fixture
@@ -160,13 +181,24 @@ def test_control_apply_twice_and_revert_catch_a_broken_framework(
     assert _snapshot() == before
 
 
-def test_native_detection_skips_the_patch():
-    patch = framework.register(make_patch(native=True))
+def test_native_only_where_the_record_says_so(monkeypatch):
+    """The record's ``native`` verdict for this exact code skips the patch; the same record
+    with one target's fingerprint changed refuses it, naming that object (the record decides
+    before anything else)."""
+    from nemo_lw_fp8.patches.record import UpstreamChanged
+
+    patch = framework.register(make_patch())
     try:
         before = _snapshot()
+        _record(monkeypatch, patch, "native")
         assert nemo_lw_fp8.apply([TEST_FEATURE]) == {TEST_FEATURE: "native"}
+        assert framework.verdicts([TEST_FEATURE])[TEST_FEATURE].reason == "self-test record"
         assert _snapshot() == before
-        assert patch.native_reason == "self-test detector"
+        changed = "megatron.core.optimizer.layer_wise_optimizer.is_managed_by_layer_wise_optimizer"
+        _record(monkeypatch, patch, "native", **{changed: "0000000000000000"})
+        with pytest.raises(UpstreamChanged, match=changed):
+            nemo_lw_fp8.apply([TEST_FEATURE])
+        assert _snapshot() == before
     finally:
         framework.unregister(TEST_FEATURE)
 
@@ -183,7 +215,8 @@ def test_untested_megatron_version_is_refused(monkeypatch):
         assert installed in message and "0.0.1" in message and ALLOW_UNTESTED_ENV in message
         assert _snapshot() == before
         monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
-        with pytest.warns(UserWarning, match=f"not {installed}"):
+        warning = framework.UntestedUpstreamWarning
+        with pytest.warns(warning, match=f"not megatron-core {installed}"):
             assert nemo_lw_fp8.apply([TEST_FEATURE]) == {TEST_FEATURE: "patched"}
     finally:
         framework.unregister(TEST_FEATURE)
@@ -205,7 +238,7 @@ def _apply_a_patch_that_fails_part_way() -> Patch:
     def broken() -> list[Override]:
         return [*_build_overrides()[:2], Override(Frozen(), "anything", 1)]
 
-    patch = framework.register(Patch(TEST_FEATURE, 0, "broken", lambda: (False, ""), broken))
+    patch = framework.register(Patch(TEST_FEATURE, 0, "broken", broken))
     try:
         with pytest.raises(AttributeError, match="anything"):
             nemo_lw_fp8.apply([TEST_FEATURE])

@@ -90,14 +90,14 @@ COMPACT_UPSTREAM = """
         DistributedDataParallelConfig as Config,
     )
     from megatron.core.distributed import param_and_grad_buffer as pg
-    from nemo_lw_fp8.patches.upstream import detect
+    from nemo_lw_fp8.patches.upstream import megatron_core_changes
 
     fields = dict(Config.__dataclass_fields__)
     fields["use_layer_wise_param_layout"] = dataclasses.field(default=False)
     Config.__dataclass_fields__ = fields  # upstream's own compact layout setting (#5388 / #5479)
     status = nemo_lw_fp8.apply(["compact_layout"])["compact_layout"]
     wrapped = pg._ParamAndGradBucketGroup.start_grad_sync.__module__
-    print(detect(5388)[0], status, wrapped)
+    print(megatron_core_changes()[5388][1]()[0], status, wrapped)
 """
 
 
