@@ -33,7 +33,7 @@ PYTHON312 := $(shell for c in $$(command -v python3.12 2>/dev/null) \
 	done)
 endif
 
-.PHONY: env demo test test-all test-mcore-0.19.0 test-next-release lint clean-env doctor
+.PHONY: env demo test test-all test-mcore-0.19.0 test-next-release gpu-check lint clean-env doctor
 
 env: $(STAMP)
 
@@ -131,6 +131,14 @@ test-next-release: env
 		$(PY) -m pytest -m "not extended" tests/next_release; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
+
+# For a GPU owner (docs/testing.md, "On a GPU"): every gpu-marked test, then the tiny recipe of
+# the machine's generation on 2 GPUs over NCCL, FP8 param gather ON vs OFF bitwise, a resume, a
+# step-time and memory table. Runs in the Python that has TE with CUDA (GPU_PYTHON, default
+# this checkout's .venv if present); without a GPU it says so in one line and fails.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	@$(GPU_PYTHON) -m tests.gpu_check.check
 
 lint: env
 	$(VENV)/bin/ruff check nemo_lw_fp8 tests benchmarks

@@ -288,6 +288,12 @@ class _LossRecorder:
         self.digest_wanted = False
         self.state_digest: str | None = None
         self.by_name: dict[str, Any] = {}
+        #: Wall seconds of each training step (between two step ends; the first from the
+        #: start of training), and the peak memory CUDA allocated (None on CPU): what
+        #: ``make gpu-check`` tabulates ON against OFF.
+        self.step_seconds: list[float] = []
+        self.peak_memory_bytes: int | None = None
+        self._last_step_end: float | None = None
 
     @staticmethod
     def _floats(losses: dict[str, Any] | None) -> dict[str, float]:
@@ -305,6 +311,10 @@ class _LossRecorder:
 
         class Recorder(Callback):
             def on_train_step_end(self, context: Any) -> None:
+                now = time.perf_counter()
+                if recorder._last_step_end is not None:
+                    recorder.step_seconds.append(now - recorder._last_step_end)
+                recorder._last_step_end = now
                 losses = recorder._floats(context.loss_dict)
                 if context.grad_norm is not None:
                     losses["grad norm"] = float(context.grad_norm)
@@ -323,6 +333,7 @@ class _LossRecorder:
                     recorder.reports = _reports_losses()
 
             def on_train_start(self, context: Any) -> None:
+                recorder._last_step_end = time.perf_counter()
                 if recorder.digest_wanted:  # after a checkpoint load, before any step
                     recorder.by_name["start"] = state_by_name(context.optimizer, context.model)
 
@@ -330,6 +341,10 @@ class _LossRecorder:
                 recorder.eval.append(recorder._floats(context.total_loss_dict))
 
             def on_train_end(self, context: Any) -> None:
+                import torch
+
+                if torch.cuda.is_available():
+                    recorder.peak_memory_bytes = int(torch.cuda.max_memory_allocated())
                 if recorder.digest_wanted:
                     recorder.state_digest = optimizer_state_digest(context.optimizer)
                     recorder.by_name["end"] = state_by_name(context.optimizer, context.model)
@@ -393,6 +408,8 @@ def train(
                     "layer_wise_grad_sync": getattr(cfg.optimizer, "layer_wise_grad_sync", None),
                     "expert_slices": recorder.expert_slices,
                     "qkv_parts": recorder.qkv_parts,
+                    "step_seconds": recorder.step_seconds,
+                    "peak_memory_bytes": recorder.peak_memory_bytes,
                 },
                 handle,
             )
