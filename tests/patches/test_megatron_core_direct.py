@@ -69,13 +69,17 @@ def test_control_staging_keyed_on_the_optimizer_config_diverges():
     assert_diverges(off, on)
 
 
-def guard_message(scenario: Scenario) -> str:
-    """Build the optimizer; return the plugin's rule message (empty if none fired)."""
+def guard_message(scenario: Scenario, context_parallel_size: int | None = None) -> str:
+    """Build the optimizer; return the plugin's rule message (empty if none fired).
+    ``context_parallel_size``: what the model's config says (a megatron-core user building at
+    CP 2 hands the optimizer such a config)."""
     from nemo_lw_fp8.errors import ConfigError
     from tests.support.scenarios import build_model
     from tests.support.training import wrap_and_build_optimizer
 
     module, config = build_model(scenario)
+    if context_parallel_size is not None:
+        config.context_parallel_size = context_parallel_size
     try:
         wrap_and_build_optimizer(module, config, scenario)
     except ConfigError as error:
@@ -105,22 +109,6 @@ def guard_message_with_reuse_on_ddp(scenario: Scenario) -> str:
         return guard_message(scenario)
 
 
-def guard_message_at_context_parallel(scenario: Scenario, size: int) -> str:
-    """Build the optimizer of a model whose config says ``context_parallel_size=size`` (what a
-    megatron-core user building at CP 2 hands the optimizer); return the rule message."""
-    from nemo_lw_fp8.errors import ConfigError
-    from tests.support.scenarios import build_model
-    from tests.support.training import wrap_and_build_optimizer
-
-    module, config = build_model(scenario)
-    config.context_parallel_size = size
-    try:
-        wrap_and_build_optimizer(module, config, scenario)
-    except ConfigError as error:
-        return str(error)
-    return ""
-
-
 def test_context_parallel_is_refused_where_the_optimizer_is_built():
     """Rule ``layer-wise-context-parallel`` runs at the megatron-core optimizer build, not only
     in megatron-training's and Bridge's argument checks (issue 43). Control: the same build at
@@ -128,8 +116,8 @@ def test_context_parallel_is_refused_where_the_optimizer_is_built():
     scenario = Scenario(optimizer="muon", distribution="layerwise_padded", model="gpt",
                         plugin=True)  # fmt: skip
     boot = boot_for(scenario)
-    refused = run_on_ranks(guard_message_at_context_parallel, scenario, 2, boot=boot)
+    refused = run_on_ranks(guard_message, scenario, 2, boot=boot)
     for message in refused:
         assert "layer-wise-context-parallel" in message, message
         assert "context_parallel_size=2 from TransformerConfig.context_parallel_size" in message
-    assert run_on_ranks(guard_message_at_context_parallel, scenario, 1, boot=boot) == ["", ""]
+    assert run_on_ranks(guard_message, scenario, 1, boot=boot) == ["", ""]
