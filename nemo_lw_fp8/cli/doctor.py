@@ -2,7 +2,7 @@
 
 The patch table has one row per patch (megatron-core, Megatron-Bridge and the plugin's own), and
 its status is the verdict ``nemo_lw_fp8.apply()`` acts on, from the same function
-(:func:`nemo_lw_fp8.patches.framework.decide`; tests assert the two equal):
+(:func:`nemo_lw_fp8.patches.verdict.decide`; tests assert the two equal):
 
 ``patched``   the record has this exact code and the patch applies (or is applied);
 ``native``    the record says this exact upstream code already does it: nothing is installed;

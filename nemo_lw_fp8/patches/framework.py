@@ -1,12 +1,14 @@
-"""The machinery every patch module uses: declare targets, detect upstream, apply, revert.
+"""The machinery every patch module uses: apply, revert, and Bridge patches that wait for Bridge.
 
-A :class:`Patch` names the upstream change it mirrors, the versions it was tested on and a
-builder that returns its :class:`Override` s (owner object, attribute, replacement). Whether it
-applies is :func:`decide`'s one verdict, which ``apply()`` acts on and ``doctor`` shows: the
-record (:mod:`.record`) decides first. Every object the patch would replace must have a recorded
-fingerprint of the installed version; then the recorded verdict holds (``patched``, or
-``native`` where the record says that exact upstream code already does it). Nothing is decided
-by reading upstream's source for a word. Applying records the exact original objects (read from
+The data model and registry live in :mod:`.registry`, the one decision per patch in
+:mod:`.verdict`; this module acts on them and hands their names on. A :class:`Patch` names the
+upstream change it mirrors, the versions it was tested on and a builder that returns its
+:class:`Override` s (owner object, attribute, replacement). Whether it applies is :func:`decide`'s
+one verdict, which ``apply()`` acts on and ``doctor`` shows: the record (:mod:`.record`) decides
+first. Every object the patch would replace must have a recorded fingerprint of the installed
+version; then the recorded verdict holds (``patched``, or ``native`` where the record says that
+exact upstream code already does it). Nothing is decided by reading upstream's source for a
+word. Applying records the exact original objects (read from
 the owner's ``__dict__`` for classes, so inherited, static and class methods come back
 unchanged) and applying twice is a no-op. :func:`revert` puts back the very same objects.
 :func:`original` keeps every original reachable while patched.
@@ -17,99 +19,67 @@ from __future__ import annotations
 import gc
 import importlib
 import importlib.abc
-import os
 import sys
 import warnings
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
-from nemo_lw_fp8.patches.record import (
-    NATIVE,
-    PATCHED,
-    UpstreamChanged,
-    fingerprint,
-    recorded,
-    target_name,
+from nemo_lw_fp8.patches.record import NATIVE, PATCHED, UpstreamChanged
+from nemo_lw_fp8.patches.registry import (
+    _MISSING,
+    _REGISTRY,
+    ALLOW_UNTESTED_ENV,
+    BRIDGE_IN_USE_MODULE,
+    MISSING,
+    LateApplyWarning,
+    Override,
+    Patch,
+    UntestedMegatronVersion,
+    UntestedUpstreamWarning,
+    _own_attr,
+    _pending,
+    _resolve,
+    defines,
+    installed_version,
+    megatron_core_version,
+    original,
+    register,
+    registry,
+    unpatched_own_attr,
+    version_key,
 )
+from nemo_lw_fp8.patches.verdict import Verdict, _recorded_native, _warn_untested, decide, verdicts
 
-#: Set to 1 to apply patches on a megatron-core version they were not tested on.
-ALLOW_UNTESTED_ENV = "NEMO_LW_FP8_ALLOW_UNTESTED_MEGATRON"
+#: What :mod:`nemo_lw_fp8.patches` and the patch modules import from here: the registry's and
+#: the verdict's names with the machinery that acts on them.
+__all__ = [
+    "ALLOW_UNTESTED_ENV",
+    "BRIDGE_IN_USE_MODULE",
+    "MISSING",
+    "LateApplyWarning",
+    "Override",
+    "Patch",
+    "UntestedMegatronVersion",
+    "UntestedUpstreamWarning",
+    "UpstreamChanged",
+    "Verdict",
+    "applied",
+    "apply",
+    "decide",
+    "defines",
+    "installed_version",
+    "megatron_core_version",
+    "original",
+    "register",
+    "registry",
+    "revert",
+    "unpatched_own_attr",
+    "unregister",
+    "verdicts",
+    "version_key",
+]
 
-_MISSING = object()
-
-
-class UntestedMegatronVersion(RuntimeError):
-    """The installed megatron-core (or Megatron-Bridge) is not one the patch was tested on."""
-
-
-class LateApplyWarning(UserWarning):
-    """Patches were applied after megatron DDP wrappers or optimizers already existed."""
-
-
-class UntestedUpstreamWarning(UserWarning):
-    """A patch applied, under the override, over code or a version it was not tested on
-    (always shown: :mod:`nemo_lw_fp8.cli.quiet` never holds the plugin's own warnings back)."""
-
-
-@dataclass
-class Override:
-    """Replace ``owner.attr`` with ``replacement`` while the patch is applied."""
-
-    owner: Any
-    attr: str
-    replacement: Any
-    #: How the record names the owner when it has no module-level name of its own (an entry of
-    #: a registry dict); "" for a module or class.
-    owner_name: str = ""
-
-    @property
-    def target(self) -> str:
-        """The record's name for what this override replaces."""
-        if self.owner_name:
-            return f"{self.owner_name}.{self.attr}"
-        return target_name(self.owner, self.attr)
-
-
-@dataclass
-class Patch:
-    """One behaviour the plugin brings to megatron-core, mirroring one upstream change."""
-
-    name: str
-    #: The Megatron-LM pull request this patch mirrors (0: none, the plugin's own behaviour).
-    upstream_pr: int
-    summary: str
-    build_overrides: Callable[[], list[Override]]
-    #: Versions of ``target`` (megatron-core or Megatron-Bridge) the patch was tested on; each
-    #: also needs its record (patches/upstream_fingerprints.py), so the number alone admits
-    #: nothing. 0.19.0: ``make test-mcore-0.19.0``; 0.20.0: the snapshot Megatron-Bridge's main
-    #: pins, ``make test-next-release`` (docs/install.md, supported lines).
-    tested_versions: tuple[str, ...] = ("0.19.0", "0.19.2", "0.20.0")
-    requires: tuple[str, ...] = ()
-    #: The upstream change's title, as ``doctor`` lists it ("" for the plugin's own patches).
-    upstream_title: str = ""
-    #: Where the upstream change has landed only for some optimizers (DistributedOptimizer),
-    #: whether the installed megatron-core has that part (by the symbols it defines, for
-    #: ``doctor``'s notes only: it never decides whether the patch applies).
-    detect_upstream_part: Callable[[], tuple[bool, str]] | None = None
-    #: What the patch changes: megatron-core ("megatron-core") or Megatron-Bridge call sites.
-    target: str = "megatron-core"
-    _saved: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
-    #: Position in the sequence of applications (revert goes newest first).
-    _order: int = field(default=0, repr=False)
-    applied: bool = False
-
-
-_REGISTRY: dict[str, Patch] = {}
 _APPLY_COUNTER = 0
-
-
-def register(patch: Patch) -> Patch:
-    """Add a patch to the registry (patch modules call this at import time)."""
-    if patch.name in _REGISTRY and _REGISTRY[patch.name] is not patch:
-        raise ValueError(f"a patch named {patch.name!r} is already registered")
-    _REGISTRY[patch.name] = patch
-    return patch
 
 
 def unregister(name: str) -> None:
@@ -118,205 +88,6 @@ def unregister(name: str) -> None:
     if patch is not None:
         _revert_one(patch)
         del _REGISTRY[name]
-
-
-def registry() -> dict[str, Patch]:
-    return dict(_REGISTRY)
-
-
-def megatron_core_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError:
-        from megatron.core import package_info
-
-        return package_info.__version__
-
-
-def installed_version(target: str) -> str:
-    """The installed version of a patch's ``target`` package."""
-    if target == "megatron-core":
-        return megatron_core_version()
-    from importlib.metadata import version
-
-    return version(target)
-
-
-def version_key(patch: Patch) -> str:
-    """``"<target> <installed version>"``: where the fingerprint record files a patch."""
-    return f"{patch.target} {installed_version(patch.target)}"
-
-
-def _untested_allowed(allow_untested: bool) -> bool:
-    return allow_untested or os.environ.get(ALLOW_UNTESTED_ENV) == "1"
-
-
-def _origin(patch: Patch) -> str:
-    """How a message names what a patch mirrors."""
-    if patch.upstream_pr:
-        return f"mirrors Megatron-LM PR #{patch.upstream_pr}"
-    return "the plugin's own behaviour"
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What :func:`apply` does with one patch here, and why (``doctor`` shows the same)."""
-
-    patch: str
-    #: ``patched`` (applied or to apply), ``native`` (the record says upstream does it),
-    #: ``pending`` (a Bridge patch before Bridge's import) or ``refused``.
-    status: str
-    reason: str
-    #: Objects whose fingerprint no recorded build of this patch has (named in the refusal,
-    #: or in the warnings when the override lets the patch apply anyway).
-    changed: tuple[str, ...] = ()
-    error: Exception | None = field(default=None, compare=False, repr=False)
-
-
-def _targets(patch: Patch) -> tuple[list[Override] | None, Exception | None]:
-    """The patch's overrides, or None and the error that says why they cannot be built here
-    (a builder that finds upstream changed raises :class:`UpstreamChanged` itself)."""
-    try:
-        return patch.build_overrides(), None
-    except (UpstreamChanged, AttributeError, KeyError, ImportError, TypeError) as error:
-        return None, error
-
-
-def _known_anywhere(patch: Patch, name: str, found: str) -> bool:
-    """Whether any recorded build of ``patch`` (any version) had ``found`` under ``name``."""
-    from nemo_lw_fp8.patches.upstream_fingerprints import FINGERPRINTS
-
-    return any(
-        entry.get(patch.name, {}).get("targets", {}).get(name) == found
-        for entry in FINGERPRINTS.values()
-    )
-
-
-def _refused(patch: Patch, kind: type[Exception], message: str, changed=()) -> Verdict:
-    error = kind(message, tuple(changed)) if kind is UpstreamChanged else kind(message)
-    return Verdict(patch.name, "refused", message, tuple(changed), error)
-
-
-def decide(patch: Patch, allow_untested: bool = False) -> tuple[Verdict, list[Override]]:
-    """The one verdict for ``patch`` on this install, and the overrides to install for it.
-
-    The record decides first: each object the patch would replace is fingerprinted
-    (:func:`.record.fingerprint`) and compared with the record of the installed version;
-    any difference refuses the patch, naming the objects, before anything else is asked.
-    Only a full match gives the recorded verdict. With the override (``allow_untested`` or
-    :data:`ALLOW_UNTESTED_ENV`), an untested version or changed code is patched anyway, each
-    changed object named in an :class:`UntestedUpstreamWarning` by the caller; never "native".
-    """
-    if patch.applied:
-        return Verdict(patch.name, PATCHED, "applied"), []
-    if _pending(patch):
-        return Verdict(patch.name, "pending", "applies when Megatron-Bridge is imported"), []
-    for name in patch.requires:  # apply() installs these first: a refusal there stops it
-        needed = decide(_REGISTRY[name], allow_untested)[0]
-        if needed.status == "refused":
-            return Verdict(patch.name, "refused", f"needs {name}: {needed.reason}",
-                           needed.changed, needed.error), []  # fmt: skip
-    allowed = _untested_allowed(allow_untested)
-    installed = installed_version(patch.target)
-    key = version_key(patch)
-    tested = installed in patch.tested_versions
-    if not tested and not allowed:
-        return _refused(
-            patch,
-            UntestedMegatronVersion,
-            f"nemo_lw_fp8 patch {patch.name!r} ({_origin(patch)}) was tested on {patch.target} "
-            f"{', '.join(patch.tested_versions)}, not the installed {installed}: install "
-            f"{patch.target}=={patch.tested_versions[-1]} (docs/install.md, supported lines), or "
-            f"set {ALLOW_UNTESTED_ENV}=1 to apply it at your own risk.",
-        ), []
-    overrides, failure = _targets(patch)
-    if overrides is None:
-        if isinstance(failure, UpstreamChanged):  # its message names the object and the fix
-            return Verdict(patch.name, "refused", str(failure), failure.objects, failure), []
-        return _refused(
-            patch,
-            UpstreamChanged,
-            f"nemo_lw_fp8 patch {patch.name!r} cannot find what it wraps in {key} "
-            f"({type(failure).__name__}: {failure}): upstream changed; install a supported "
-            "release (docs/install.md, supported lines).",
-        ), []
-    entry = recorded(key, patch.name)
-    if entry is None and not _recorded_anywhere(patch):
-        # Not one of the plugin's patches (tests register their own); the plugin's are all
-        # recorded (tests/patches/test_upstream_fingerprints.py).
-        return Verdict(patch.name, PATCHED, "not in the record"), overrides
-    changed = []
-    for override in overrides:
-        name = override.target
-        found = fingerprint(unpatched_own_attr(override.owner, override.attr), _MISSING)
-        if entry is not None and entry.targets.get(name) == found:
-            continue
-        if entry is None and _known_anywhere(patch, name, found):
-            continue  # an untested version whose object some tested build had
-        changed.append(f"{name} (fingerprint {found})")
-    if entry is None and tested:
-        return _refused(
-            patch,
-            UpstreamChanged,
-            f"nemo_lw_fp8 patch {patch.name!r} has no record for {key}: run "
-            f"`python -m nemo_lw_fp8.patches.fingerprints --write` after testing it there.",
-        ), []
-    if changed and not allowed:
-        return _refused(
-            patch,
-            UpstreamChanged,
-            f"nemo_lw_fp8 patch {patch.name!r} wraps {', '.join(changed)}, which is not the code "
-            f"it was tested over in {key}: reinstall the released {key.replace(' ', '==')} "
-            f"(docs/install.md), or set {ALLOW_UNTESTED_ENV}=1 to apply it at your own risk.",
-            changed,
-        ), []
-    if changed or entry is None:
-        reason = f"applied over untested {key} ({ALLOW_UNTESTED_ENV}=1)"
-        return Verdict(patch.name, PATCHED, reason, tuple(changed)), overrides
-    if entry.verdict == NATIVE:
-        return Verdict(patch.name, NATIVE, entry.reason), []
-    return Verdict(patch.name, PATCHED, f"recorded over {key}"), overrides
-
-
-def _recorded_anywhere(patch: Patch) -> bool:
-    from nemo_lw_fp8.patches.upstream_fingerprints import FINGERPRINTS
-
-    return any(patch.name in entry for entry in FINGERPRINTS.values())
-
-
-def _warn_untested(patch: Patch, verdict: Verdict) -> None:
-    """Name, in a shown warning, what the override let ``patch`` apply over."""
-    key = version_key(patch)
-    if installed_version(patch.target) not in patch.tested_versions:
-        warnings.warn(
-            f"nemo_lw_fp8 patch {patch.name!r} was tested on {patch.target} "
-            f"{', '.join(patch.tested_versions)}, not {key}; applying anyway "
-            f"({ALLOW_UNTESTED_ENV}=1 / allow_untested=True).",
-            UntestedUpstreamWarning,
-            stacklevel=4,
-        )
-    for name in verdict.changed:
-        warnings.warn(
-            f"nemo_lw_fp8 patch {patch.name!r} applies over {name}, which no tested build has "
-            f"({ALLOW_UNTESTED_ENV}=1).",
-            UntestedUpstreamWarning,
-            stacklevel=4,
-        )
-
-
-def verdicts(features: Iterable[str] | None = None, *, allow_untested: bool = False) -> dict[
-    str, Verdict
-]:
-    """:func:`decide` for the named patches (all by default), installing nothing."""
-    return {patch.name: decide(patch, allow_untested)[0] for patch in _resolve(features)}
-
-
-def _own_attr(owner: Any, attr: str) -> Any:
-    if isinstance(owner, type):
-        return owner.__dict__.get(attr, _MISSING)
-    return getattr(owner, attr, _MISSING)
 
 
 def _subclasses(cls: type) -> set[type]:
@@ -396,21 +167,6 @@ def _revert_one(patch: Patch) -> None:
         patch.applied = False
 
 
-def _resolve(features: Iterable[str] | None) -> list[Patch]:
-    if features is None:
-        return list(_REGISTRY.values())
-    chosen: list[Patch] = []
-    for name in features:
-        if name not in _REGISTRY:
-            raise KeyError(f"unknown nemo_lw_fp8 feature {name!r}; known: {sorted(_REGISTRY)}")
-        for required in _REGISTRY[name].requires:
-            if _REGISTRY[required] not in chosen:
-                chosen.append(_REGISTRY[required])
-        if _REGISTRY[name] not in chosen:
-            chosen.append(_REGISTRY[name])
-    return chosen
-
-
 def apply(features: Iterable[str] | None = None, *, allow_untested: bool = False) -> dict[str, str]:
     """Apply the named patches (all registered ones by default).
 
@@ -426,14 +182,6 @@ def apply(features: Iterable[str] | None = None, *, allow_untested: bool = False
            for patch in chosen):  # fmt: skip
         _warn_if_late(names)
     return {patch.name: _apply_one(patch, allow_untested) for patch in chosen}
-
-
-def _recorded_native(patch: Patch) -> bool:
-    try:
-        entry = recorded(version_key(patch), patch.name)
-    except Exception:  # noqa: BLE001 - a package without a version: decide() refuses it
-        return False
-    return entry is not None and entry.verdict == NATIVE
 
 
 def _with_dependents(chosen: list[Patch]) -> list[Patch]:
@@ -470,51 +218,9 @@ def applied() -> list[str]:
     return [name for name, patch in _REGISTRY.items() if patch.applied]
 
 
-MISSING = _MISSING
-
-
-def unpatched_own_attr(owner: Any, attr: str) -> Any:
-    """What ``owner`` itself held under ``attr`` before any applied patch (``MISSING`` if none).
-
-    Detectors use it so that a patch of ours is never mistaken for upstream having the change.
-    """
-    for patch in _REGISTRY.values():
-        for saved_owner, saved_attr, value in patch._saved:
-            if saved_owner is owner and saved_attr == attr:
-                return value
-    return _own_attr(owner, attr)
-
-
-def defines(owner: Any, name: str) -> bool:
-    """Whether ``owner`` itself defines ``name``, ignoring anything a plugin patch installed.
-
-    Detectors use it so that a patch of ours is never mistaken for upstream having the change.
-    """
-    return unpatched_own_attr(owner, name) is not MISSING
-
-
-def original(owner: Any, attr: str) -> Any:
-    """The object ``owner.attr`` held before any applied patch replaced it."""
-    for patch in _REGISTRY.values():
-        for saved_owner, saved_attr, value in patch._saved:
-            if saved_owner is owner and saved_attr == attr:
-                if value is _MISSING:
-                    raise AttributeError(f"{owner!r} had no attribute {attr!r} before patching")
-                return value
-    return getattr(owner, attr)
-
-
-#: Imported by every Megatron-Bridge run; the Bridge patches wait for it.
-BRIDGE_IN_USE_MODULE = "megatron.bridge.training.config"
-
-
 #: Bridge patches asked for before Bridge was imported: name -> allow_untested.
 _PENDING: dict[str, bool] = {}
 _APPLYING_PENDING = False
-
-
-def _pending(patch: Patch) -> bool:
-    return patch.target == "megatron-bridge" and BRIDGE_IN_USE_MODULE not in sys.modules
 
 
 class _BridgeImportWatch(importlib.abc.MetaPathFinder):

@@ -56,7 +56,7 @@ def megatron_core_changes() -> dict[
 
     A change without a patch has its detector (does megatron-core have it?); a patch's change
     has its ``detect_upstream_part`` where upstream landed part of it (for ``doctor``'s note),
-    else None: whether the patch applies is its verdict (:func:`.framework.decide`).
+    else None: whether the patch applies is its verdict (:func:`.verdict.decide`).
     """
     from nemo_lw_fp8 import patches
 
