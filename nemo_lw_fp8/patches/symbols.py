@@ -1,17 +1,18 @@
 """What an installed module defines, read from the live module or from its source text.
 
-The patch detectors ask megatron-core questions such as "does ``LayerWiseDistributedOptimizer``
-itself define ``prepare_model_params_for_param_sync``" or "what does the source of
-``TensorParallelMuon.orthogonalize`` say". Importing megatron-core to answer them costs seconds
-(``megatron.core`` pulls in torch's compiler stack, ``megatron.training`` most of megatron), which
-``nemo-lw-fp8 doctor`` paid for nothing. So each question goes through :func:`module`:
+The detectors of what upstream landed (``doctor``'s notes) ask megatron-core questions such as "does
+``LayerWiseDistributedOptimizer`` itself define ``prepare_model_params_for_param_sync``" or "which
+fields does
+``DistributedDataParallelConfig`` have" (never "what does the source say": no verdict rests on a
+word in upstream's text). Importing a module only to answer them costs seconds
+(``megatron.training`` pulls in most of megatron), so each question goes through :func:`module`:
 
 * when the module is already imported, the live objects answer, ignoring what a plugin patch
   installed (:func:`nemo_lw_fp8.patches.framework.unpatched_own_attr`), so a test that changes a
   symbol changes the answer;
 * otherwise its source file is located without importing anything (``find_spec`` of the top-level
   package only, then the path) and parsed: module-level definitions (through ``if`` / ``try`` /
-  ``with`` blocks), class bodies, function sources and parameters, dataclass fields.
+  ``with`` blocks), class bodies, function parameters, dataclass fields.
 
 Both read the same definitions; ``tests/patches/test_upstream_detection.py`` checks that every
 detector gives the same answer either way. :func:`from_source` forces the source reading (for that
@@ -133,9 +134,6 @@ class _SourceModule(_Definitions):
             body = node.body if isinstance(node, ast.ClassDef) else []
         return node
 
-    def source(self, qualname: str) -> str:
-        return ast.get_source_segment(self.text, self._definition(qualname)) or ""
-
     def parameters(self, qualname: str) -> list[str]:
         node = self._find(qualname)
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -177,9 +175,6 @@ class _LiveModule(_Definitions):
             if owner is MISSING:
                 return _ABSENT
         return owner
-
-    def source(self, qualname: str) -> str:
-        return inspect.getsource(self._definition(qualname))
 
     def parameters(self, qualname: str) -> list[str]:
         return list(inspect.signature(self._definition(qualname)).parameters)
