@@ -1,10 +1,9 @@
 """What an installed module defines, read from the live module or from its source text.
 
-The detectors of what upstream landed (``doctor``'s notes) ask megatron-core questions such as "does
-``LayerWiseDistributedOptimizer`` itself define ``prepare_model_params_for_param_sync``" or "which
-fields does
-``DistributedDataParallelConfig`` have" (never "what does the source say": no verdict rests on a
-word in upstream's text). Importing a module only to answer them costs seconds
+The detectors of what upstream landed (``doctor``'s notes) ask megatron-core questions such as
+"does ``LayerWiseDistributedOptimizer`` itself define ``prepare_model_params_for_param_sync``" or
+"which fields does ``DistributedDataParallelConfig`` have" (never "what does the source say": no
+verdict rests on a word in upstream's text). Importing a module only to answer them costs seconds
 (``megatron.training`` pulls in most of megatron), so each question goes through :func:`module`:
 
 * when the module is already imported, the live objects answer, ignoring what a plugin patch
