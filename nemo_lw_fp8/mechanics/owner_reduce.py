@@ -115,7 +115,7 @@ def coalesces(process_group: Any, device: torch.device) -> bool:
     (NCCL does for CUDA tensors; gloo has no coalescing)."""
     import torch
 
-    return device.type == "cuda" and "nccl" in str(torch.distributed.get_backend(process_group))
+    return "nccl" in str(torch.distributed.get_backend(process_group)) and device.type == "cuda"
 
 
 def reduce_spans(
@@ -127,27 +127,39 @@ def reduce_spans(
     """Reduce each ``(owner, tensor)`` span in place to group rank ``owner``. Returns the works
     to wait for (empty when synchronous)."""
     import torch
-    from torch.distributed import _coalescing_manager
 
     spans = [(owner, span) for owner, span in spans if span.numel()]
     if not spans:
         return []
+
+    def issue(each_async: bool) -> list[Any]:
+        works = []
+        for owner, span in spans:
+            work = torch.distributed.reduce(
+                span, op=op, group=process_group, group_dst=owner, async_op=each_async
+            )
+            if work is not None:
+                works.append(work)
+        return works
+
     device = spans[0][1].device
     if coalesces(process_group, device):
-        with _coalescing_manager(process_group, device=device, async_ops=async_op) as cm:
-            for owner, span in spans:
-                torch.distributed.reduce(
-                    span, op=op, group=process_group, group_dst=owner, async_op=True
-                )
-        return [cm] if async_op else []
-    works = []
-    for owner, span in spans:
-        work = torch.distributed.reduce(
-            span, op=op, group=process_group, group_dst=owner, async_op=async_op
-        )
-        if work is not None:
-            works.append(work)
-    return works
+        return _coalesced(process_group, device, async_op, issue)
+    return issue(async_op)  # gloo: one after the other
+
+
+def _coalesced(
+    process_group: Any, device: torch.device, async_op: bool, issue: Callable[[bool], list[Any]]
+) -> list[Any]:
+    """The reduces ``issue`` sends, as one NCCL launch: the only code of the owner reduce that
+    cannot run on CPU (gloo has no coalescing; ``tests/mechanics/test_owner_reduce_spans.py``
+    runs it on 2 GPUs). Inside the manager each reduce is queued (``async_op=True``); the
+    manager's work stands for all of them."""
+    from torch.distributed import _coalescing_manager
+
+    with _coalescing_manager(process_group, device=device, async_ops=async_op) as cm:
+        issue(True)
+    return [cm] if async_op else []
 
 
 # --------------------------------------------------------------------------- megatron's contract

@@ -10,7 +10,9 @@ reduce-scatter splits the buffer into one chunk per rank; each chunk's sum start
 rank), and the owner layout moves elements. Two addends commute, so DP 2 is bitwise on gloo as it
 runs. For DP 4 both runs of a comparison sum the grad sync's collectives in rank order
 (:func:`ordered_grad_sync`), so what is compared is which values reach whom, scaled how, not
-gloo's chunking.
+gloo's chunking; ``test_wire_traffic_equals_the_plan`` compares gloo's own owner reduces at DP 4
+with that rank-order sum (bit for bit where no order can change a sum, else within the rounding
+bound of two orders: ``tests/support/owner_reduce_probe.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
 from nemo_lw_fp8.patches import record
+from tests.support import owner_reduce_probe as probe
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.resumable import resume_mismatches
@@ -70,10 +73,7 @@ def ordered_grad_sync():
     def summed(tensor, group):
         parts = [torch.empty_like(tensor) for _ in range(group.size())]
         group.allgather([parts], [tensor.contiguous()]).wait()
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total += part
-        return total
+        return probe.rank_order_sum(parts)
 
     def all_reduce(tensor, *args, **kwargs):
         if not depth["n"]:
@@ -126,8 +126,10 @@ def ordered_grad_sync():
 
 
 def train_recorded(scenario: Scenario, ordered: bool = False) -> dict:
-    """:func:`train`, plus every optimizer state tensor (Muon momentum) of this rank; with
-    ``ordered``, grad syncs sum in rank order (:func:`ordered_grad_sync`)."""
+    """:func:`train`, plus every optimizer state tensor (Muon momentum) of this rank and what
+    its grad syncs issued (``grad_sync``: :meth:`probe.GradSyncLog.verdict`, read with
+    :func:`probe.assert_reduced_to_owners`); with ``ordered``, grad syncs sum in rank order
+    (:func:`ordered_grad_sync`)."""
     from tests.support import training
     from tests.support.dist_checkpoints import optimizer_snapshot
 
@@ -135,10 +137,13 @@ def train_recorded(scenario: Scenario, ordered: bool = False) -> dict:
     build = training.wrap_and_build_optimizer
 
     norms: list[float] = []
+    stack = contextlib.ExitStack()
 
     def keep(module, config, scenario):
         model, optimizer = build(module, config, scenario)
         seen.update(optimizer=optimizer, module=module)
+        # Opened inside the ordering's stand-ins, so what they are asked is recorded.
+        seen["log"] = stack.enter_context(probe.issued_grad_syncs(model))
         step = optimizer.step
 
         def recorded_step(*args, **kwargs):
@@ -149,11 +154,12 @@ def train_recorded(scenario: Scenario, ordered: bool = False) -> dict:
         optimizer.step = recorded_step
         return model, optimizer
 
-    with contextlib.ExitStack() as stack:
+    with stack:
         mp = stack.enter_context(pytest.MonkeyPatch.context())
         mp.setattr(training, "wrap_and_build_optimizer", keep)
         counts = stack.enter_context(ordered_grad_sync()) if ordered else None
         result = train(scenario)
+    result["grad_sync"] = seen["log"].verdict(syncs=len(norms))
     if counts is not None and not counts["ordered"]:
         raise RuntimeError("ordered_grad_sync summed no grad sync in rank order")
     state = optimizer_snapshot(seen["optimizer"], seen["module"])
@@ -165,19 +171,51 @@ def train_recorded(scenario: Scenario, ordered: bool = False) -> dict:
 
 def train_to_wrong_owner(scenario: Scenario) -> dict:
     """Mutation: each span is reduced to the next rank instead of its owner (the owner then
-    reads its local, unreduced gradients)."""
-    import torch.distributed as dist
+    reads its local, unreduced gradients). Made in the owner reduce's spans, beneath the probe
+    of :func:`train_recorded`, which sees the shifted destinations."""
+    from nemo_lw_fp8.mechanics import owner_reduce
 
-    reduce = dist.reduce
+    reduce_spans = owner_reduce.reduce_spans
 
-    def shifted(tensor, *args, group=None, group_dst=None, **kwargs):
-        return reduce(
-            tensor, *args, group=group, group_dst=(group_dst + 1) % group.size(), **kwargs
-        )
+    def shifted(spans, op, process_group, async_op):
+        size = process_group.size()
+        spans = [((owner + 1) % size, span) for owner, span in spans]
+        return reduce_spans(spans, op, process_group, async_op)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dist, "reduce", shifted)
+        mp.setattr(owner_reduce, "reduce_spans", shifted)
         return train_recorded(scenario)
+
+
+_ALL_REDUCE_RUNS: dict = {}
+
+
+def all_reduce_run(scenario: Scenario, world_size: int = 2, ordered: bool = False,
+                   boot: BootOptions = BootOptions()) -> list[dict]:  # fmt: skip
+    """The ``grad_sync="all_reduce"`` run of ``scenario`` (a parity's reference, and its
+    control's), made once per session; checked to have all-reduced its Muon gradients."""
+    key = (scenario, world_size, ordered, boot)
+    if key not in _ALL_REDUCE_RUNS:
+        runs = run_on_ranks(
+            train_recorded, scenario.with_(grad_sync="all_reduce"), ordered,
+            world_size=world_size, boot=boot,
+        )  # fmt: skip
+        probe.assert_all_reduced(runs, "all-reduce path")
+        _ALL_REDUCE_RUNS[key] = runs
+    return _ALL_REDUCE_RUNS[key]
+
+
+def fp8_scenario(recipe: str) -> Scenario:
+    """FP8 param gather on (MXFP8, or blockwise FP8 codes + scales), overlap on, clipping on."""
+    return COMPACT.with_(
+        model="fp8mlp",
+        fp8=True,
+        fp8_recipe=recipe,
+        fp8_param_gather=True,
+        micro_batch=32,
+        overlap=True,
+        bucket_size=None,
+    )
 
 
 # --------------------------------------------------------------------------- comparisons
@@ -232,47 +270,58 @@ def test_owner_reduce_equals_all_reduce_and_plain_muon(world_size):
     """Against the all-reduce path with clipping on (the same owners sum the global grad norm
     in the same order: it must be the same bits), overlap on; against plain Muon, overlap off,
     clipping off (plain Muon sums the norm over other groupings, so clipping would part them in
-    the last bits for reasons unrelated to the sync). DP 4 sums in rank order (module doc)."""
+    the last bits for reasons unrelated to the sync). DP 4 sums in rank order (module doc).
+    Every owner-reduce run issued reduces, each to the owner of what it covers by the ownership
+    table, and no all-reduce of a Muon gradient; the all-reduce run no reduce."""
     ordered = world_size > 2
 
     def run(scenario):
-        return run_on_ranks(train_recorded, scenario, ordered, world_size=world_size)
+        results = run_on_ranks(train_recorded, scenario, ordered, world_size=world_size)
+        probe.assert_reduced_to_owners(results, f"{scenario.overlap=} {scenario.clip_grad=}")
+        return results
 
     clipped = COMPACT.with_(overlap=True)
-    all_reduce = run(clipped.with_(grad_sync="all_reduce"))
+    all_reduce = all_reduce_run(clipped, world_size, ordered)
     owner = run(clipped)
     # Clipping acts: every step's norm is above the threshold.
     assert all(min(r["grad_norms"]) > clipped.clip_grad for r in owner), owner[0]["grad_norms"]
     _same_masters_and_momentum(all_reduce, owner)
-    plain = run(Scenario(optimizer="muon", snapshots=True))
+    plain = run_on_ranks(
+        train_recorded, Scenario(optimizer="muon", snapshots=True), ordered, world_size=world_size
+    )
     _same_as_plain_muon(plain, run(COMPACT.with_(clip_grad=0.0)))
 
 
 @needs_te
 @pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
 def test_owner_reduce_with_fp8_param_gather_equals_all_reduce(recipe):
-    """FP8 param gather on (MXFP8, or blockwise FP8 codes + scales), overlap on, clipping on."""
-    base = COMPACT.with_(
-        model="fp8mlp",
-        fp8=True,
-        fp8_recipe=recipe,
-        fp8_param_gather=True,
-        micro_batch=32,
-        overlap=True,
-        bucket_size=None,
-    )
-    all_reduce = run_on_ranks(train_recorded, base.with_(grad_sync="all_reduce"), boot=FP8)
+    """FP8 param gather on (MXFP8, or blockwise FP8 codes + scales), overlap on, clipping on;
+    the FP8 run's grad syncs were owner reduces (issued, each to its span's owner by the
+    ownership table, no all-reduce of a Muon gradient), the all-reduce run's were not."""
+    base = fp8_scenario(recipe)
+    all_reduce = all_reduce_run(base, boot=FP8)
     owner = run_on_ranks(train_recorded, base, boot=FP8)
+    probe.assert_reduced_to_owners(owner, recipe)
     _same_masters_and_momentum(all_reduce, owner)
 
 
-def test_reduce_to_the_wrong_rank_diverges():
-    """Control: with each span reduced to the next rank, the comparison above fails (by the
-    numbers: every run completes)."""
-    scenario = COMPACT.with_(overlap=True)
-    reference = run_on_ranks(train_recorded, scenario.with_(grad_sync="all_reduce"))
-    broken = run_on_ranks(train_to_wrong_owner, scenario)
+@pytest.mark.parametrize(
+    "fp8", [pytest.param(None, id="bf16"), pytest.param("mxfp8", id="mxfp8", marks=needs_te)]
+)
+def test_reduce_to_the_wrong_rank_diverges(fp8):
+    """Control of both parities above: with each span reduced to the next rank, the comparison
+    with the all-reduce run fails (by the numbers: every run completes), and the probe the
+    parities assert through sees every such reduce sent past its owner."""
+    scenario = COMPACT.with_(overlap=True) if fp8 is None else fp8_scenario(fp8)
+    boot = BootOptions() if fp8 is None else FP8
+    reference = all_reduce_run(scenario, boot=boot)
+    broken = run_on_ranks(train_to_wrong_owner, scenario, boot=boot)
     assert_diverges(reference, broken, compare=_same_masters_and_momentum)
+    for rank, result in enumerate(broken):
+        seen = result["grad_sync"]
+        assert len(seen["misdirected"]) == seen["reduces"] > 0, (rank, seen)
+    with pytest.raises(AssertionError, match="rank 0"):
+        probe.assert_reduced_to_owners(broken)
 
 
 # --------------------------------------------------------------------------- the wire
@@ -281,7 +330,9 @@ def test_reduce_to_the_wrong_rank_diverges():
 def count_grad_sync(scenario: Scenario) -> dict:
     """Per rank, during steps 1 and 2: the grad-sync collectives the compact bucket groups
     issue (elements this rank sends under the ring model, reduce / all-reduce calls, groups that
-    issued any, reduces not done in place in a bucket's grad buffer), with the plan's numbers."""
+    issued any, reduces not done in place in a bucket's grad buffer), with the plan's numbers;
+    and each owner reduce gloo ran compared with the rank-order sum of its addends
+    (``rank_order``: :func:`probe.compared_with_rank_order`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -345,7 +396,7 @@ def count_grad_sync(scenario: Scenario) -> dict:
 
         return start_grad_sync
 
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, probe.compared_with_rank_order() as compared:
         mp.setattr(dist, "reduce", counted_reduce)
         mp.setattr(dist, "all_reduce", counted_all_reduce)
         for group in groups:
@@ -362,6 +413,7 @@ def count_grad_sync(scenario: Scenario) -> dict:
     ]
     return {
         **counts,
+        "rank_order": compared,
         "steps": 2,
         "world": world,
         "groups": len(groups),
@@ -381,12 +433,27 @@ def test_wire_traffic_equals_the_plan(overlap):
     """Per rank and step: elements sent, reduce calls and launches (one per bucket group) as
     planned, every reduce in place in a bucket's grad buffer (no transient buffer); control: the
     all-reduce path sends twice an exact reduce-scatter, and over all ranks exactly twice the
-    owner reduce."""
+    owner reduce.
+
+    The same real gloo reduces at DP 4 (synchronous, and overlapped: compared at megatron's
+    wait), on each span's owner, against the rank-order sum of the same four fp32 addends, the
+    sum every DP 4 parity compares with (:func:`ordered_grad_sync`): bit for bit where no order
+    can change the sum, else within ``2 gamma(3) sum |x_i|`` (``gamma(3) = 3u / (1 - 3u)``,
+    ``u = 2^-24``: about ``3.6e-7`` of the addends' magnitude), how far two orders of summing
+    four terms can part (:mod:`probe`; gradients of bf16 precision mostly sum order-free in
+    fp32: ``test_owner_reduce_spans.py`` shows the bound on sums that are not). Control
+    of the comparison: leaving out the last rank's addend fails it on 9 elements in 10 at
+    least."""
     # The default buckets: one group of 5 params over 4 owners, one owner's two params not
     # adjacent in megatron's order.
     scenario = COMPACT.with_(overlap=overlap, snapshots=False)
     owner = run_on_ranks(count_grad_sync, scenario, world_size=4)
     for counts in owner:
+        compared = counts["rank_order"]
+        # One owner reduce per group and sync; every rank owns a span (4 owners, one group).
+        assert compared["syncs"] == counts["groups"] * counts["steps"], compared
+        assert compared["elements"] > 0 and compared["over"] == 0, compared
+        assert compared["dropped_within"] * 10 <= compared["dropped"], compared
         steps = counts["steps"]
         assert counts["groups"] >= 1 and counts["all_reduces"] == 0, counts
         assert counts["sent"] == counts["planned_sent"] * steps, counts

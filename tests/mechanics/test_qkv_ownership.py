@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support import owner_reduce_probe as probe
 from tests.support.harness import run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.scenarios import TE_BOOT, Scenario
@@ -59,11 +60,13 @@ def test_split_qkv_ownership_equals_plain_muon(world_size):
 
     reference = run(GPT)
     split = run(SPLIT)
+    probe.assert_reduced_to_owners(split, f"split DP {world_size}")
     # Parts really were owned apart: some fused weight has its parts on different ranks.
     assert _owned_apart(split), [r["qkv_part_names"] for r in split]
     _same(reference, split, f"split DP {world_size}")
     _same_state_as_plain(reference, split, f"split DP {world_size}")
     whole = run(SPLIT.with_(qkv_ownership="whole"))
+    probe.assert_reduced_to_owners(whole, f"whole DP {world_size}")
     assert not any(r["qkv_parts"] for r in whole)
     _same(reference, whole, f"whole DP {world_size}")
     _same_state_as_plain(reference, whole, f"whole DP {world_size}")
@@ -148,6 +151,8 @@ def test_grad_norm_counts_every_part_once():
     split = run_on_ranks(train_exact_norm, clipped, boot=TE_BOOT)
     whole = run_on_ranks(train_exact_norm, clipped.with_(qkv_ownership="whole"), boot=TE_BOOT)
     assert any(r["qkv_parts"] for r in split) and not any(r["qkv_parts"] for r in whole)
+    probe.assert_reduced_to_owners(split, "split")
+    probe.assert_reduced_to_owners(whole, "whole")
     assert all(min(r["grad_norms"]) > clipped.clip_grad for r in split)
     _same_clipped_training(whole, split)
 
