@@ -301,6 +301,28 @@ def test_hopper_twin_control_stale_columnwise_copy(twin_run, recipe):
     assert stale["ranks"] != off["ranks"]
 
 
+MXFP8 = tuple(recipe for recipe in TWINS if recipe.endswith("_mxfp8"))
+
+
+@pytest.mark.parametrize("recipe", _tiered(MXFP8))
+def test_mxfp8_twin_control_stale_columnwise_copy(twin_run, recipe):
+    """Receivers whose persistent MXFP8 weights get only their rowwise copy refreshed by the
+    gathers' re-quantization (mutation ``te_stale_columnwise``: TE's weights and grouped members
+    alike; TE's dgrad GEMM reads the columnwise copy) part from gather off within the twins' two
+    steps: the first step's update reaches the second step's backward through stale copies, so
+    its grad norm and the ranks' state differ. The parity's OFF run is reused; one run more."""
+    off = twin_run(recipe, "off", *br.GATHER_OFF)
+    stale = twin_run(recipe, "stale-columnwise", mutation="te_stale_columnwise")
+    # Receivers existed: re-quantized MXFP8 weights whose columnwise copy the mutation kept.
+    assert all(rank["mxfp8_requantized"] > 0 for rank in stale["probe"]), stale["probe"]
+    assert br.losses(stale)[0] == br.losses(off)[0]  # the first step reads no gathered weight
+    # The evaluation after step 1 is a forward (rowwise copies only): the difference is the
+    # backward's.
+    assert br.eval_losses(stale)[0] == br.eval_losses(off)[0]
+    assert br.grad_norms(stale)[1] != br.grad_norms(off)[1]
+    assert stale["ranks"] != off["ranks"]
+
+
 FLAGSHIP = "twin_deepseek_v3_mxfp8"
 FLAGSHIP_COMMON = ("train.train_iters=4", "validation.eval_interval=3", "validation.eval_iters=1")
 

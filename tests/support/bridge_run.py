@@ -203,6 +203,9 @@ def install_probe(prefix: str) -> None:
       blockwise gather plans); ``columnwise_derived``: the gathered blockwise weights whose
       columnwise copy a receiver derived (with the stale-columnwise mutation: the ones it
       would have);
+    * ``mxfp8_requantized``: the re-quantizations into persistent MXFP8 weights that hold a
+      columnwise copy (``MXFP8Quantizer.update_quantized``: the gathers' copy into TE's weights
+      and grouped members), i.e. the copies the ``te_stale_columnwise`` mutation leaves stale;
     * ``nvfp4_weights``: the model parameters held as persistent ``NVFP4Tensor``s (NVFP4
       primary weights); ``nvfp4_unpacked``: the gathered NVFP4 weights a receiver rebuilt from
       FP4 bytes; ``gemms`` / ``nvfp4_gemms``: TE's ``generic_gemm`` calls during training and
@@ -263,7 +266,7 @@ def install_probe(prefix: str) -> None:
     import nemo_lw_fp8.cpu.megatron.bridge_pretrain as cpu_bridge
     import nemo_lw_fp8.mechanics.nvfp4_gather as nvfp4_gather
 
-    _seen.update(nvfp4_unpacked=0, gemms=0, nvfp4_gemms=0)
+    _seen.update(nvfp4_unpacked=0, gemms=0, nvfp4_gemms=0, mxfp8_requantized=0)
     _unpack_nvfp4 = nvfp4_gather.unpack_param  # after any mutation of the module
 
     def _counting_unpack_nvfp4(param, payload):
@@ -286,6 +289,17 @@ def install_probe(prefix: str) -> None:
 
             _counting_gemm._probe = True
             tex.generic_gemm = _counting_gemm
+        from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+
+        if not getattr(MXFP8Quantizer.update_quantized, "_probe", False):
+            _update = MXFP8Quantizer.update_quantized  # after any mutation of it
+
+            def _counting_update(self, src, dst, *, noop_flag=None):
+                _seen["mxfp8_requantized"] += getattr(dst, "_columnwise_data", None) is not None
+                return _update(self, src, dst, noop_flag=noop_flag)
+
+            _counting_update._probe = True
+            MXFP8Quantizer.update_quantized = _counting_update
         return _device_answers(cfg, modules)
 
     nvfp4_gather.unpack_param = _counting_unpack_nvfp4
