@@ -7,7 +7,8 @@ experts, top-2, NVFP4 compute from megatron's recipe with stochastic rounding of
 with megatron's ``TEGroupedMLP`` through TE's op fuser and FP4 primary weights (``fp4_param`` +
 DDP's ``fp4_param_gather``), trained under layer-wise Muon on two data-parallel ranks (the plugin's
 compact layout, owner reduce, overlapped gathers; megatron's padded layout in the extended tier;
-B200 answers).
+B200 answers); and at expert parallel 2 on four ranks, where each expert-data-parallel group of
+two ranks owns and gathers its EP rank's grouped weights.
 
 * ``single``: one ``GroupedTensor`` of ``NVFP4Tensor`` members per expert linear
   (``moe_single_grouped_weight``); its owner (of the whole weight, or of a run of its experts)
@@ -34,7 +35,7 @@ import pytest
 import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
-from tests.support.harness import BootOptions, run_on_ranks
+from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.resumable import assert_same_run
 
@@ -42,6 +43,9 @@ if te_backend.te_package_dirs() is None:  # find, never import, TE in this proce
     pytest.skip("TE's own modules need TE's Python package", allow_module_level=True)
 
 BOOT = BootOptions(fp8_emulation=True)
+#: Expert parallel 2 on 4 ranks: two expert-data-parallel groups of 2 ranks, each EP rank
+#: holding 2 of the 4 experts of every grouped weight.
+EP2 = dict(world_size=4, parallel=ParallelSpec(ep=2), boot=BOOT)
 
 #: Grouped buffers of a ``GroupedTensor`` compared across ranks and with the owner's cast.
 BUFFERS = ("rowwise_data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax",
@@ -153,7 +157,7 @@ def grouped_fp4_run(
     ``steps[0]..steps[1]-1`` with an eval after step 0, an optional ``torch_dist`` load (into a
     build from another seed) before and save after. Returns losses, eval losses, this rank's
     masters and momenta under discrete names, the grouped kernels TE called, the weight classes
-    of the experts and what each gather sent."""
+    of the experts, what each gather sent and this rank's expert-parallel rank."""
     import functools
 
     import tests.mechanics.test_nvfp4_param_gather as base
@@ -173,9 +177,14 @@ def grouped_fp4_run(
 
         mp.setenv("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")  # megatron's op-fuser GLU switch
         mp.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1" if single else "0")
+        from megatron.core import parallel_state
+
+        # the EP size the harness initialised, as a run at that size says it (megatron's TE
+        # layers mark expert weights for the expert-data-parallel group by this field)
+        ep = parallel_state.get_expert_model_parallel_world_size()
         moe = dict(
             base.MOE, moe_grouped_gemm=True, use_transformer_engine_op_fuser=True,
-            moe_single_grouped_weight=single,
+            moe_single_grouped_weight=single, expert_model_parallel_size=ep,
         )  # fmt: skip
         mp.setattr(base, "MOE", moe)
         mp.setattr(
@@ -208,6 +217,7 @@ def grouped_fp4_run(
         buffers = grouped_buffers(module)
         checked, differ, runs = owner_cast_differs(optimizer, module)
     return {
+        "ep_rank": parallel_state.get_expert_model_parallel_rank(),
         "buffers": buffers,
         "owner_cast_checked": checked,
         "owner_cast_differs": differ,
@@ -245,14 +255,14 @@ def _same_buffers(a: dict, b: dict) -> None:
 @pytest.mark.parametrize(
     "layout, ownership",
     [("compact", "whole"), pytest.param("padded", "whole", marks=pytest.mark.extended),
-     pytest.param("compact", "expert", marks=pytest.mark.extended)],
+     ("compact", "expert")],
     ids=["compact-whole", "padded-whole", "compact-expert-runs"],
 )  # fmt: skip
 def test_fp4_single_grouped_equals_discrete_under_layer_wise_muon(layout, ownership):
     """FP4 primary single grouped weights (one ``GroupedTensor`` per expert linear, the owner's
-    grouped FP4 gather; the compact layout with overlapped gathers, owned whole; in the extended
-    tier megatron's padded layout without overlap, and the compact layout with the grouped
-    weights owned in runs of experts by both ranks) train like FP4 primary discrete weights
+    grouped FP4 gather; the compact layout with overlapped gathers, owned whole or in runs of
+    experts by both ranks; in the extended tier megatron's padded layout without overlap)
+    train like FP4 primary discrete weights
     through the same op fuser, bitwise in losses, the eval loss, every fp32 master and Muon
     momentum; the single grouped run took TE's grouped-tensor GEMM and shipped uint8 payloads
     only; after the last gather both ranks hold the same grouped bytes, and they are TE's
@@ -291,7 +301,7 @@ def test_fp4_single_grouped_equals_discrete_under_layer_wise_muon(layout, owners
     "mutation, ownership",
     [("stale_amax", "whole"),
      pytest.param("stale_columnwise", "whole", marks=pytest.mark.extended),
-     pytest.param("stale_amax", "expert", marks=pytest.mark.extended)],
+     ("stale_amax", "expert")],
     ids=["stale_amax", "stale_columnwise", "stale_amax-expert-runs"],
 )  # fmt: skip
 def test_fp4_grouped_gather_controls_diverge(mutation, ownership):
@@ -306,29 +316,89 @@ def test_fp4_grouped_gather_controls_diverge(mutation, ownership):
     assert_diverges(discrete, mutated, assert_same_run)
 
 
-@pytest.mark.extended
-@pytest.mark.parametrize("ownership", ["whole", "expert"], ids=["whole", "expert-runs"])
-def test_fp4_single_grouped_resumes_bitwise(tmp_path, ownership):
-    """FP4 primary single grouped weights (owned whole, or in runs of experts), compact layout
-    with overlap: save (``torch_dist``) after two steps, load into a build from another seed,
-    two more steps: the losses, masters and momenta of four uninterrupted steps, and the same
-    grouped bytes on every rank, bitwise. Control: one loaded master one ulp off diverges."""
-    saved = str(tmp_path)
-    args = dict(ownership=ownership, world_size=2, boot=BOOT)
+def by_expert_rank(results: list[dict]) -> list[dict]:
+    """Each rank's results with its expert masters and momenta named by the EP rank holding
+    them: at EP > 1 every EP rank's local experts carry the same names."""
+    return [
+        {**r, "state": {(f"ep{r['ep_rank']}:{k}" if ".experts." in k else k): v
+                        for k, v in r["state"].items()}}  # fmt: skip
+        for r in results
+    ]
+
+
+def assert_resumes(directory: str, ownership: str, args: dict) -> None:
+    """Save (``torch_dist``) after two steps, load into a build from another seed, two more
+    steps: the losses, masters and momenta of four uninterrupted steps, and the same grouped
+    bytes on every rank, bitwise. Control: one loaded master one ulp off diverges."""
+    args = dict(args, ownership=ownership)
     whole = run_on_ranks(grouped_fp4_run, True, steps=(0, 4), **args)
-    first = run_on_ranks(grouped_fp4_run, True, steps=(0, 2), save_dir=saved, **args)
-    resumed = run_on_ranks(grouped_fp4_run, True, steps=(2, 4), load_dir=saved, **args)
-    for rank in range(2):
+    first = run_on_ranks(grouped_fp4_run, True, steps=(0, 2), save_dir=directory, **args)
+    resumed = run_on_ranks(grouped_fp4_run, True, steps=(2, 4), load_dir=directory, **args)
+    for rank in range(len(whole)):
         assert first[rank]["losses"] + resumed[rank]["losses"] == whole[rank]["losses"]
         _same_buffers(whole[rank]["buffers"], resumed[rank]["buffers"])
     assert not any(r["owner_cast_differs"] for r in resumed)
-    no_evals = [{**r, "losses": [], "eval_losses": []} for r in whole]
-    assert_same_run(no_evals, [{**r, "losses": [], "eval_losses": []} for r in resumed])
+    no_evals = [{**r, "losses": [], "eval_losses": []} for r in by_expert_rank(whole)]
+    assert_same_run(no_evals, [{**r, "losses": [], "eval_losses": []}
+                               for r in by_expert_rank(resumed)])  # fmt: skip
     nudged = run_on_ranks(
-        grouped_fp4_run, True, steps=(2, 4), load_dir=saved, nudge_loaded_master=True, **args
+        grouped_fp4_run, True, steps=(2, 4), load_dir=directory, nudge_loaded_master=True, **args
     )
     assert_diverges(
-        [{**r, "eval_losses": []} for r in resumed],
-        [{**r, "eval_losses": []} for r in nudged],
+        [{**r, "eval_losses": []} for r in by_expert_rank(resumed)],
+        [{**r, "eval_losses": []} for r in by_expert_rank(nudged)],
         assert_same_run,
     )
+
+
+@pytest.mark.parametrize("ownership", ["whole", "expert"], ids=["whole", "expert-runs"])
+def test_fp4_single_grouped_resumes_bitwise(tmp_path, ownership):
+    """FP4 primary single grouped weights (owned whole, or in runs of experts), compact layout
+    with overlap: a ``torch_dist`` resume equals the uninterrupted run (:func:`assert_resumes`,
+    with its one-ulp control)."""
+    assert_resumes(str(tmp_path), ownership, dict(world_size=2, boot=BOOT))
+
+
+# --------------------------------------------------------------------------- expert parallel 2
+
+
+@pytest.mark.parametrize("ownership", ["whole", "expert"], ids=["whole", "expert-runs"])
+def test_fp4_single_grouped_equals_discrete_at_expert_parallel_2(ownership):
+    """EP 2 on 4 ranks (two expert-data-parallel groups of 2, each EP rank holding 2 experts of
+    every grouped weight): FP4 primary single grouped = discrete FP4 primary, bitwise in losses,
+    the eval loss, every master and momentum (expert ones per EP rank); the grouped weights are
+    owned and gathered in their expert-data-parallel group (whole, or in runs of one expert per
+    rank): both ranks of a group end with the same grouped bytes, the two EP ranks with others,
+    and all 16 members (2 layers x 2 linears x 2 experts x 2 EP ranks) equal TE's cast of their
+    master on their owner."""
+    discrete = run_on_ranks(grouped_fp4_run, False, **EP2)
+    single = run_on_ranks(grouped_fp4_run, True, ownership=ownership, **EP2)
+    groups: dict[int, list[dict]] = {}
+    for r in single:
+        groups.setdefault(r["ep_rank"], []).append(r)
+        assert r["weight_types"] == ["GroupedTensor"], r["weight_types"]
+        assert r["sends"] and {s["dtype"] for s in r["sends"]} == {"torch.uint8"}
+        assert not r["owner_cast_differs"], r["owner_cast_differs"]
+    assert sorted(groups) == [0, 1] and all(len(g) == 2 for g in groups.values())
+    for first, second in groups.values():
+        _same_buffers(first["buffers"], second["buffers"])
+    one, other = groups[0][0]["buffers"], groups[1][0]["buffers"]
+    assert any(not torch.equal(one[k], other[k]) for k in one)
+    assert sum(r["owner_cast_checked"] for r in single) == 16
+    runs = [run for r in single for run in r["expert_runs"]]
+    assert (not runs) if ownership == "whole" else sum(hi - lo for lo, hi in runs) == 16, runs
+    assert_same_run(by_expert_rank(discrete), by_expert_rank(single))
+
+
+def test_fp4_grouped_gather_control_diverges_at_expert_parallel_2():
+    """Control at EP 2: receivers of the grouped weights that keep every member's previous
+    amaxes after the gather train differently from the discrete run."""
+    discrete = run_on_ranks(grouped_fp4_run, False, **EP2)
+    mutated = run_on_ranks(grouped_fp4_run, True, "stale_amax", **EP2)
+    assert_diverges(by_expert_rank(discrete), by_expert_rank(mutated), assert_same_run)
+
+
+@pytest.mark.parametrize("ownership", ["whole", "expert"], ids=["whole", "expert-runs"])
+def test_fp4_single_grouped_resumes_bitwise_at_expert_parallel_2(tmp_path, ownership):
+    """The resume of :func:`assert_resumes` at EP 2 on 4 ranks (control: one ulp off)."""
+    assert_resumes(str(tmp_path), ownership, EP2)

@@ -167,7 +167,6 @@ def test_fp4_primary_weights_without_the_gather_are_refused_at_build():
         run_on_ranks(fp4_run, True, ddp_gather=False, world_size=2, boot=BOOT)
 
 
-@pytest.mark.extended
 def test_fp4_param_gather_resumes_bitwise(tmp_path):
     """FP4 param gather ON, compact layout with overlap: save (``torch_dist``) after two steps,
     load into a build from another seed, two more steps: the losses, masters and momenta of four
@@ -206,6 +205,96 @@ def test_weights_with_1x16_blocks_are_refused():
     nvfp4_gather.check([weight((128, 128), True)])
     with pytest.raises(ConfigError, match=r"fp4-primary-weights-layer-wise.*\(256, 128\)"):
         nvfp4_gather.check([weight((128, 128), True), weight((256, 128), False)])
+
+
+# --------------------------------------------------------------------------- stock megatron
+
+#: An NVFP4 weight's buffers, compared between ranks and with their values at init.
+WEIGHT_BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_amax_rowwise", "_columnwise_data",
+                  "_columnwise_scale_inv", "_amax_columnwise")  # fmt: skip
+
+
+def _nvfp4_2d_multi_tensor_transpose(rows, columns, row_scales, column_scales, ms, ks) -> None:
+    """``tex.nvfp4_2d_multi_tensor_transpose``, which megatron's ``post_all_gather_processing``
+    reaches through TE's ``_nvfp4_2d_multi_tensor_transpose`` and the CPU emulation lacks: per
+    tensor, what TE's ``NVFP4TensorStorage._create_columnwise`` does (the emulated
+    ``nvfp4_data_transpose``, ``nvfp4_2d_scale_transpose`` over ``ceil(M/16) x ceil(K/16)``
+    tiles). It derives the columnwise copy from the rowwise buffers the rank holds; what the
+    test checks (the rowwise scales and amaxes) is never written by it."""
+    import transformer_engine_torch as tex
+
+    for row, column, row_scale, column_scale, m, k in zip(
+        rows, columns, row_scales, column_scales, ms, ks, strict=True
+    ):
+        tex.nvfp4_data_transpose(row, out=column)
+        tex.nvfp4_2d_scale_transpose(row_scale, column_scale, (m + 15) // 16, (k + 15) // 16)
+
+
+def stock_fp4_run(fp4_param: bool) -> dict[str, Any]:
+    """Stock megatron-core 0.19.2, the plugin not applied: layer-wise Muon on megatron's padded
+    layout, NVFP4 compute, with ``fp4_param`` and DDP's ``fp4_param_gather`` (``fp4_param``) or
+    bf16 weights, three steps and an eval. Returns the report of :func:`fp4_run` (losses,
+    masters, momenta), the features of the plugin applied during the run, and every NVFP4
+    weight's buffers at init and after the run."""
+    import transformer_engine_torch as tex
+
+    import nemo_lw_fp8
+    from nemo_lw_fp8.cpu.te import device as te_device
+    from nemo_lw_fp8.mechanics import nvfp4_gather
+    from tests.support import nvfp4_runs
+    from tests.support.scenarios import Scenario
+
+    scenario = Scenario(
+        model="gpt", optimizer="muon", plugin=False, seed=5, micro_batch=4,
+        distribution="layerwise_padded", overlap=False, fp4_param_gather=fp4_param,
+    )  # fmt: skip
+
+    def buffers(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            f"{n}:{b}": getattr(w, b).clone() for n, w in weights.items() for b in WEIGHT_BUFFERS
+        }
+
+    with pytest.MonkeyPatch.context() as mp, te_device.target_gpu(te_device.BLACKWELL):
+        nvfp4_runs.pin_recipe_without_stochastic_rounding(mp)
+        mp.setattr(tex, "nvfp4_2d_multi_tensor_transpose", _nvfp4_2d_multi_tensor_transpose,
+                   raising=False)  # fmt: skip
+        module, config = build_gpt(fp4_param, seed=5)
+        weights = {n: p for n, p in module.named_parameters() if nvfp4_gather.is_nvfp4(p)}
+        initial = buffers(weights)
+        report, _ = nvfp4_runs.train_and_report(scenario, module, config, (0, 3))
+        return {**report, "plugin": nemo_lw_fp8.applied(), "initial": initial,
+                "final": buffers(weights)}  # fmt: skip
+
+
+def test_stock_megatron_gathers_fp4_codes_without_their_scales():
+    """What stock megatron-core 0.19.2 does with layer-wise Muon + NVFP4 primary weights +
+    ``fp4_param_gather`` (Megatron-Bridge's Kimi-K2 GB300 NVFP4 recipe asks for it; docs/nvfp4.md,
+    "Stock megatron-core with layer-wise FP4 param gather"), the plugin not applied: no error,
+    and silently wrong. Each owner re-quantizes its weights (codes, tile scales, amax); DDP's
+    param gather ships the rowwise FP4 codes only, so every other rank combines the new codes
+    with the tile scales and amax of the init, and the run departs from NVFP4 compute on bf16
+    weights after the first gather (same first loss). The plugin's run of the same settings
+    equals that reference bitwise (``test_fp4_param_gather_on_equals_off[dense-padded]``)."""
+    off = run_on_ranks(stock_fp4_run, False, world_size=2, boot=BOOT)
+    on = run_on_ranks(stock_fp4_run, True, world_size=2, boot=BOOT)
+    assert all(r["plugin"] == [] for r in off + on)
+    assert not off[0]["initial"] and on[0]["initial"]
+    names = sorted({key.split(":")[0] for key in on[0]["initial"]})
+    assert len(names) == 8, names  # 2 layers x (qkv, proj, fc1, fc2)
+    for name in names:
+        codes = f"{name}:_rowwise_data"
+        # the gathered codes: the same on both ranks, changed since the init
+        assert torch.equal(on[0]["final"][codes], on[1]["final"][codes]), name
+        assert not torch.equal(on[0]["final"][codes], on[0]["initial"][codes]), name
+        for buffer in ("_rowwise_scale_inv", "_amax_rowwise", "_amax_columnwise"):
+            key = f"{name}:{buffer}"
+            moved = [not torch.equal(r["final"][key], r["initial"][key]) for r in on]
+            # the owner's moved, the receiver's is still the init's
+            assert sorted(moved) == [False, True], (key, moved)
+    for rank in range(2):
+        assert on[rank]["losses"][0] == off[rank]["losses"][0], rank
+        assert on[rank]["losses"][1] != off[rank]["losses"][1], rank
+    assert_diverges(off, on, assert_same_run)
 
 
 CODEC_SCRIPT = blackwell_script(
