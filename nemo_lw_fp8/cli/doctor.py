@@ -103,19 +103,28 @@ def _import_stack() -> str:
     return ""
 
 
-def patch_verdicts() -> list[dict[str, object]]:
-    """One row per patch: the verdict ``apply()`` acts on here (the same function decides)."""
+#: Why a Bridge patch reads ``pending`` when the caller did not ask for Bridge's import.
+BRIDGE_NOT_ASKED = "Megatron-Bridge not imported in this process (the doctor command imports it)"
+
+
+def patch_verdicts(import_bridge: bool = False) -> list[dict[str, object]]:
+    """One row per patch: the verdict ``apply()`` acts on here (the same function decides).
+
+    ``import_bridge``: first import Bridge's config module (activating the CPU emulation of TE
+    where TE has no GPU), as the ``doctor`` command does in its own process, so Bridge patches
+    get their verdict; a library caller's process is left as it was unless it asks.
+    """
     from nemo_lw_fp8 import patches
     from nemo_lw_fp8.patches import framework
 
-    bridge_missing = _import_stack()
+    bridge_missing = _import_stack() if import_bridge else BRIDGE_NOT_ASKED
     patches.load_all()
     rows = []
     for name, verdict in framework.verdicts().items():
         patch = framework.registry()[name]
         reason = verdict.reason
         if verdict.status == "pending" and bridge_missing:
-            reason = bridge_missing
+            reason = str(bridge_missing)
         rows.append(
             {
                 "patch": name,
@@ -215,7 +224,8 @@ def nvfp4_support(accelerator_report: dict[str, object]) -> dict[str, object]:
     }
 
 
-def collect() -> dict[str, object]:
+def collect(import_bridge: bool = False) -> dict[str, object]:
+    """The report (``import_bridge``: see :func:`patch_verdicts`; the command passes True)."""
     from nemo_lw_fp8.cli import tested_env
 
     installed = tested_env.installed_versions()
@@ -223,7 +233,7 @@ def collect() -> dict[str, object]:
     # Looked up by normalized name, so TE's package in <venv>/te-emulation counts as installed.
     versions.update({label: installed.get(tested_env.normalize(dist)) for label, dist in PACKAGES})
     device = accelerator()
-    verdicts = patch_verdicts()
+    verdicts = patch_verdicts(import_bridge)
     return {
         "versions": versions,
         "drift": [asdict(row) for row in tested_env.drift(installed=installed)],
@@ -299,7 +309,7 @@ def main(as_json: bool = False, verbose: bool = False) -> int:
     from nemo_lw_fp8.cli.quiet import held_back
 
     with held_back() as held:
-        report = collect()
+        report = collect(import_bridge=True)
     if as_json:
         report["hidden_warnings"] = held.messages
         sys.stdout.write(json.dumps(report, indent=2) + "\n")

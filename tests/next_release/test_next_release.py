@@ -91,7 +91,7 @@ from nemo_lw_fp8.cli import doctor
 from nemo_lw_fp8.patches import PATCH_MODULES
 
 os.environ.pop("NEMO_LW_FP8_ALLOW_UNTESTED_MEGATRON", None)
-rows = doctor.patch_verdicts()
+rows = doctor.patch_verdicts(import_bridge=True)
 print("RESULT" + json.dumps({"rows": rows, "modules": list(PATCH_MODULES)}))
 """
 

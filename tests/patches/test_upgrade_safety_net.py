@@ -33,7 +33,7 @@ REPORT = """
     from nemo_lw_fp8.cli import doctor
     from nemo_lw_fp8.patches import UntestedMegatronVersion, UpstreamChanged, PATCH_MODULES
 
-    shown = {row["patch"]: row for row in doctor.patch_verdicts()}
+    shown = {row["patch"]: row for row in doctor.patch_verdicts(import_bridge=True)}
     outcome = {}
     for name in PATCH_MODULES:
         try:

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import re
 
-from nemo_lw_fp8 import cli
 from nemo_lw_fp8.cli import doctor
 from nemo_lw_fp8.patches.upstream import megatron_core_changes
 
@@ -90,15 +89,44 @@ def test_doctor_after_apply_reports_patched_and_extended():
     assert {row.pr: row.status for row in doctor.upstream_status()}[4987] == "patchable"
 
 
-def test_doctor_cli_json_and_table(capsys):
-    assert cli.main(["doctor", "--json"]) == 0
-    parsed = json.loads(capsys.readouterr().out)
+def test_doctor_cli_json_and_table():
+    """The command (its own process: it imports Bridge over the CPU emulation of TE) lists
+    every tracked change and every patch, Bridge's with their verdicts, not ``pending``."""
+    import subprocess
+    import sys
+
+    from nemo_lw_fp8.patches import PATCH_MODULES
+
+    command = [sys.executable, "-m", "nemo_lw_fp8.cli", "doctor"]
+    done = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parsed = json.loads(done.stdout)
     assert {row["pr"] for row in parsed["upstream"]} == set(TRACKED)
-    assert cli.main(["doctor"]) == 0
-    table = capsys.readouterr().out
+    assert [row["patch"] for row in parsed["patches"]] == list(PATCH_MODULES)
+    assert {row["status"] for row in parsed["patches"]} == {"patched"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     for pr in TRACKED:
-        assert f"#{pr}" in table
-    assert "fp8 backend" in table
+        assert f"#{pr}" in done.stdout
+    for patch in PATCH_MODULES:
+        assert f"  {patch} " in done.stdout
+    assert "fp8 backend" in done.stdout
+
+
+def test_doctor_as_a_library_leaves_the_process_as_it_was():
+    """``doctor.collect()`` in a caller's process (this one) imports no Bridge and activates
+    no CPU emulation of TE: Bridge's patches read ``pending``, and ``sys.path`` and the TE
+    backend are unchanged (the suite's rank pools are spawned with this process's path)."""
+    import sys
+
+    from nemo_lw_fp8.cpu.te import backend as te_backend
+
+    path, backend = list(sys.path), te_backend.active_backend()
+    report = doctor.collect()
+    assert list(sys.path) == path and te_backend.active_backend() == backend
+    bridge = [row for row in report["patches"] if row["target"] == "megatron-bridge"]
+    assert bridge and all(row["status"] == "pending" for row in bridge), bridge
+    assert all(row["reason"] == doctor.BRIDGE_NOT_ASKED for row in bridge)
 
 
 def test_detectors_read_the_same_answer_from_source():
