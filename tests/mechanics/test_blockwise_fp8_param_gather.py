@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
+from tests.support import owner_reduce_probe as probe
 from tests.support.fp8_mlp import FP8_BOOT, MUON_FP8_MLP, skip_module_without_te
 from tests.support.harness import RankFailure, run_on_ranks
 from tests.support.mutations import train_with_step_off
@@ -34,7 +35,18 @@ LAYOUTS = ["layerwise_padded", "layerwise_compact"]
 
 
 def run(scenario: Scenario, world_size: int = 2) -> list[dict]:
-    return run_on_ranks(train, scenario, world_size=world_size, boot=FP8)
+    """``train(scenario)``; on the compact layout probed for what its grad syncs issued
+    (``tests/support/owner_reduce_probe.py``)."""
+    fn = probe.train_probed if probe.owner_reduced(scenario) else train
+    return run_on_ranks(fn, scenario, world_size=world_size, boot=FP8)
+
+
+def _owner_reduced(scenario: Scenario, **runs: list[dict]) -> None:
+    """On the compact layout, every one of ``runs`` (label -> results of :func:`run`) synced
+    its Muon gradients by the owner reduce, as the probe read it off the ranks."""
+    if probe.owner_reduced(scenario):
+        for label, results in runs.items():
+            probe.assert_reduced_to_owners(results, label)
 
 
 def _assert_blockwise_groups(groups: list[list[str]]) -> None:
@@ -61,6 +73,7 @@ def test_blockwise_param_gather_on_equals_off(distribution, world_size, overlap)
     off = run(scenario, world_size)
     on = run(scenario.with_(fp8_param_gather=True), world_size)
     _assert_blockwise_groups(on[0]["bucket_groups"])
+    _owner_reduced(scenario, off=off, on=on)
     assert_bitwise(off, on)
     # Training moved the weights (the comparison is not of two frozen models).
     first = run(scenario.with_(steps=1), world_size)
@@ -74,6 +87,7 @@ def test_several_bucket_groups_on_equals_off(distribution):
     on = run(scenario.with_(fp8_param_gather=True))
     groups = on[0]["bucket_groups"]
     assert sum(1 for g in groups if "layerwise:fp8" in g) >= 2, groups
+    _owner_reduced(scenario, off=off, on=on)
     assert_bitwise(off, on)
 
 
@@ -91,6 +105,7 @@ def test_train_eval_train_equals_train_train(distribution):
     with_eval = run(scenario.with_(eval_after=(1, 3)))
     assert_same_steps(plain, with_eval)
     off = run(scenario.with_(fp8_param_gather=False, eval_after=(1, 3)))
+    _owner_reduced(scenario, plain=plain, with_eval=with_eval, off=off)
     assert_bitwise(off, with_eval)
 
 
@@ -126,7 +141,10 @@ def test_checkpoint_resume_in_fresh_processes_is_bitwise(distribution, overlap, 
         distribution=distribution, overlap=overlap, fp8_param_gather=True, steps=6
     )
     uninterrupted, first, directory = _resume_runs(distribution, overlap, str(tmp_path))
-    resumed = run_on_fresh_ranks(train, scenario.with_(first_step=3, load_dir=directory), boot=FP8)
+    fn = probe.train_probed if probe.owner_reduced(scenario) else train
+    resumed = run_on_fresh_ranks(fn, scenario.with_(first_step=3, load_dir=directory), boot=FP8)
+    # The resumed steps (3 of them) synced by the owner reduce too.
+    _owner_reduced(scenario, resumed=resumed)
     assert _resume_mismatches(uninterrupted, first, resumed) == []
 
 

@@ -1,5 +1,12 @@
 """The compact layer-wise layout: bitwise parity, zero padding, homogeneous bucket groups,
-deterministic cost-balanced ownership, and one param-gather collective per bucket group."""
+deterministic cost-balanced ownership, and one param-gather collective per bucket group.
+
+The parities' compact runs sync their Muon gradients by the layout's default, the owner reduce;
+each of them is probed for what its ranks issued (``tests/support/owner_reduce_probe.py``:
+reduces to the owners of the ownership table, no all-reduce of a Muon gradient, every element
+reduced once per step), and the plain Muon and padded references for no reduce at all. At
+data-parallel size 1 there is nothing to reduce (the ranks issue no reduce): that parity is not.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import pytest
 import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
+from tests.support import owner_reduce_probe as probe
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges, assert_fp8_gather_parity
 from tests.support.scenarios import Scenario, boot_for
@@ -34,13 +42,24 @@ _REFERENCES: dict[str, list[dict]] = {}
 
 
 def _reference(scenario: Scenario, world_size: int = 2) -> list[dict]:
-    """``train(scenario)`` on ``world_size`` ranks, run once per session."""
+    """``train(scenario)`` on ``world_size`` ranks, run once per session; probed, it issued no
+    reduce (plain Muon: no compact bucket)."""
     key = repr((scenario, world_size))
     if key not in _REFERENCES:
-        _REFERENCES[key] = run_on_ranks(
-            train, scenario, world_size=world_size, boot=boot_for(scenario)
+        runs = run_on_ranks(
+            probe.train_probed, scenario, world_size=world_size, boot=boot_for(scenario)
         )
+        probe.assert_no_reduce(runs, f"reference {scenario}")
+        _REFERENCES[key] = runs
     return _REFERENCES[key]
+
+
+def _owner_reduced(scenario: Scenario, world_size: int = 2, boot: BootOptions | None = None):
+    """``train(scenario)`` on ``world_size`` ranks, probed: its grad syncs were owner reduces."""
+    boot = boot_for(scenario) if boot is None else boot
+    runs = run_on_ranks(probe.train_probed, scenario, world_size=world_size, boot=boot)
+    probe.assert_reduced_to_owners(runs, f"{scenario}")
+    return runs
 
 
 def train_with_receivers_skipping_the_last_owner(scenario: Scenario) -> dict:
@@ -69,7 +88,7 @@ def test_compact_equals_plain_muon(world_size):
         # The default tolerance, and an always-even gather (segments padded to the longest).
         for tolerance in (None, math.inf):
             scenario = COMPACT.with_(overlap=overlap, gather_padding_tolerance=tolerance)
-            compact = run_on_ranks(train, scenario, world_size=world_size)
+            compact = _owner_reduced(scenario, world_size)
             assert compact[0]["layer_wise"]
             _same(reference, compact, f"compact overlap={overlap} tolerance={tolerance}")
 
@@ -78,7 +97,7 @@ def test_compact_tiny_gpt_equals_plain_muon():
     gpt = Scenario(optimizer="muon", model="gpt", steps=3)
     reference = _reference(gpt)
     compact_gpt = COMPACT.with_(model="gpt", steps=3, overlap=True)
-    compact = run_on_ranks(train, compact_gpt, boot=boot_for(compact_gpt))
+    compact = _owner_reduced(compact_gpt)
     _same(reference, compact, "compact gpt")
 
 
@@ -113,8 +132,8 @@ def test_control_compact_with_a_skipped_segment_differs_from_plain_muon(case: st
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 def test_compact_with_mxfp8_param_gather_on_equals_off(world_size, overlap):
     base = COMPACT.with_(model="fp8mlp", fp8=True, micro_batch=32, snapshots=True, overlap=overlap)
-    off = run_on_ranks(train, base, world_size=world_size, boot=FP8)
-    on = run_on_ranks(train, base.with_(fp8_param_gather=True), world_size=world_size, boot=FP8)
+    off = _owner_reduced(base, world_size, boot=FP8)
+    on = _owner_reduced(base.with_(fp8_param_gather=True), world_size, boot=FP8)
     assert_fp8_gather_parity(off, on)
 
 
@@ -355,7 +374,7 @@ def test_compact_gathers_no_more_often_than_padded_and_trains_the_same():
     )[0]
     assert plain["launches"] > compact["launches"], (plain, compact)
     reference = _reference(Scenario(optimizer="muon", bucket_size=2000))
-    candidate = run_on_ranks(train, COMPACT.with_(bucket_size=2000, overlap=True), world_size=2)
+    candidate = _owner_reduced(COMPACT.with_(bucket_size=2000, overlap=True))
     _same(reference, candidate, "compact, padded-layout buckets")
 
 
@@ -471,12 +490,13 @@ def test_tensor_parallel_gpt_layouts_equal_plain_muon():
 
 def train_summing_grad_syncs_in_rank_order(scenario: Scenario, skip_last_owner: bool) -> dict:
     """:func:`train` (or, with ``skip_last_owner``, the skipped-segment mutation) with every
-    grad sync summed in rank order."""
+    grad sync summed in rank order, probed (inside the ordering: the probe sees what it is
+    asked)."""
     from tests.mechanics.test_compact_grad_sync import ordered_grad_sync
 
     with ordered_grad_sync() as counts:
-        result = (train_with_receivers_skipping_the_last_owner if skip_last_owner else train)(
-            scenario)  # fmt: skip
+        result = probe.train_probed(
+            scenario, train_with_receivers_skipping_the_last_owner if skip_last_owner else train)
     assert counts["ordered"] > 0, "no grad sync was summed in rank order"
     return result
 
@@ -487,17 +507,20 @@ def _four_rank_layouts_equal_plain_muon(
     """``base`` (plain Muon) on 4 ranks split by ``parallel`` into two shards (TP or EP): the
     ranks of one shard agree and the shards differ; layer-wise padded and compact (each
     ``overlaps`` setting) train to the same bits; the skipped-segment control diverges. With
-    ``rank_order`` every run sums its grad syncs in rank order."""
+    ``rank_order`` every run sums its grad syncs in rank order. Every run is probed: the
+    compact ones' grad syncs were owner reduces, plain Muon's and the padded layout's issued no
+    reduce."""
 
     def run(scenario: Scenario, skip_last_owner: bool = False) -> list[dict]:
         if rank_order:
             fn, args = train_summing_grad_syncs_in_rank_order, (scenario, skip_last_owner)
         else:
-            fn = train_with_receivers_skipping_the_last_owner if skip_last_owner else train
-            args = (scenario,)
+            mutation = train_with_receivers_skipping_the_last_owner if skip_last_owner else train
+            fn, args = probe.train_probed, (scenario, mutation)
         return run_on_ranks(fn, *args, world_size=4, parallel=parallel, boot=boot_for(scenario))
 
     reference = run(base)
+    probe.assert_no_reduce(reference, "plain Muon")
     digests = [r["digest"] for r in reference]
     assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1]
     compact = base.with_(distribution="layerwise_compact", plugin=True)
@@ -506,6 +529,10 @@ def _four_rank_layouts_equal_plain_muon(
     for scenario in layouts:
         result = run(scenario)
         assert result[0]["layer_wise"], scenario
+        if probe.owner_reduced(scenario):
+            probe.assert_reduced_to_owners(result, f"{scenario}")
+        else:
+            probe.assert_no_reduce(result, f"{scenario}")
         _same_losses_and_weights(reference, result)
     mutated = run(compact, skip_last_owner=True)
     assert_diverges(reference, mutated, compare=_same_losses_and_weights)

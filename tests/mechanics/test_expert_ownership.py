@@ -3,6 +3,9 @@
 The layout arithmetic (pure functions) and, on CPU gloo ranks, the training parity it must keep:
 with ``grouped_weight_ownership="expert"`` the experts of one grouped weight are owned by
 different ranks, and training is bitwise what discrete expert weights (and whole ownership) give.
+Every run of a parity syncs its Muon gradients by the compact layout's owner reduce, probed for
+what its ranks issued (``tests/support/owner_reduce_probe.py``; an expert run's gradient is
+reduced to its owner's rank in the expert-data-parallel group).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
 from nemo_lw_fp8.layout import packing as layout
+from tests.support import owner_reduce_probe as probe
 
 # --------------------------------------------------------------------------- layout arithmetic
 
@@ -112,16 +116,25 @@ def _base():
 
 
 def _run(scenario, world_size=2, parallel=None, fn=None):
+    """``fn(scenario)`` on the ranks; by default ``train``, probed for what its grad syncs issued
+    (:func:`_owner_reduced` reads it)."""
     from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
-    from tests.support.training import train
 
     return run_on_ranks(
-        fn or train,
+        fn or probe.train_probed,
         scenario,
         world_size=world_size,
         boot=BootOptions(fp8_emulation=True),
         parallel=parallel or ParallelSpec(),
     )
+
+
+def _owner_reduced(**runs) -> None:
+    """Each of ``runs`` (label -> results of a probed :func:`_run`) synced its Muon gradients,
+    the experts' included, by the owner reduce: reduces to the planned owners, no all-reduce of
+    a Muon gradient, every element once per step."""
+    for label, results in runs.items():
+        probe.assert_reduced_to_owners(results, label)
 
 
 def _expert_owners(results, name=GROUPED):
@@ -145,6 +158,7 @@ def test_expert_ownership_equals_discrete(precision):
     # The experts of one grouped weight really are owned by both ranks.
     assert sorted(set(_expert_owners(split).values())) == [0, 1]
     assert sorted(_expert_owners(split)) == [0, 1, 2, 3]
+    _owner_reduced(discrete=discrete, split=split)
     assert_same_training(discrete, split)
 
 
@@ -163,6 +177,7 @@ def test_expert_ownership_overlap_eval_equals_discrete():
     )
     split = _run(runs)
     assert len(split[0]["eval_losses"]) == 1
+    _owner_reduced(discrete=discrete, split=split)
     assert_same_training(discrete, split)
 
 
@@ -230,6 +245,7 @@ def test_expert_parallel_grouped_weights_equal_discrete():
     ep2 = ParallelSpec(ep=2)
     discrete = _run(scenario, world_size=4, parallel=ep2)
     assert discrete[0]["digest"] != discrete[1]["digest"]
+    _owner_reduced(discrete=discrete)
     for ownership in ("whole", "expert"):
         single = _run(
             scenario.with_(single_grouped_weight=True, grouped_weight_ownership=ownership),
@@ -238,6 +254,7 @@ def test_expert_parallel_grouped_weights_equal_discrete():
         )
         if ownership == "expert":
             assert _expert_owners(single), "expert runs were not used"
+        _owner_reduced(**{ownership: single})
         # Ranks 0, 2 hold EP rank 0's experts, ranks 1, 3 EP rank 1's.
         assert_same_training(discrete, single, replicas=[[0, 2], [1, 3]])
 
@@ -273,6 +290,7 @@ def test_auto_keeps_balanced_grouped_weights_whole():
     whole = _run(scenario)
     auto = _run(scenario.with_(grouped_weight_ownership="auto"))
     assert _expert_owners(auto) == {} and any(GROUPED in r["masters"] for r in auto)
+    _owner_reduced(whole=whole, auto=auto)
     assert_same_training(whole, auto)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support import owner_reduce_probe as probe
 from tests.support.fp8_mlp import FP8_BOOT, MUON_FP8_MLP, skip_module_without_te
 from tests.support.harness import RankFailure, run_on_ranks
 from tests.support.mutations import switched_off, train_with_step_off
@@ -30,7 +31,10 @@ BASE = MUON_FP8_MLP
 
 
 def run(scenario: Scenario, world_size: int = 2) -> list[dict]:
-    return run_on_ranks(train, scenario, world_size=world_size, boot=FP8)
+    """``train(scenario)``; on the compact layout probed for what its grad syncs issued
+    (``tests/support/owner_reduce_probe.py``)."""
+    fn = probe.train_probed if probe.owner_reduced(scenario) else train
+    return run_on_ranks(fn, scenario, world_size=world_size, boot=FP8)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -74,7 +78,8 @@ def test_train_eval_train_equals_train_train(overlap):
 def test_eval_with_pre_hooks_on_equals_off(distribution):
     """megatron-training's and Bridge's loops evaluate a layer-wise run with the pre-hooks on (no
     forced sync, no zero_grad_buffer): the first eval forward must still gather the last step's
-    params, Adam's included, not what the grad buffer holds."""
+    params, Adam's included, not what the grad buffer holds. On the compact layout both runs'
+    grad syncs were owner reduces (the probe)."""
     scenario = BASE.with_(
         distribution=distribution,
         overlap=True,
@@ -84,6 +89,9 @@ def test_eval_with_pre_hooks_on_equals_off(distribution):
     )
     off = run(scenario)
     on = run(scenario.with_(fp8_param_gather=True))
+    if probe.owner_reduced(scenario):
+        probe.assert_reduced_to_owners(off, "gather off")
+        probe.assert_reduced_to_owners(on, "gather on")
     assert_bitwise(off, on)
 
 

@@ -183,6 +183,63 @@ def assert_all_reduced(results: list[dict], label: str = "") -> None:
         assert seen["muon_all_reduces"] >= seen["syncs"] > 0, where
 
 
+def assert_no_reduce(results: list[dict], label: str = "") -> None:
+    """A reference the owner-reduced runs are compared with that has no compact bucket (plain
+    Muon, megatron's padded layer-wise layout) issued no reduce at all in its grad syncs."""
+    for rank, result in enumerate(results):
+        seen = result["grad_sync"]
+        where = f"{label} rank {rank}: {seen}"
+        assert seen["syncs"] > 0 and seen["buckets"] == 0, where
+        assert seen["reduces"] == 0 and seen["elsewhere"] == 0, where
+
+
+# --------------------------------------------------------------------------- on a test's run
+
+
+def owner_reduced(scenario: Any) -> bool:
+    """Whether a ``tests.support.scenarios.Scenario`` syncs its Muon gradients by the owner
+    reduce: the compact layout, ``grad_sync`` left at its default or set to it."""
+    return scenario.distribution == "layerwise_compact" and scenario.grad_sync in (
+        None, "reduce_to_owner")  # fmt: skip
+
+
+def train_probed(scenario: Any, run: Any = None, *args: Any) -> dict:
+    """``run(scenario, *args)`` (``tests.support.training.train``, or a test's variant of it
+    that builds through ``training.wrap_and_build_optimizer``) with what this rank's grad syncs
+    issued in ``result["grad_sync"]`` (:meth:`GradSyncLog.verdict`, one sync per optimizer
+    step): the probe on a run a test makes anyway. The probe opens when the optimizer is built
+    and closes after ``run`` returns: a stand-in for ``torch.distributed``'s reduce, all-reduce
+    or megatron's reduce-scatter that should be seen must be opened around this call, not
+    inside ``run`` (closed first, it would be put back by the probe's own undo)."""
+    from tests.support import training
+
+    build = training.wrap_and_build_optimizer
+    found: dict = {}
+    steps: list[int] = []
+
+    with contextlib.ExitStack() as stack:
+
+        def probed(module, config, built_scenario):
+            model, optimizer = build(module, config, built_scenario)
+            found["log"] = stack.enter_context(issued_grad_syncs(model))
+            step = optimizer.step
+
+            def counted_step(*step_args, **step_kwargs):
+                steps.append(1)
+                return step(*step_args, **step_kwargs)
+
+            optimizer.step = counted_step
+            return model, optimizer
+
+        mp = stack.enter_context(pytest.MonkeyPatch.context())
+        mp.setattr(training, "wrap_and_build_optimizer", probed)
+        result = (run or training.train)(scenario, *args)
+    if "log" not in found:
+        raise RuntimeError("train_probed: the run built no optimizer through the probe")
+    result["grad_sync"] = found["log"].verdict(syncs=len(steps))
+    return result
+
+
 # --------------------------------------------------------------------------- gloo vs rank order
 
 
