@@ -37,6 +37,15 @@ class OptimizerState:
     pieces: dict[torch.Tensor, list[torch.Tensor]] = field(default_factory=dict)
     #: Compact layout: piece -> the data-parallel rank that owns it.
     owner_of: dict[torch.Tensor, int] = field(default_factory=dict)
+    #: True once the masters of quantized weights follow model loads (the load hooks and the
+    #: ``reload_model_params`` wrapper of :mod:`nemo_lw_fp8.mechanics.pretrained_load` are in
+    #: place).
+    follows_model_loads: bool = False
+    #: id of a quantized model weight -> the high-precision value a model load just quantized
+    #: into it (its nominal dtype), kept until the masters are rebuilt. Keyed by id, not on the
+    #: weight: a load may ``swap_tensors`` the weight, which moves its ``__dict__`` away and
+    #: refuses weights that have weak references.
+    loaded_values: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass

@@ -21,7 +21,9 @@ follow one parameter through a step without reading the wiring:
 * :mod:`.grouped_checkpoint` single grouped weights and runs of their experts in ``torch_dist``;
 * :mod:`.qkv_parts`     the Q, K or V rows of a fused QKV weight as an optimizer parameter, and
                         their ``torch_dist`` entries;
-* :mod:`.lifecycle`     the steps features add around the layer-wise optimizer's ``__init__``.
+* :mod:`.lifecycle`     the steps features add around the layer-wise optimizer's ``__init__``;
+* :mod:`.pretrained_load` a model-only load (``checkpoint.pretrained_checkpoint``) into FP8 / FP4
+                        weights: the masters start from the checkpoint's values.
 
 Functions here are called through their module (``staging.stage_owned_masters(...)``), so a
 test can replace one with ``monkeypatch`` and show what breaks without it. Per-object state is

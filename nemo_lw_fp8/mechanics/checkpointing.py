@@ -75,10 +75,13 @@ def save_needs_param_sync(cfg: Any) -> bool:
 
 @dataclasses.dataclass
 class _Load:
-    """A checkpoint load in progress: the run's config, and the iteration directory once
-    Bridge has read its ``run_config.yaml`` (:func:`check_loadable`)."""
+    """A checkpoint load in progress: the run's config, whether it reads the model's weights
+    only (``checkpoint.pretrained_checkpoint``: Bridge's fine-tune load, no optimizer state),
+    and the iteration directory once Bridge has read its ``run_config.yaml``
+    (:func:`check_loadable`)."""
 
     cfg: Any
+    model_only: bool = False
     iteration_dir: str | None = None
 
 
@@ -87,9 +90,15 @@ _LOADING_INTO: contextvars.ContextVar[_Load | None] = contextvars.ContextVar(
 )
 
 
-def loading_into(cfg: Any) -> contextlib.AbstractContextManager[None]:
-    """While Bridge loads a checkpoint into the run configured by ``cfg``."""
-    return _holding(_LOADING_INTO, _Load(cfg))
+def loading_into(cfg: Any, load_dir: str | None = None) -> contextlib.AbstractContextManager[None]:
+    """While Bridge loads a checkpoint from ``load_dir`` into the run configured by ``cfg``. A
+    load of ``checkpoint.pretrained_checkpoint`` (Bridge falls back to it when
+    ``checkpoint.load`` holds none, and marks the load ``finetune``) reads the model only."""
+    checkpoint = getattr(cfg, "checkpoint", None)
+    pretrained = getattr(checkpoint, "pretrained_checkpoint", None)
+    model_only = load_dir is not None and load_dir == pretrained
+    model_only = model_only or bool(getattr(checkpoint, "finetune", False))
+    return _holding(_LOADING_INTO, _Load(cfg, model_only))
 
 
 def loading_dir() -> str | None:
@@ -100,10 +109,12 @@ def loading_dir() -> str | None:
 
 
 def _current_fields(cfg: Any) -> dict[str, dict[str, Any]]:
+    """This run's values of the fields the checkpoint rules compare (and ``moe_layer_freq``,
+    which says whether ``ffn_hidden_size`` shapes any weight)."""
     from nemo_lw_fp8.rules import CHECKPOINT_FIXED_FIELDS
 
     current: dict[str, dict[str, Any]] = {}
-    for section, name in CHECKPOINT_FIXED_FIELDS:
+    for section, name in (*CHECKPOINT_FIXED_FIELDS, ("model", "moe_layer_freq")):
         current.setdefault(section, {})[name] = getattr(getattr(cfg, section), name, None)
     return current
 
@@ -158,6 +169,7 @@ def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
         checkpoint_missing_files,
         checkpoint_tp_resplit,
         checkpoint_truncated_files,
+        pretrained_checkpoint_mismatch,
     )
 
     load = _LOADING_INTO.get()
@@ -166,9 +178,14 @@ def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
     cfg = load.cfg
     iteration_dir = os.path.dirname(run_config_file)
     load.iteration_dir = iteration_dir
-    message = checkpoint_mismatch(run_config, _current_fields(cfg), iteration_dir)
-    if message:
-        raise ConfigError("checkpoint-mismatch", message)
+    if load.model_only:
+        message = pretrained_checkpoint_mismatch(run_config, _current_fields(cfg), iteration_dir)
+        if message:
+            raise ConfigError("pretrained-checkpoint-mismatch", message)
+    else:
+        message = checkpoint_mismatch(run_config, _current_fields(cfg), iteration_dir)
+        if message:
+            raise ConfigError("checkpoint-mismatch", message)
     if getattr(cfg.checkpoint, "ckpt_format", "torch_dist") == "torch_dist":
         message = checkpoint_missing_files(missing_files(iteration_dir), iteration_dir)
         if message:
@@ -176,6 +193,8 @@ def check_loadable(run_config: dict[str, Any], run_config_file: str) -> None:
         message = checkpoint_truncated_files(truncated_files(iteration_dir), iteration_dir)
         if message:
             raise ConfigError("checkpoint-truncated-shard", message)
+        if load.model_only:
+            return  # no optimizer state is read: its buckets may be cut any way
         saved = run_config.get("checkpoint") or {}
         buckets = saved_optimizer_buckets(iteration_dir)
         message = checkpoint_bucket_resplit(

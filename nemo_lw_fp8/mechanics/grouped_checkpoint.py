@@ -119,6 +119,14 @@ def _build(layout: GroupedLayout, lo: int, hi: int, key, data, replica_id, flatt
     return out
 
 
+def _build_plain(layout: GroupedLayout, lo: int, hi: int, key, data, replica_id, flattened_range):
+    """:func:`_build` over a plain copy of the experts (their values dequantized): a load then
+    reads the checkpoint's values into plain tensors instead of quantizing them into the weight
+    (:func:`plain_for_loading`)."""
+    plain = torch.stack([_dequantized(expert) for expert in _expert_tensors(data, hi - lo)])
+    return _build(layout, lo, hi, key, plain, replica_id, flattened_range)
+
+
 def _merge(layout: GroupedLayout, loaded: dict) -> torch.Tensor:
     from megatron.core.transformer.mlp import cat_with_oom_fallback
 
@@ -152,6 +160,19 @@ def _experts_of(entry: Any) -> tuple[GroupedLayout, int, int] | None:
     if isinstance(build, functools.partial) and build.func is _build:
         return build.args  # type: ignore[return-value]
     return None
+
+
+def is_grouped_factory(entry: Any) -> bool:
+    """Whether ``entry`` is a grouped weight's entry made by :func:`factory`."""
+    return _experts_of(entry) is not None
+
+
+def plain_for_loading(entry: Any) -> None:
+    """Make a grouped weight's entry (of :func:`factory`) load into plain tensors, so the merged
+    value the model's load receives holds the checkpoint's values whatever the weight's storage
+    (a model-only load, :func:`nemo_lw_fp8.mechanics.pretrained_load.keep_precision`)."""
+    layout, lo, hi = _experts_of(entry)  # type: ignore[misc]
+    entry.build_fn = functools.partial(_build_plain, layout, lo, hi)
 
 
 def narrow(whole: Any, data: Any, lo: int, hi: int) -> Any:

@@ -7,7 +7,10 @@ wrapper (``patches/layer_wise_init.py``) runs the steps that the applied feature
 :data:`AFTER_INIT` (each feature's patch adds its step as an ``Override`` on that table, so
 reverting the feature takes its step away). Steps run in the order of :data:`ORDER`, after the
 masters of TP-duplicated weights lose the partition dimension TE tagged them with
-(:mod:`.tp_duplicated`: Muon orthogonalizes them whole, as at TP 1).
+(:mod:`.tp_duplicated`: Muon orthogonalizes them whole, as at TP 1). Last, whatever the features,
+the masters of quantized weights are made to follow model-only loads
+(:func:`.pretrained_load.follow_model_loads`: a pretrained checkpoint loaded into FP8 / FP4
+weights).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nemo_lw_fp8.mechanics import tp_duplicated
+from nemo_lw_fp8.mechanics import pretrained_load, tp_duplicated
 from nemo_lw_fp8.state import optimizer_state
 
 
@@ -51,3 +54,4 @@ def build(original_init: Callable, optimizer: Any, *args: Any, model_chunks: Any
     tp_duplicated.unpartition_duplicated_masters(optimizer)
     for step in AFTER_INIT.steps(ORDER):
         step(optimizer)
+    pretrained_load.follow_model_loads(optimizer)

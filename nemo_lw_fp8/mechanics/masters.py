@@ -10,6 +10,9 @@ bitwise like FP8 param gather off:
   same), so the attribute is read where the masters are built;
 * the inner step does not re-quantize FP8 weights (the gather that follows writes them from the
   staged or shipped bf16 bytes anyway): :func:`skip_requantize_on_inner_step`.
+
+A model-only load after the optimizer is built (``checkpoint.pretrained_checkpoint``) has masters
+of its own: :mod:`.pretrained_load`.
 """
 
 from __future__ import annotations
@@ -168,3 +171,4 @@ def skip_requantize_on_inner_step(optimizer: Any) -> None:
                 expert_slices.release_copy(model_param)
             elif qkv_parts.is_part(model_param):
                 qkv_parts.release_copy(model_param)
+

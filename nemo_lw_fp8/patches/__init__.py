@@ -47,6 +47,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "bridge_checkpoint_compat",
     "bridge_checkpoint_rng",
     "layer_wise_load_rederive",
+    "pretrained_load_masters",
 )
 
 

@@ -34,7 +34,7 @@ _CHECKPOINTING = "megatron.bridge.training.checkpointing"
 
 def _make_load(original):
     def _load_checkpoint_from_path(load_dir: str, state: Any, *args: Any, **kwargs: Any) -> Any:
-        with checkpointing.loading_into(state.cfg):
+        with checkpointing.loading_into(state.cfg, load_dir):
             return original(load_dir, state, *args, **kwargs)
 
     _load_checkpoint_from_path.__wrapped__ = original  # type: ignore[attr-defined]

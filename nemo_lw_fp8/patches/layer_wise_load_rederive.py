@@ -22,7 +22,7 @@ fingerprint of each object it wraps; never decided by reading upstream's source.
 
 from __future__ import annotations
 
-from nemo_lw_fp8.mechanics import checkpointing, param_groups_load
+from nemo_lw_fp8.mechanics import checkpointing, param_groups_load, pretrained_load
 from nemo_lw_fp8.patches.framework import Override, Patch, register
 
 FEATURE = "layer_wise_load_rederive"
@@ -41,6 +41,9 @@ def _make_load_state_dict(original):
         param_groups_load.fold_to_live(state_dict)
         original(self, state_dict)
         checkpointing.rederive_weights_from_masters(self)
+        # The masters came from the optimizer's state: values the model's load kept for a
+        # model-only load (mechanics.pretrained_load) are not needed.
+        pretrained_load.forget_loaded_values(self)
 
     load_state_dict.__wrapped__ = original
     return load_state_dict

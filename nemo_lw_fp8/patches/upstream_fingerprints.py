@@ -103,6 +103,13 @@ _MEGATRON_CORE_0_19_0: dict[str, dict[str, object]] = {
                 'd4f120126cd64413',
         },
     },
+    'pretrained_load_masters': {
+        'verdict': 'patched',
+        'targets': {
+            'megatron.core.dist_checkpointing.load':
+                '693c7a352c6fc8ef',
+        },
+    },
     'restage_forced_sync': {
         'verdict': 'patched',
         'targets': {
@@ -326,6 +333,13 @@ FINGERPRINTS: dict[str, dict[str, dict[str, object]]] = {
                     '936523eb3fadf231',
                 'megatron.training.arguments.validate_args':
                     '695a28a3abd5a12d',
+            },
+        },
+        'pretrained_load_masters': {
+            'verdict': 'patched',
+            'targets': {
+                'megatron.core.dist_checkpointing.load':
+                    '129d0dbf467e0026',
             },
         },
         'restage_forced_sync': {

@@ -36,6 +36,9 @@ from nemo_lw_fp8.rules.checkpoint import checkpoint_mismatch as checkpoint_misma
 from nemo_lw_fp8.rules.checkpoint import checkpoint_missing_files as checkpoint_missing_files
 from nemo_lw_fp8.rules.checkpoint import checkpoint_tp_resplit as checkpoint_tp_resplit
 from nemo_lw_fp8.rules.checkpoint import checkpoint_truncated_files as checkpoint_truncated_files
+from nemo_lw_fp8.rules.checkpoint import (
+    pretrained_checkpoint_mismatch as pretrained_checkpoint_mismatch,
+)
 from nemo_lw_fp8.rules.fp8 import LAYER_WISE_FP8_GATHER_RECIPES as LAYER_WISE_FP8_GATHER_RECIPES
 from nemo_lw_fp8.rules.fp8 import RULES as FP8_RULES
 from nemo_lw_fp8.rules.fp8 import blockwise_reuse_message as blockwise_reuse_message

@@ -2,8 +2,10 @@
 
 A checkpoint another run wrote (read from its Bridge ``run_config.yaml`` and its DCP metadata) is
 refused before anything of it is loaded into the model or the optimizer: ``checkpoint-mismatch``
-(:func:`checkpoint_mismatch`), ``checkpoint-missing-shard`` (:func:`checkpoint_missing_files`),
-``checkpoint-truncated-shard``, ``checkpoint-bucket-resplit``
+(:func:`checkpoint_mismatch`; for a model-only load of ``checkpoint.pretrained_checkpoint``, whose
+FP8 recipe and optimizer are this run's own, ``pretrained-checkpoint-mismatch``:
+:func:`pretrained_checkpoint_mismatch`, the weight shapes only), ``checkpoint-missing-shard``
+(:func:`checkpoint_missing_files`), ``checkpoint-truncated-shard``, ``checkpoint-bucket-resplit``
 (:func:`checkpoint_bucket_resplit`) and ``checkpoint-tp-resplit`` (:func:`checkpoint_tp_resplit`),
 checked by :mod:`nemo_lw_fp8.mechanics.checkpointing`.
 They read a saved config and files, not the :class:`~nemo_lw_fp8.rules.Settings` the other
@@ -49,6 +51,73 @@ def checkpoint_mismatch(saved: dict[str, Any], current: dict[str, Any], where: s
         + "; ".join(differences)
         + ". Fix: point checkpoint.load at a checkpoint of this recipe, or set these back; "
         "to start this run from scratch, drop checkpoint.load. Nothing was loaded."
+    )
+
+
+#: The model fields a model-only load (``checkpoint.pretrained_checkpoint``) needs equal: the
+#: shapes of the weights it reads. The FP8 / FP4 recipe and the optimizer are this run's own: the
+#: weights are read as values and quantized here, and no optimizer state is read.
+PRETRAINED_SHAPE_FIELDS: tuple[str, ...] = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "kv_channels", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "num_moe_experts",
+    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "mtp_num_layers",
+    "vocab_size", "experimental_attention_variant",
+)  # fmt: skip
+
+
+def _has_dense_layers(model: dict[str, Any]) -> bool:
+    """Whether some decoder layer of ``model`` has a dense MLP (one ``ffn_hidden_size`` wide):
+    every layer without experts, and with them the layers ``moe_layer_freq`` leaves dense."""
+    if not model.get("num_moe_experts"):
+        return True
+    frequency = model.get("moe_layer_freq", 1)
+    if isinstance(frequency, int):
+        return frequency > 1
+    return 0 in list(frequency or [1])
+
+
+def _effective_shapes(model: dict[str, Any]) -> dict[str, Any]:
+    """The shape fields megatron derives when they are unset, derived (a config that leaves
+    ``kv_channels`` unset and one that writes it out describe the same weights)."""
+    shapes = {name: model.get(name) for name in PRETRAINED_SHAPE_FIELDS}
+    heads = shapes["num_attention_heads"]
+    if shapes["kv_channels"] is None and heads and shapes["hidden_size"]:
+        shapes["kv_channels"] = shapes["hidden_size"] // heads
+    if shapes["num_query_groups"] is None:
+        shapes["num_query_groups"] = heads
+    if shapes["moe_ffn_hidden_size"] is None and shapes["num_moe_experts"]:
+        shapes["moe_ffn_hidden_size"] = shapes["ffn_hidden_size"]
+    for flag in ("multi_latent_attention",):
+        shapes[flag] = bool(shapes[flag])
+    for count in ("mtp_num_layers",):
+        shapes[count] = shapes[count] or 0
+    return shapes
+
+
+def pretrained_checkpoint_mismatch(
+    saved: dict[str, Any], current: dict[str, Any], where: str
+) -> str | None:
+    """Rule ``pretrained-checkpoint-mismatch``: the weight shapes that differ between a
+    checkpoint loaded as ``checkpoint.pretrained_checkpoint`` and this run (both as
+    ``{section: {field: value}}``). ``ffn_hidden_size`` counts only when this run has a dense
+    MLP layer."""
+    old = _effective_shapes(saved.get("model") or {})
+    new = _effective_shapes(current.get("model") or {})
+    if not _has_dense_layers(current.get("model") or {}):
+        old.pop("ffn_hidden_size"), new.pop("ffn_hidden_size")
+    differences = [
+        f"model.{name}: {old[name]!r} in the checkpoint, {new[name]!r} here"
+        for name in old
+        if old[name] != new[name]
+    ]
+    if not differences:
+        return None
+    return (
+        f"the checkpoint {where} (checkpoint.pretrained_checkpoint) holds weights of other "
+        "shapes than this model's: " + "; ".join(differences) + ". Fix: point "
+        "checkpoint.pretrained_checkpoint at a checkpoint of this model (for a Hugging Face "
+        "one: nemo-lw-fp8 hf-import HF_DIR OUT --recipe <this recipe>), or set these back. "
+        "Nothing was loaded."
     )
 
 
@@ -143,6 +212,7 @@ def checkpoint_tp_resplit(
 
 CHECKPOINT_RULES: tuple[tuple[str, str], ...] = (
     ("checkpoint-mismatch", "a resume keeps the model's shapes, FP8 recipe and optimizer"),
+    ("pretrained-checkpoint-mismatch", "a pretrained checkpoint has the model's weight shapes"),
     ("checkpoint-missing-shard", "every file the checkpoint's metadata lists is there"),
     ("checkpoint-truncated-shard", "every file is as long as the checkpoint's metadata says"),
     ("checkpoint-bucket-resplit", "a dp_reshardable resume keeps the saved optimizer buckets"),
@@ -156,6 +226,12 @@ CHECKPOINT_MESSAGES: dict[str, tuple[tuple[str, ...], str]] = {
         ("<section>.<field>: <saved> in the checkpoint, <this run's> here", "checkpoint.load"),
         "point checkpoint.load at a checkpoint of this recipe, or set these back; to start this "
         "run from scratch, drop checkpoint.load",
+    ),
+    "pretrained-checkpoint-mismatch": (
+        ("model.<field>: <saved> in the checkpoint, <this run's> here",
+         "checkpoint.pretrained_checkpoint"),
+        "point checkpoint.pretrained_checkpoint at a checkpoint of this model (for a Hugging Face "
+        "one: nemo-lw-fp8 hf-import HF_DIR OUT --recipe <this recipe>), or set these back",
     ),
     "checkpoint-missing-shard": (
         ("the checkpoint <iteration directory>", "checkpoint.ckpt_step=N"),

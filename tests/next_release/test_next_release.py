@@ -99,7 +99,7 @@ print("RESULT" + json.dumps({"rows": rows, "modules": list(PATCH_MODULES)}))
 def test_every_patch_is_recorded_for_the_next_release():
     """Supported the way a release is: every patch has this pair's record (its fingerprints,
     not the version number, admit it), so ``doctor`` (the verdict ``apply()`` acts on) says
-    ``patched ... recorded over`` the pair for all 15, with no override and no changed
+    ``patched ... recorded over`` the pair for all 16, with no override and no changed
     object."""
     found = _script_result(_VERDICTS)
     assert [row["patch"] for row in found["rows"]] == found["modules"]

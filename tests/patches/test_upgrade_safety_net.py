@@ -4,7 +4,7 @@ is refused, naming the changed object, and ``doctor`` shows the verdict ``apply(
 Each scenario runs in a fresh interpreter (it changes megatron's or Bridge's code before
 ``apply()``), side by side (:mod:`tests.support.side_by_side`), with the override variable
 removed. Every scenario prints, per patch, ``doctor``'s status and what ``apply([patch])`` did,
-so the test compares the two for all 15 patches, not only the changed one. The scenario without
+so the test compares the two for all 16 patches, not only the changed one. The scenario without
 a change is the control: every patch is ``patched`` there.
 """
 
@@ -184,7 +184,7 @@ def reports(tmp_path_factory) -> dict[str, dict[str, list]]:
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_a_changed_object_is_refused_by_name_and_doctor_says_what_apply_does(reports, scenario):
     """The changed patch is refused, naming the object (or the version); every other patch is
-    patched; ``doctor``'s status equals ``apply()``'s outcome for all 15."""
+    patched; ``doctor``'s status equals ``apply()``'s outcome for all 16."""
     report = reports[scenario]
     assert set(report) == set(PATCH_MODULES)
     refused = with_dependents(EXPECTED[scenario])

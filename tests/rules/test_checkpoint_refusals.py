@@ -1,6 +1,7 @@
 """A checkpoint the run cannot resume from is refused before anything is loaded, with the
-difference and the fix (rules ``checkpoint-mismatch``, ``checkpoint-missing-shard`` and
-``checkpoint-truncated-shard``, patch ``bridge_checkpoint_compat``)."""
+difference and the fix (rules ``checkpoint-mismatch``, ``pretrained-checkpoint-mismatch``,
+``checkpoint-missing-shard`` and ``checkpoint-truncated-shard``, patch
+``bridge_checkpoint_compat``)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,48 @@ def test_an_nvfp4_checkpoint_is_refused_by_a_run_of_another_precision():
     message = guards.checkpoint_mismatch(NVFP4_SAVED, fewer_bf16, "ck/iter_2")
     assert message is not None and "num_layers_at_end_in_bf16: 1" in message
     assert "model.fp4:" not in message
+
+
+#: A Hugging Face import's run config (bf16, Adam) and a run of the same model (MXFP8, Muon),
+#: every layer an MoE layer.
+IMPORTED = {
+    "model": {"num_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
+              "num_query_groups": None, "kv_channels": None, "num_moe_experts": 8,
+              "moe_ffn_hidden_size": 64, "ffn_hidden_size": 512, "fp8": None,
+              "fp8_recipe": None},
+    "optimizer": {"optimizer": "adam"},
+}  # fmt: skip
+RUN = {
+    "model": {**IMPORTED["model"], "num_query_groups": 4, "kv_channels": 32,
+              "ffn_hidden_size": 256, "moe_layer_freq": 1, "fp8": "e4m3",
+              "fp8_recipe": "mxfp8"},
+    "optimizer": {"optimizer": "dist_muon"},
+}  # fmt: skip
+
+
+def test_a_pretrained_checkpoint_is_compared_by_its_weight_shapes_only():
+    """FP8 recipe, optimizer, an ``ffn_hidden_size`` no layer uses and fields megatron derives
+    (``kv_channels``, ``num_query_groups``) written out on one side only: none is a difference
+    for a model-only load; the same pair is one for a resume."""
+    assert guards.pretrained_checkpoint_mismatch(IMPORTED, RUN, "hf/iter_0") is None
+    assert guards.checkpoint_mismatch(IMPORTED, RUN, "hf/iter_0") is not None
+
+
+def test_a_pretrained_checkpoint_of_other_shapes_is_refused_naming_pretrained_checkpoint():
+    other = {**RUN, "model": {**RUN["model"], "moe_ffn_hidden_size": 32, "kv_channels": 16}}
+    message = guards.pretrained_checkpoint_mismatch(IMPORTED, other, "hf/iter_0")
+    assert "model.moe_ffn_hidden_size: 64 in the checkpoint, 32 here" in message
+    assert "model.kv_channels: 32 in the checkpoint, 16 here" in message
+    assert "checkpoint.pretrained_checkpoint" in message and "checkpoint.load" not in message
+    assert "model.fp8" not in message and "optimizer" not in message
+
+
+def test_a_dense_layer_makes_ffn_hidden_size_count():
+    """Control of the ``ffn_hidden_size`` exception: with a dense first layer
+    (``moe_layer_freq=[0, 1]``) the width shapes a weight, and differs."""
+    dense_first = {**RUN, "model": {**RUN["model"], "moe_layer_freq": [0, 1]}}
+    message = guards.pretrained_checkpoint_mismatch(IMPORTED, dense_first, "hf/iter_0")
+    assert "model.ffn_hidden_size: 512 in the checkpoint, 256 here" in (message or "")
 
 
 def test_missing_files_are_listed(tmp_path):

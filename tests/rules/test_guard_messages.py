@@ -83,6 +83,8 @@ def test_the_message_names_the_flags_and_the_fix(case, settings, rule):
 CHECKPOINT_CASES = [
     ("checkpoint-mismatch", lambda: guards.checkpoint_mismatch(
         {"model": {"num_layers": 3}}, {"model": {"num_layers": 4}}, "ck/iter_2")),
+    ("pretrained-checkpoint-mismatch", lambda: guards.pretrained_checkpoint_mismatch(
+        {"model": {"hidden_size": 64}}, {"model": {"hidden_size": 128}}, "hf/iter_0")),
     ("checkpoint-missing-shard", lambda: guards.checkpoint_missing_files(
         ["__0_0.distcp"], "ck/iter_2")),
     ("checkpoint-truncated-shard", lambda: guards.checkpoint_truncated_files(

@@ -182,6 +182,13 @@ def install_mutation(mutation: str) -> None:
         import nemo_lw_fp8.mechanics.tp_duplicated as tp_duplicated
 
         tp_duplicated.unpartition_duplicated_masters = lambda optimizer: []
+    elif mutation == "masters_from_loaded_fp8":
+        # A model-only load (checkpoint.pretrained_checkpoint) leaves the masters of FP8 weights
+        # to megatron's reload_model_params, which copies the weights the load just quantized
+        # (the behaviour before issue 46).
+        import nemo_lw_fp8.mechanics.pretrained_load as pretrained_load
+
+        pretrained_load.follow_model_loads = lambda optimizer: None
     elif mutation:
         raise SystemExit(f"unknown mutation {mutation!r}")
 
