@@ -207,6 +207,16 @@ def uses_plugin(cfg: Any) -> bool:
     return isinstance(getattr(cfg, "optimizer", None), LayerWiseMuonConfig)
 
 
+def is_hf_directory(path: str | None) -> bool:
+    """Whether ``path`` is a Hugging Face model directory (what Bridge's
+    ``is_hf_checkpoint_dir`` loads through its name mapping): a ``config.json`` beside
+    safetensors or ``pytorch_model`` weight files."""
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return False
+    names = os.listdir(path)
+    return any(n.endswith(".safetensors") or n.startswith("pytorch_model") for n in names)
+
+
 def settings_from_config(cfg: Any) -> Any:
     """The guards' flat view of a Bridge ``ConfigContainer`` (model, ddp, optimizer, precision)."""
     from nemo_lw_fp8 import rules as guards
@@ -237,6 +247,8 @@ def settings_from_config(cfg: Any) -> Any:
     values["ddp_overlap_param_gather"] = bool(getattr(cfg.ddp, "overlap_param_gather", False))
     # TE's switch: Bridge exports cfg.env_vars before it builds (values already in the process
     # environment win), so the rule sees what the model build will see.
+    pretrained = getattr(getattr(cfg, "checkpoint", None), "pretrained_checkpoint", None)
+    values["pretrained_checkpoint_is_hf"] = is_hf_directory(pretrained)
     switch = SINGLE_GROUPED_WEIGHT_ENV
     if switch not in os.environ and switch in getattr(cfg, "env_vars", {}):
         values["grouped_linear_single_param"] = str(cfg.env_vars[switch]) == "1"

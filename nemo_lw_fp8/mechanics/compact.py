@@ -290,6 +290,10 @@ def shard(
         from nemo_lw_fp8.rules import ConfigError, qkv_split_blockwise_message
 
         raise ConfigError("qkv-split-blockwise", qkv_split_blockwise_message())
+    if qkv_ownership == "split" and _nvfp4_primary(record.model_chunks or []):
+        from nemo_lw_fp8.rules import ConfigError, qkv_split_nvfp4_message
+
+        raise ConfigError("qkv-split-nvfp4", qkv_split_nvfp4_message())
     split = layout_math.resolve_qkv_ownership(qkv_ownership, "compact", blockwise) == "split"
     split_qkv = _muon_splits_qkv(optimizers) if split else frozenset()
     per_rank: dict[int, list[list[torch.nn.Parameter]]] = {}
@@ -325,6 +329,12 @@ def _blockwise_fp8(model_chunks: list[Any]) -> bool:
     whether or not the run gathers FP8 weights, so FP8 param gather on and off own alike."""
     return any(getattr(getattr(c, "config", None), "fp8_recipe", None) == "blockwise"
                for c in model_chunks)  # fmt: skip
+
+
+def _nvfp4_primary(model_chunks: list[Any]) -> bool:
+    """Whether the model keeps NVFP4 primary weights (``fp4_param``): their owner quantizes the
+    whole matrix (one per-tensor amax), so fused QKV weights stay whole."""
+    return any(getattr(getattr(c, "config", None), "fp4_param", False) for c in model_chunks)
 
 
 def _muon_splits_qkv(optimizers: list[Any]) -> frozenset[int]:

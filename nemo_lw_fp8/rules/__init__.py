@@ -51,6 +51,7 @@ from nemo_lw_fp8.rules.grouped import _installed_te_version as _installed_te_ver
 from nemo_lw_fp8.rules.grouped import _version_tuple as _version_tuple
 from nemo_lw_fp8.rules.integration import INTEGRATION_RULES as _INTEGRATION_RULES
 from nemo_lw_fp8.rules.integration import qkv_split_blockwise_message as qkv_split_blockwise_message
+from nemo_lw_fp8.rules.integration import qkv_split_nvfp4_message as qkv_split_nvfp4_message
 from nemo_lw_fp8.rules.settings import ConfigError as ConfigError
 from nemo_lw_fp8.rules.settings import Rule as Rule
 from nemo_lw_fp8.rules.settings import Settings as Settings
@@ -68,6 +69,16 @@ SCOPE_RULES: tuple[Rule, ...] = (
          names=("checkpoint.ckpt_format", "--ckpt-format"),
          fix=f"set checkpoint.ckpt_format={scope_guards.TESTED_CKPT_FORMAT} "
          f"(--ckpt-format {scope_guards.TESTED_CKPT_FORMAT})"),
+    Rule("hf-pretrained-directory", "a Hugging Face checkpoint is imported before it is loaded",
+         scope_guards.hf_pretrained_route,
+         names=("checkpoint.pretrained_checkpoint", "Hugging Face directory"),
+         fix="convert it first, nemo-lw-fp8 hf-import HF_DIR OUT --recipe <this recipe>, and set "
+         "checkpoint.pretrained_checkpoint=OUT"),
+    Rule("hf-save-single-grouped", "single grouped weights are exported by hf-export",
+         scope_guards.hf_save_single_grouped,
+         names=("checkpoint.also_save_hf_checkpoint=true", "model.moe_single_grouped_weight"),
+         fix="set checkpoint.also_save_hf_checkpoint=false and export a saved run with "
+         "nemo-lw-fp8 hf-export RUN_DIR OUT"),
 )
 #: The rules of recipes, launchers and the plugin's own settings (their cases are in
 #: tests/rules/test_guard_catalogue.py; the others' in tests/rules/test_guards.py).

@@ -213,6 +213,24 @@ def _qkv_split_blockwise(s: Settings) -> str | None:
     return None
 
 
+def qkv_split_nvfp4_message() -> str:
+    """The refusal of an explicit ``qkv_ownership='split'`` on NVFP4 primary weights (also raised
+    by the compact layout when it finds them, mechanics/compact.py)."""
+    return (
+        "qkv_ownership='split' with NVFP4 primary weights (mixed_precision.fp4_param_gather): "
+        "an NVFP4 weight's owner quantizes the whole matrix with one per-tensor amax, which "
+        "spans the Q, K and V parts, so its parts cannot be owned apart and the setting would "
+        "be dropped. Fix: qkv_ownership='auto' (the default: whole for NVFP4 primary weights) or "
+        "'whole'."
+    )
+
+
+def _qkv_split_nvfp4(s: Settings) -> str | None:
+    if s.layer_wise and s.qkv_ownership == "split" and (s.fp4_param or s.fp4_param_gather):
+        return qkv_split_nvfp4_message()
+    return None
+
+
 def _split_ownership_needs_compact(s: Settings) -> str | None:
     split = s.grouped_weight_ownership in ("expert", "auto")
     if s.layer_wise and split and s.layer_wise_layout != "compact":
@@ -389,6 +407,10 @@ INTEGRATION_RULES: tuple[Rule, ...] = (
     Rule("qkv-split-blockwise", "blockwise FP8 QKV weights are owned whole",
          _qkv_split_blockwise,
          names=("qkv_ownership='split'", "--fp8-recipe blockwise"),
+         fix="qkv_ownership='auto' (<what>) or 'whole'"),
+    Rule("qkv-split-nvfp4", "NVFP4 primary QKV weights are owned whole",
+         _qkv_split_nvfp4,
+         names=("qkv_ownership='split'", "mixed_precision.fp4_param_gather"),
          fix="qkv_ownership='auto' (<what>) or 'whole'"),
     Rule("compact-only-grad-sync", "grad sync is a compact-layout setting",
          _compact_only_grad_sync,

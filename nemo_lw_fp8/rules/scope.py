@@ -40,3 +40,45 @@ def layer_wise_ckpt_format(s: Any) -> str | None:
             "(--ckpt-format torch_dist)."
         )
     return None
+
+
+def _quantized_weights(s: Any) -> bool:
+    """Whether the run keeps FP8 / FP4 weights (FP8 or FP4 param gather)."""
+    return bool(s.fp8_param_gather or s.fp4_param_gather or s.fp4_param)
+
+
+def hf_pretrained_route(s: Any) -> str | None:
+    """Rule ``hf-pretrained-directory``: a Hugging Face directory as the pretrained checkpoint of
+    a run with single grouped expert weights or FP8 / FP4 weights. Bridge converts it through
+    its name mapping, which has no entry for single grouped weights (measured on Bridge 0.6.2:
+    ``'NoneType' object has no attribute 'megatron_module'``) and copies values into quantized
+    weights outside a model load, so the fp32 masters would start from the quantized values
+    (``docs/checkpointing.md``)."""
+    if not s.pretrained_checkpoint_is_hf:
+        return None
+    why = []
+    if s.moe_single_grouped_weight:
+        why.append("has no mapping for single grouped expert weights")
+    if _quantized_weights(s):
+        why.append("writes FP8 / FP4 weights whose fp32 masters would start from the quantized "
+                   "values")
+    if not why:
+        return None
+    return (
+        "checkpoint.pretrained_checkpoint is a Hugging Face directory, and Bridge's conversion "
+        f"of it {' and '.join(why)}. Fix: convert it first, nemo-lw-fp8 hf-import HF_DIR OUT "
+        "--recipe <this recipe>, and set checkpoint.pretrained_checkpoint=OUT (docs/hf.md)."
+    )
+
+
+def hf_save_single_grouped(s: Any) -> str | None:
+    """Rule ``hf-save-single-grouped``: Bridge's Hugging Face copy at every save, with single
+    grouped expert weights (its name mapping has none for them: the save would stop)."""
+    if s.also_save_hf_checkpoint and s.moe_single_grouped_weight:
+        return (
+            "checkpoint.also_save_hf_checkpoint=true with single grouped expert weights "
+            "(model.moe_single_grouped_weight): Bridge's Hugging Face conversion has no mapping "
+            "for them, so the save would stop. Fix: set checkpoint.also_save_hf_checkpoint=false "
+            "and export a saved run with nemo-lw-fp8 hf-export RUN_DIR OUT (docs/hf.md)."
+        )
+    return None

@@ -113,6 +113,13 @@ class Settings:
     context_parallel_size: int = 1
     #: Bridge ``checkpoint.ckpt_format`` / ``--ckpt-format``; None: not known at this call site.
     ckpt_format: str | None = None
+    #: Bridge ``checkpoint.also_save_hf_checkpoint``: every save also writes a Hugging Face copy
+    #: through Bridge's name mapping.
+    also_save_hf_checkpoint: bool = False
+    #: Bridge ``checkpoint.pretrained_checkpoint`` is a Hugging Face directory, which Bridge
+    #: converts through its name mapping instead of a ``torch_dist`` load (read by
+    #: ``nemo_lw_fp8.bridge.settings_from_config``).
+    pretrained_checkpoint_is_hf: bool = False
     #: Where each value was read (``(field, "DistributedDataParallelConfig.fp8_param_gather")``
     #: pairs); a rule's message names the sources of the fields it read. Empty: not recorded.
     sources: tuple[tuple[str, str], ...] = ()

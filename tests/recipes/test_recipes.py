@@ -189,6 +189,8 @@ EXPECTED_RULES = {
     "expert-runs-padded": "grouped-weight-split-ownership-needs-compact",
     "context-parallel": "layer-wise-context-parallel",
     "torch-checkpoints": "layer-wise-checkpoint-format",
+    "hf-pretrained-directory": "hf-pretrained-directory",
+    "hf-copy-single-grouped": "hf-save-single-grouped",
     "nvfp4-tensor-parallel": "fp4-primary-weights-layer-wise",
     "nvfp4-expert-tensor-parallel": "fp4-primary-weights-layer-wise",
 }

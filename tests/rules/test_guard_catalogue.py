@@ -163,6 +163,14 @@ CASES: list[tuple[str, dict, str]] = [
      "layer-wise-checkpoint-format"),
     ("fsdp_dtensor checkpoints", EXPERT_RUNS | dict(ckpt_format="fsdp_dtensor"),
      "layer-wise-checkpoint-format"),
+    ("explicit split QKV with NVFP4 primary weights", NVFP4_PRIMARY | dict(
+        qkv_ownership="split"), "qkv-split-nvfp4"),
+    ("Hugging Face directory as the pretrained checkpoint, single grouped weights", GOOD | dict(
+        pretrained_checkpoint_is_hf=True), "hf-pretrained-directory"),
+    ("Hugging Face directory as the pretrained checkpoint, NVFP4 primary weights",
+     NVFP4_PRIMARY | dict(pretrained_checkpoint_is_hf=True), "hf-pretrained-directory"),
+    ("Hugging Face copy at every save, single grouped weights", GOOD | dict(
+        also_save_hf_checkpoint=True), "hf-save-single-grouped"),
 ]
 
 
@@ -175,6 +183,14 @@ def test_the_supported_combinations_pass(good):
     # The settings the scope rules read, at the values every test runs.
     tested = good | dict(context_parallel_size=1, ckpt_format="torch_dist")
     assert guards.violations(Settings(**tested)) == []
+
+
+def test_a_hugging_face_directory_loads_where_bridge_can_convert_it():
+    """Control of ``hf-pretrained-directory``: bf16 weights with discrete experts (no quantized
+    weight, no single grouped one) take Bridge's own Hugging Face route."""
+    bf16 = GOOD | dict(fp8=None, fp8_recipe=None, fp8_param_gather=False,
+                       reuse_grad_buf_for_mxfp8_param_ag=False, moe_single_grouped_weight=False)
+    assert guards.violations(Settings(**bf16 | dict(pretrained_checkpoint_is_hf=True))) == []
 
 
 @pytest.mark.parametrize(("case", "settings", "rule"), CASES, ids=[c[0] for c in CASES])

@@ -30,6 +30,16 @@ from nemo_lw_fp8.vocabulary import SINGLE_GROUPED_WEIGHT_ENV  # noqa: E402
 SWITCH = SINGLE_GROUPED_WEIGHT_ENV
 
 
+def _hf_directory() -> str:
+    """A directory Bridge takes for a Hugging Face model (``config.json`` beside a safetensors
+    file): the rule looks at its shape only, nothing is loaded."""
+    path = tempfile.mkdtemp(prefix="hf-dir-")
+    for name, text in (("config.json", "{}"), ("model.safetensors", "")):
+        with open(os.path.join(path, name), "w") as handle:
+            handle.write(text)
+    return path
+
+
 def guard_case(recipe: str, overrides: list[str]) -> str:
     """The rule a bad override combination trips in finalize ("" if none)."""
     try:
@@ -86,6 +96,9 @@ GUARD_CASES = {
         "optimizer.layer_wise_layout=padded", "optimizer.grouped_weight_ownership=expert"]),
     "context-parallel": ("tiny_deepseek_v3", ["model.context_parallel_size=2"]),
     "torch-checkpoints": ("tiny_deepseek_v3", ["checkpoint.ckpt_format=torch"]),
+    "hf-pretrained-directory": ("tiny_deepseek_v3", [
+        f"checkpoint.pretrained_checkpoint={_hf_directory()}"]),
+    "hf-copy-single-grouped": ("tiny_deepseek_v3", ["checkpoint.also_save_hf_checkpoint=true"]),
     # NVFP4 primary weights are verified at TP 1 and ETP 1 only (an owner would hold a shard).
     "nvfp4-tensor-parallel": ("deepseek_v3_nvfp4", ["model.tensor_model_parallel_size=2"]),
     "nvfp4-expert-tensor-parallel": ("qwen3_235b_a22b_nvfp4", [
