@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
 
     add_slurm_subcommand(sub)
     sub.add_parser("recipes", help="list the recipes")
+    # `hf-import` / `hf-export` parse their own words (nemo_lw_fp8.cli.hf); listed for --help.
+    sub.add_parser("hf-import", help="a Hugging Face checkpoint into a recipe's torch_dist")
+    sub.add_parser("hf-export", help="a run's checkpoint to Hugging Face safetensors")
     return parser
 
 
@@ -70,6 +73,10 @@ def _dispatch(argv: list[str]) -> int:
         own = argparse.ArgumentParser(prog="nemo-lw-fp8 pretrain")
         pretrain_mod.add_arguments(own)
         return pretrain_mod.main(own.parse_intermixed_args(argv[1:]))
+    if argv[:1] in (["hf-import"], ["hf-export"]):
+        from nemo_lw_fp8.cli import hf as hf_cli
+
+        return hf_cli.main(argv[0], argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "doctor":
