@@ -63,14 +63,12 @@ def _targets(patch: Patch) -> tuple[list[Override] | None, Exception | None]:
         return None, error
 
 
-def _known_anywhere(patch: Patch, name: str, found: str) -> bool:
-    """Whether any recorded build of ``patch`` (any version) had ``found`` under ``name``."""
+def _recorded_builds(patch: Patch) -> list[dict]:
+    """The record's entries for ``patch``, one per recorded version (none: a patch the plugin
+    does not ship, e.g. a test's own)."""
     from nemo_lw_fp8.patches.upstream_fingerprints import FINGERPRINTS
 
-    return any(
-        entry.get(patch.name, {}).get("targets", {}).get(name) == found
-        for entry in FINGERPRINTS.values()
-    )
+    return [table[patch.name] for table in FINGERPRINTS.values() if patch.name in table]
 
 
 def _refused(patch: Patch, kind: type[Exception], message: str, changed=()) -> Verdict:
@@ -78,7 +76,9 @@ def _refused(patch: Patch, kind: type[Exception], message: str, changed=()) -> V
     return Verdict(patch.name, "refused", message, tuple(changed), error)
 
 
-def decide(patch: Patch, allow_untested: bool = False) -> tuple[Verdict, list[Override]]:
+def decide(
+    patch: Patch, allow_untested: bool = False, *, memo: dict[str, Verdict] | None = None
+) -> tuple[Verdict, list[Override]]:
     """The one verdict for ``patch`` on this install, and the overrides to install for it.
 
     The record decides first: each object the patch would replace is fingerprinted
@@ -87,13 +87,18 @@ def decide(patch: Patch, allow_untested: bool = False) -> tuple[Verdict, list[Ov
     Only a full match gives the recorded verdict. With the override (``allow_untested`` or
     :data:`ALLOW_UNTESTED_ENV`), an untested version or changed code is patched anyway, each
     changed object named in an :class:`UntestedUpstreamWarning` by the caller; never "native".
+    ``memo``: verdicts already decided in this call (a patch several others require is
+    fingerprinted once).
     """
     if patch.applied:
         return Verdict(patch.name, PATCHED, "applied"), []
     if _pending(patch):
         return Verdict(patch.name, "pending", "applies when Megatron-Bridge is imported"), []
+    memo = {} if memo is None else memo
     for name in patch.requires:  # apply() installs these first: a refusal there stops it
-        needed = decide(_REGISTRY[name], allow_untested)[0]
+        if name not in memo:
+            memo[name] = decide(_REGISTRY[name], allow_untested, memo=memo)[0]
+        needed = memo[name]
         if needed.status == "refused":
             return Verdict(patch.name, "refused", f"needs {name}: {needed.reason}",
                            needed.changed, needed.error), []  # fmt: skip
@@ -122,7 +127,8 @@ def decide(patch: Patch, allow_untested: bool = False) -> tuple[Verdict, list[Ov
             "release (docs/install.md, supported lines).",
         ), []
     entry = recorded(key, patch.name)
-    if entry is None and not _recorded_anywhere(patch):
+    builds = _recorded_builds(patch)
+    if entry is None and not builds:
         # Not one of the plugin's patches (tests register their own); the plugin's are all
         # recorded (tests/patches/test_upstream_fingerprints.py).
         return Verdict(patch.name, PATCHED, "not in the record"), overrides
@@ -132,7 +138,7 @@ def decide(patch: Patch, allow_untested: bool = False) -> tuple[Verdict, list[Ov
         found = fingerprint(unpatched_own_attr(override.owner, override.attr), _MISSING)
         if entry is not None and entry.targets.get(name) == found:
             continue
-        if entry is None and _known_anywhere(patch, name, found):
+        if entry is None and any(b.get("targets", {}).get(name) == found for b in builds):
             continue  # an untested version whose object some tested build had
         changed.append(f"{name} (fingerprint {found})")
     if entry is None and tested:
@@ -159,12 +165,6 @@ def decide(patch: Patch, allow_untested: bool = False) -> tuple[Verdict, list[Ov
     return Verdict(patch.name, PATCHED, f"recorded over {key}"), overrides
 
 
-def _recorded_anywhere(patch: Patch) -> bool:
-    from nemo_lw_fp8.patches.upstream_fingerprints import FINGERPRINTS
-
-    return any(patch.name in entry for entry in FINGERPRINTS.values())
-
-
 def _warn_untested(patch: Patch, verdict: Verdict) -> None:
     """Name, in a shown warning, what the override let ``patch`` apply over."""
     key = version_key(patch)
@@ -189,7 +189,11 @@ def verdicts(
     features: Iterable[str] | None = None, *, allow_untested: bool = False
 ) -> dict[str, Verdict]:
     """:func:`decide` for the named patches (all by default), installing nothing."""
-    return {patch.name: decide(patch, allow_untested)[0] for patch in _resolve(features)}
+    memo: dict[str, Verdict] = {}
+    for patch in _resolve(features):
+        if patch.name not in memo:
+            memo[patch.name] = decide(patch, allow_untested, memo=memo)[0]
+    return {patch.name: memo[patch.name] for patch in _resolve(features)}
 
 
 def _recorded_native(patch: Patch) -> bool:
