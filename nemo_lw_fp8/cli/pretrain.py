@@ -33,7 +33,6 @@ from typing import Any
 from nemo_lw_fp8.cli import overrides as checks
 from nemo_lw_fp8.errors import BRIDGE_INSTALL_HINT, UsageError
 
-_TARGET_PREFIX = "nemo_lw_fp8"
 #: How many progress lines a run prints at most (one per iteration below that).
 PROGRESS_LINES = 50
 
@@ -140,23 +139,16 @@ def resolve_config(
     from nemo_lw_fp8 import bridge, recipes
 
     nemo_lw_fp8.apply()
-    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
     from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
 
-    register_allowed_target_prefix(_TARGET_PREFIX)
+    from nemo_lw_fp8.recipes.factory import TARGET_PREFIX, with_overrides
+
+    register_allowed_target_prefix(TARGET_PREFIX)  # before the YAML checks instantiate anything
     cfg = recipes.get_recipe(recipe)()
     if config_file or overrides:
         checks.check_overrides(cfg, config_file, overrides)
-        try:
-            cfg = process_config_with_overrides(
-                cfg, config_filepath=config_file, cli_overrides=list(overrides)
-            )
-        except Exception as error:  # noqa: BLE001 - Hydra / OmegaConf errors, one line each
-            text = str(error).strip().splitlines()
-            raise UsageError(
-                f"overrides not applied: {text[0] if text else type(error).__name__}",
-                "check the keys and values against `--dry-run` of the recipe",
-            ) from error
+        hint = "check the keys and values against `--dry-run` of the recipe"
+        cfg = with_overrides(cfg, overrides, config_file, hint)
     checks.check_ranges(cfg)
     if cpu:
         from nemo_lw_fp8.cpu.megatron import bridge_pretrain as cpu_bridge

@@ -38,23 +38,13 @@ def recipe_config(recipe: str, overrides: Sequence[str] = ()) -> Any:
     setup.boot()
     cfg = recipes.get_recipe(recipe)()
     if overrides:
-        from megatron.bridge.training.utils.omegaconf_utils import (
-            process_config_with_overrides,
-        )
-        from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
+        from nemo_lw_fp8.recipes.factory import with_overrides
 
         for item in overrides:
             if "=" not in item:
                 raise UsageError(f"override {item!r} is not key=value", "model.mtp_num_layers=0")
-        register_allowed_target_prefix("nemo_lw_fp8")
-        try:
-            cfg = process_config_with_overrides(cfg, cli_overrides=list(overrides))
-        except Exception as error:  # noqa: BLE001 - Hydra / OmegaConf errors, one line each
-            text = str(error).strip().splitlines()
-            raise UsageError(
-                f"overrides not applied: {text[0] if text else type(error).__name__}",
-                "check the keys against `nemo-lw-fp8 pretrain --recipe R --dry-run`",
-            ) from error
+        hint = "check the keys against `nemo-lw-fp8 pretrain --recipe R --dry-run`"
+        cfg = with_overrides(cfg, overrides, hint=hint)
     return cfg
 
 

@@ -7,6 +7,7 @@ when this module is.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 from nemo_lw_fp8.recipes import te_env
@@ -18,6 +19,9 @@ from nemo_lw_fp8.recipes.catalogue import (
     nvfp4_bf16_layers_at_end,
 )
 from nemo_lw_fp8.recipes.parallel import ParallelismDefaults, parallelism
+
+#: The package whose classes a recipe YAML may name as ``_target_``.
+TARGET_PREFIX = "nemo_lw_fp8"
 
 
 def mixed_precision(variant: str | None) -> Any:
@@ -205,3 +209,26 @@ def short_run(cfg: Any, train_iters: int) -> None:
     cfg.logger.tensorboard_dir = None
     cfg.train.manual_gc = False
     cfg.dataset.num_workers = 0
+
+
+def with_overrides(
+    cfg: Any, overrides: Sequence[str] = (), config_file: str | None = None, hint: str = ""
+) -> Any:
+    """``cfg`` with a YAML file and Bridge ``key=value`` overrides applied (Hydra / OmegaConf
+    syntax, as ``nemo-lw-fp8 pretrain`` and ``hf-import`` read them); a failure is one
+    :class:`~nemo_lw_fp8.errors.UsageError` line, ``hint`` its fix."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
+
+    from nemo_lw_fp8.errors import UsageError
+
+    register_allowed_target_prefix(TARGET_PREFIX)  # YAML may name the plugin's classes
+    try:
+        return process_config_with_overrides(
+            cfg, config_filepath=config_file, cli_overrides=list(overrides)
+        )
+    except Exception as error:  # noqa: BLE001 - Hydra / OmegaConf errors, one line each
+        text = str(error).strip().splitlines()
+        raise UsageError(
+            f"overrides not applied: {text[0] if text else type(error).__name__}", hint
+        ) from error
