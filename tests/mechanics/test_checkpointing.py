@@ -8,7 +8,10 @@ bit and training goes on exactly as the run that never stopped. The same through
 megatron-training's own ``save_checkpoint`` / ``load_checkpoint``, with the ``args`` its parser
 and ``validate_args`` build (``--optimizer muon --use-distributed-optimizer``), and a control
 whose changed state must come back as a mismatch. The Bridge round trip (save, end the
-processes, resume in fresh ones) is in ``tests/bridge/test_bridge_checkpointing.py``.
+processes, resume in fresh ones) is in ``tests/bridge/test_bridge_checkpointing.py``. Every
+build of a round trip (the run that never stopped, the saved run, the one loaded into) synced
+its Muon gradients by the owner reduce, as the ranks issued them
+(``tests/support/owner_reduce_probe.py``, one verdict per build).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support import owner_reduce_probe as probe
 from tests.support.fp8_mlp import FP8_BOOT, FP8_MLP, skip_module_without_te
 from tests.support.harness import run_on_ranks
 from tests.support.parity import assert_diverges
@@ -127,12 +131,12 @@ _ROUND_TRIPS: dict[tuple[str, bool], list[dict]] = {}
 
 
 def _round_trip(sharding: str, fully_parallel: bool, directory: str) -> list[dict]:
-    """:func:`save_load_resume` on the ranks, once per session per setting."""
+    """:func:`save_load_resume` on the ranks, once per session per setting, probed per build."""
     key = (sharding, fully_parallel)
     if key not in _ROUND_TRIPS:
         _ROUND_TRIPS[key] = run_on_ranks(
-            save_load_resume, BASE, directory, sharding, fully_parallel,
-            sharding == "dp_reshardable", boot=FP8, timeout=400,
+            probe.run_probed_per_build, save_load_resume, BASE, directory, sharding,
+            fully_parallel, sharding == "dp_reshardable", boot=FP8, timeout=400,
         )  # fmt: skip
     return _ROUND_TRIPS[key]
 
@@ -144,6 +148,7 @@ def _round_trip(sharding: str, fully_parallel: bool, directory: str) -> list[dic
 )
 def test_torch_dist_round_trip_is_bitwise(sharding, fully_parallel, tmp_path):
     results = _round_trip(sharding, fully_parallel, str(tmp_path))
+    probe.assert_each_build_reduced_to_owners(results, sharding)
     for rank, result in enumerate(results):
         names = result["state_names"]
         # What must be in the checkpoint: fp32 masters of both optimizers, Muon's momentum,
@@ -364,8 +369,10 @@ def assert_same_state(before: list[dict], after: list[dict]) -> None:
 )
 def test_megatron_training_checkpoint_round_trip_is_bitwise(fully_reshardable, tmp_path):
     results = run_on_ranks(
-        training_round_trip, BASE, str(tmp_path), fully_reshardable, boot=FP8, timeout=400
-    )
+        probe.run_probed_per_build, training_round_trip, BASE, str(tmp_path), fully_reshardable,
+        boot=FP8, timeout=400,
+    )  # fmt: skip
+    probe.assert_each_build_reduced_to_owners(results, "megatron-training round trip")
     for rank, result in enumerate(results):
         names = sorted(result["saved"]["state"])
         for kind in ("layerwise:master:", "layerwise:momentum_buffer:", "distopt:master:",

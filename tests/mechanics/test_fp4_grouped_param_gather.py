@@ -8,7 +8,9 @@ with megatron's ``TEGroupedMLP`` through TE's op fuser and FP4 primary weights (
 DDP's ``fp4_param_gather``), trained under layer-wise Muon on two data-parallel ranks (the plugin's
 compact layout, owner reduce, overlapped gathers; megatron's padded layout in the extended tier;
 B200 answers); and at expert parallel 2 on four ranks, where each expert-data-parallel group of
-two ranks owns and gathers its EP rank's grouped weights.
+two ranks owns and gathers its EP rank's grouped weights. Every compact run of a parity or a
+resume synced its Muon gradients by the owner reduce, as the ranks issued them
+(``tests/support/owner_reduce_probe.py``).
 
 * ``single``: one ``GroupedTensor`` of ``NVFP4Tensor`` members per expert linear
   (``moe_single_grouped_weight``); its owner (of the whole weight, or of a run of its experts)
@@ -35,6 +37,7 @@ import pytest
 import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
+from tests.support import owner_reduce_probe as probe
 from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.resumable import assert_same_run
@@ -232,6 +235,22 @@ def grouped_fp4_run(
     }
 
 
+def _run(single: bool, probed: bool = True, **kwargs: Any) -> list[dict]:
+    """:func:`grouped_fp4_run` on the ranks (``kwargs``: its keyword arguments and
+    ``run_on_ranks``'s), with ``probed`` what each rank's grad syncs issued in
+    ``result["grad_sync"]`` (``tests/support/owner_reduce_probe.py``)."""
+    if probed:
+        return run_on_ranks(probe.run_probed, grouped_fp4_run, single, **kwargs)
+    return run_on_ranks(grouped_fp4_run, single, **kwargs)
+
+
+def _owner_reduced(**runs: list[dict]) -> None:
+    """Each of ``runs`` (label -> results of a probed :func:`_run`) synced its Muon gradients,
+    the grouped experts' included, by the owner reduce."""
+    for label, results in runs.items():
+        probe.assert_reduced_to_owners(results, label)
+
+
 def discrete_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Masters and momenta of a whole grouped weight (``...experts.linear_fc1.weight``, shape
     ``(E, out, in)``) under the discrete weights' names (``...weight0`` .. ``weight{E-1}``)."""
@@ -268,10 +287,11 @@ def test_fp4_single_grouped_equals_discrete_under_layer_wise_muon(layout, owners
     only; after the last gather both ranks hold the same grouped bytes, and they are TE's
     single-tensor cast of each expert's ``bf16(master)`` (both usages: the receivers' derived
     columnwise copies included)."""
-    discrete = run_on_ranks(grouped_fp4_run, False, layout=layout, world_size=2, boot=BOOT)
-    single = run_on_ranks(
-        grouped_fp4_run, True, layout=layout, ownership=ownership, world_size=2, boot=BOOT
-    )
+    compact = layout == "compact"  # megatron's padded layout has no owner reduce to probe
+    discrete = _run(False, compact, layout=layout, world_size=2, boot=BOOT)
+    single = _run(True, compact, layout=layout, ownership=ownership, world_size=2, boot=BOOT)
+    if compact:
+        _owner_reduced(discrete=discrete, single=single)
     runs = [run for r in single for run in r["expert_runs"]]
     if ownership == "whole":
         assert not runs, runs
@@ -331,9 +351,10 @@ def assert_resumes(directory: str, ownership: str, args: dict) -> None:
     steps: the losses, masters and momenta of four uninterrupted steps, and the same grouped
     bytes on every rank, bitwise. Control: one loaded master one ulp off diverges."""
     args = dict(args, ownership=ownership)
-    whole = run_on_ranks(grouped_fp4_run, True, steps=(0, 4), **args)
+    whole = _run(True, steps=(0, 4), **args)
     first = run_on_ranks(grouped_fp4_run, True, steps=(0, 2), save_dir=directory, **args)
-    resumed = run_on_ranks(grouped_fp4_run, True, steps=(2, 4), load_dir=directory, **args)
+    resumed = _run(True, steps=(2, 4), load_dir=directory, **args)
+    _owner_reduced(uninterrupted=whole, resumed=resumed)
     for rank in range(len(whole)):
         assert first[rank]["losses"] + resumed[rank]["losses"] == whole[rank]["losses"]
         _same_buffers(whole[rank]["buffers"], resumed[rank]["buffers"])
@@ -371,8 +392,9 @@ def test_fp4_single_grouped_equals_discrete_at_expert_parallel_2(ownership):
     rank): both ranks of a group end with the same grouped bytes, the two EP ranks with others,
     and all 16 members (2 layers x 2 linears x 2 experts x 2 EP ranks) equal TE's cast of their
     master on their owner."""
-    discrete = run_on_ranks(grouped_fp4_run, False, **EP2)
-    single = run_on_ranks(grouped_fp4_run, True, ownership=ownership, **EP2)
+    discrete = _run(False, **EP2)
+    single = _run(True, ownership=ownership, **EP2)
+    _owner_reduced(discrete=discrete, single=single)
     groups: dict[int, list[dict]] = {}
     for r in single:
         groups.setdefault(r["ep_rank"], []).append(r)

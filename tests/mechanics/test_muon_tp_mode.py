@@ -8,7 +8,9 @@ parameter's name and full (TP 1) shape, sliced to this rank's TP shard along ``p
 There is no forward/backward. The DDP grad sync does run (it is part of the step the layout
 owns): every data-parallel rank writes the same gradient, DDP scales it by ``1 / DP`` and the
 owner reduce (or the sibling DistributedOptimizer's reduce-scatter) adds the DP copies back,
-``G / 2 + G / 2 = G`` exactly in fp32. Each rank then returns every parameter's full weights
+``G / 2 + G / 2 = G`` exactly in fp32 (where DP is over 2 ranks, probed: the Muon gradients'
+copies were added by reduces to their planned owners, none all-reduced;
+``tests/support/owner_reduce_probe.py``). Each rank then returns every parameter's full weights
 (TP shards gathered along ``partition_dim``) before and after the step.
 
 The reference is TP 1 (2 ranks, DP 2). Findings, bitwise on bf16 weights:
@@ -39,6 +41,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support import owner_reduce_probe as probe
 from tests.support.harness import ParallelSpec, run_on_ranks
 from tests.support.scenarios import Scenario, boot_for
 
@@ -139,11 +142,20 @@ def one_step_from_full_gradient(scenario: Scenario, redraw: bool = False, **over
 
 
 def _run(mode: str, parallel: ParallelSpec, world_size: int = 2) -> list[dict]:
+    """:func:`one_step_from_full_gradient` with ``mode`` on the ranks; with more than one
+    data-parallel rank probed: the step's grad sync was an owner reduce."""
     scenario = BASE.with_(muon_tp_mode=mode)
-    return run_on_ranks(
-        one_step_from_full_gradient, scenario, world_size=world_size, parallel=parallel,
-        boot=boot_for(scenario), timeout=600.0,
+    dp = world_size // parallel.tp
+    fn, args = one_step_from_full_gradient, (scenario,)
+    if dp > 1:
+        fn, args = probe.train_probed, (scenario, one_step_from_full_gradient)
+    results = run_on_ranks(
+        fn, *args, world_size=world_size, parallel=parallel, boot=boot_for(scenario),
+        timeout=600.0,
     )  # fmt: skip
+    if dp > 1:
+        probe.assert_reduced_to_owners(results, f"{mode}, TP {parallel.tp} x DP {dp}")
+    return results
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,9 @@ Claims, bitwise in losses, every rank's fp32 masters and Muon momenta:
 * save (``torch_dist``) after two steps, load into a model built from another seed, two more
   steps: equal to four uninterrupted steps. Control: the same resume with one loaded master one
   ulp off diverges.
-The runs really computed in NVFP4: the same model in bf16 gives other losses.
+The runs really computed in NVFP4: the same model in bf16 gives other losses. The compact runs
+synced their Muon gradients by the owner reduce and megatron's layout issued no reduce, as the
+ranks issued them (``tests/support/owner_reduce_probe.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import pytest
 import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
+from tests.support import owner_reduce_probe as probe
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.resumable import assert_same_run
@@ -102,8 +105,12 @@ def test_nvfp4_compact_layout_equals_stock_layer_wise(moe):
     """NVFP4 compute, layer-wise Muon: the plugin's compact layout (owner reduce, overlapped
     gathers) = megatron's layer-wise layout without overlap, bitwise (an eval between steps);
     every TE GEMM took NVFP4 operands, and bf16 compute gives other losses."""
-    compact = run_on_ranks(nvfp4_run, "compact", moe=moe, world_size=2, boot=BOOT)
-    stock = run_on_ranks(nvfp4_run, "stock", moe=moe, world_size=2, boot=BOOT)
+    compact, stock = (
+        run_on_ranks(probe.run_probed, nvfp4_run, layout, moe=moe, world_size=2, boot=BOOT)
+        for layout in ("compact", "stock")
+    )
+    probe.assert_reduced_to_owners(compact, "compact")
+    probe.assert_no_reduce(stock, "stock")
     # every TE GEMM (fprop, dgrad, wgrad of the 8 TE linears) took NVFP4 operands
     assert all(r["nvfp4_gemms"] == r["gemms"] > 0 for r in compact + stock), compact
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in compact)
@@ -119,11 +126,17 @@ def test_nvfp4_layer_wise_resumes_bitwise(tmp_path):
     loaded master one ulp off diverges."""
     (tmp_path / "step2").mkdir()
     saved = str(tmp_path / "step2")
-    whole = run_on_ranks(nvfp4_run, "compact", True, (0, 4), world_size=2, boot=BOOT)
+    whole = run_on_ranks(
+        probe.run_probed, nvfp4_run, "compact", True, (0, 4), world_size=2, boot=BOOT
+    )
     first = run_on_ranks(nvfp4_run, "compact", True, (0, 2), saved, world_size=2, boot=BOOT)
     resumed = run_on_ranks(
-        nvfp4_run, "compact", True, (2, 4), None, saved, world_size=2, boot=BOOT
-    )
+        probe.run_probed, nvfp4_run, "compact", True, (2, 4), None, saved, world_size=2,
+        boot=BOOT,
+    )  # fmt: skip
+    # The uninterrupted steps and the resumed ones synced by the owner reduce.
+    probe.assert_reduced_to_owners(whole, "uninterrupted")
+    probe.assert_reduced_to_owners(resumed, "resumed")
     for rank in range(2):
         assert first[rank]["losses"] + resumed[rank]["losses"] == whole[rank]["losses"]
     no_evals = [{**r, "losses": [], "eval_losses": []} for r in whole]

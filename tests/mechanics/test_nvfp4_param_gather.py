@@ -12,7 +12,9 @@ TE's weight quantizer casts it at the forward; in the ON run the owner casts the
 ``bf16(master)`` with a quantizer of the same settings (16x16 blocks, no RHT, no SR), the cast is
 deterministic and local to the whole matrix (its amax too), so every rank's GEMMs read the same
 codes, scales and amax. Where the persistent weight keeps its scales swizzled, the GEMM reads the
-same values in another byte order.
+same values in another byte order. On the compact layout ON and OFF (and a resume's steps)
+synced their Muon gradients by the owner reduce, as the ranks issued them
+(``tests/support/owner_reduce_probe.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
 from nemo_lw_fp8.vocabulary import NVFP4_NO_SR_ENV as NVFP4_NO_SR
+from tests.support import owner_reduce_probe as probe
 from tests.support.harness import BootOptions, RankFailure, run_on_ranks
 from tests.support.parity import assert_diverges
 from tests.support.resumable import assert_same_run
@@ -137,8 +140,15 @@ def test_fp4_param_gather_on_equals_off(layout, overlap, moe):
     layout without overlap or the plugin's compact layout with overlapped gathers: FP4 param
     gather ON = OFF bitwise (losses, the eval, masters, momenta); every TE GEMM read NVFP4
     operands; the ON run's Muon weights are NVFP4 tensors, gathered as uint8 payloads."""
-    off = run_on_ranks(fp4_run, False, layout, overlap, moe=moe, world_size=2, boot=BOOT)
-    on = run_on_ranks(fp4_run, True, layout, overlap, moe=moe, world_size=2, boot=BOOT)
+    compact = layout == "compact"  # megatron's padded layout has no owner reduce to probe
+    fn, first = (probe.run_probed, (fp4_run,)) if compact else (fp4_run, ())
+    off, on = (
+        run_on_ranks(fn, *first, gather, layout, overlap, moe=moe, world_size=2, boot=BOOT)
+        for gather in (False, True)
+    )
+    if compact:
+        probe.assert_reduced_to_owners(off, "gather off")
+        probe.assert_reduced_to_owners(on, "gather on")
     assert all(r["nvfp4_gemms"] == r["gemms"] > 0 for r in off + on), on
     assert all(r["nvfp4_weights"] == 0 for r in off)
     assert all(r["nvfp4_weights"] > 0 for r in on)
@@ -173,9 +183,13 @@ def test_fp4_param_gather_resumes_bitwise(tmp_path):
     uninterrupted steps, bitwise. Control: one loaded master one ulp off diverges."""
     saved = str(tmp_path)
     args = dict(world_size=2, boot=BOOT)
-    whole = run_on_ranks(fp4_run, True, "compact", True, steps=(0, 4), **args)
+    whole = run_on_ranks(probe.run_probed, fp4_run, True, "compact", True, steps=(0, 4), **args)
     first = run_on_ranks(fp4_run, True, "compact", True, steps=(0, 2), save_dir=saved, **args)
-    resumed = run_on_ranks(fp4_run, True, "compact", True, steps=(2, 4), load_dir=saved, **args)
+    resumed = run_on_ranks(
+        probe.run_probed, fp4_run, True, "compact", True, steps=(2, 4), load_dir=saved, **args
+    )
+    probe.assert_reduced_to_owners(whole, "uninterrupted")
+    probe.assert_reduced_to_owners(resumed, "resumed")
     for rank in range(2):
         assert first[rank]["losses"] + resumed[rank]["losses"] == whole[rank]["losses"]
     no_evals = [{**r, "losses": [], "eval_losses": []} for r in whole]

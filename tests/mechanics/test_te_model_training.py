@@ -8,7 +8,9 @@ answered as a GB200 would (``nemo_lw_fp8.cpu.te.device.target_gpu(BLACKWELL)``).
 The claim: FP8 param gather ON (persistent MXFP8 weights from ``quantized_model_init``, the owners'
 MXFP8 weights gathered over data parallel) = OFF (bf16 weights quantized by TE at each forward),
 bitwise, for every loss and every rank's fp32 masters, on two data-parallel ranks. Control: ON
-with each persistent weight's columnwise copy left stale after the gather diverges.
+with each persistent weight's columnwise copy left stale after the gather diverges. Both runs,
+and a resume's uninterrupted and resumed steps, synced their Muon gradients by the compact
+layout's owner reduce, as the ranks issued them (``tests/support/owner_reduce_probe.py``).
 
 The model is built with ``use_cpu_initialization=False``: with ``True`` megatron hands TE a no-op
 ``init_method`` and writes the weights afterwards, so TE's preserved high-precision init value
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
+from tests.support import owner_reduce_probe as probe
 from tests.support.harness import BootOptions, run_on_ranks
 from tests.support.parity import assert_diverges, assert_same_losses_and_masters
 from tests.support.te_helpers import rowwise_only_refresh
@@ -118,8 +121,12 @@ def test_te_spec_moe_fp8_param_gather_on_equals_off():
     """The TE-spec MoE trains two steps with persistent MXFP8 weights gathered over DP 2 to the
     same losses and masters, bitwise, as with bf16 weights (the ON run held persistent MXFP8
     weights, the OFF run none); control: a stale columnwise copy after the gather diverges."""
-    on = run_on_ranks(te_moe_run, True, None, world_size=2, boot=BOOT)
-    off = run_on_ranks(te_moe_run, False, None, world_size=2, boot=BOOT)
+    on, off = (
+        run_on_ranks(probe.run_probed, te_moe_run, gather, None, world_size=2, boot=BOOT)
+        for gather in (True, False)
+    )
+    probe.assert_reduced_to_owners(on, "gather on")
+    probe.assert_reduced_to_owners(off, "gather off")
     assert all(r["persistent_fp8"] > 0 for r in on), [r["persistent_fp8"] for r in on]
     assert all(r["persistent_fp8"] == 0 for r in off), [r["persistent_fp8"] for r in off]
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in on)
@@ -136,9 +143,15 @@ def test_te_spec_moe_resumes_bitwise(tmp_path):
     one loaded fp32 master one ulp off diverges."""
     (tmp_path / "step2").mkdir()
     saved = str(tmp_path / "step2")
-    whole = run_on_ranks(te_moe_run, True, None, (0, 4), world_size=2, boot=BOOT)
+    whole = run_on_ranks(
+        probe.run_probed, te_moe_run, True, None, (0, 4), world_size=2, boot=BOOT
+    )
     first = run_on_ranks(te_moe_run, True, None, (0, 2), saved, world_size=2, boot=BOOT)
-    resumed = run_on_ranks(te_moe_run, True, None, (2, 4), None, saved, world_size=2, boot=BOOT)
+    resumed = run_on_ranks(
+        probe.run_probed, te_moe_run, True, None, (2, 4), None, saved, world_size=2, boot=BOOT
+    )
+    probe.assert_reduced_to_owners(whole, "uninterrupted")
+    probe.assert_reduced_to_owners(resumed, "resumed")
     for rank in range(2):
         assert first[rank]["losses"] + resumed[rank]["losses"] == whole[rank]["losses"]
     assert_same_losses_and_masters(

@@ -11,7 +11,8 @@ blocks; SP off and on, MoE at ETP 1) and blockwise FP8 (TE's ``Float8BlockScalin
 ``Float8BlockwiseQTensor`` weights of 128x128 tiles, the plugin's blockwise gather of FP8 codes
 + tile scales; SP off and on, MoE at ETP 1), with widths whose TP shards hold whole blocks.
 Controls: ON with each persistent weight's columnwise copy left stale after the gather
-diverges.
+diverges. ON and OFF synced their Muon gradients by the owner reduce (over the DP group, and the
+experts' over theirs), as the ranks issued them (``tests/support/owner_reduce_probe.py``).
 
 Expert tensor parallel 2 (discrete expert linears, ``SequentialMLP``; each expert's ETP shards
 owned over the 2-rank expert data-parallel group): ON = OFF bitwise with MXFP8 (extended) and
@@ -32,6 +33,7 @@ import pytest
 import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
+from tests.support import owner_reduce_probe as probe
 from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
 from tests.support.parity import assert_diverges, assert_same_losses_and_masters
 from tests.support.te_helpers import stale_columnwise
@@ -199,14 +201,19 @@ def test_mxfp8_param_gather_at_tp2_on_equals_off(sequence_parallel, moe, etp, ov
     columnwise copy after the gather diverges."""
 
     def run(on: bool, mutation: str | None = None) -> list[dict]:
-        return run_on_ranks(tp_gather_run, on, sequence_parallel, mutation, moe, "mxfp8", etp,
-                            overlap, world_size=4, parallel=tp2(etp), boot=BOOT)  # fmt: skip
+        return run_on_ranks(probe.run_probed, tp_gather_run, on, sequence_parallel, mutation, moe,
+                            "mxfp8", etp, overlap, world_size=4, parallel=tp2(etp),
+                            boot=BOOT)  # fmt: skip
 
     _assert_on_equals_off_and_control_diverges(run)
 
 
 def _assert_on_equals_off_and_control_diverges(run, recipe: str = "mxfp8") -> None:
+    """``run(on, mutation)``: probed runs of :func:`tp_gather_run` (the control's verdict is
+    not read)."""
     on, off = run(True), run(False)
+    probe.assert_reduced_to_owners(on, "gather on")
+    probe.assert_reduced_to_owners(off, "gather off")
     for r in on + off:  # experts' linear_fc1 rows x ETP: the full width (sharded as asked)
         full = r["expert_fc1_full_rows"]
         assert r["expert_fc1_rows_times_etp"] == ([full] if full else []), r
@@ -242,8 +249,8 @@ def test_blockwise_param_gather_at_tp2_on_equals_off(sequence_parallel, moe, etp
     Control: receivers that skip deriving the columnwise copy after the gather diverge."""
 
     def run(on: bool, mutation: str | None = None) -> list[dict]:
-        return run_on_ranks(tp_gather_run, on, sequence_parallel, mutation, moe, "blockwise",
-                            etp, overlap, world_size=4, parallel=tp2(etp),
+        return run_on_ranks(probe.run_probed, tp_gather_run, on, sequence_parallel, mutation, moe,
+                            "blockwise", etp, overlap, world_size=4, parallel=tp2(etp),
                             boot=BOOT)  # fmt: skip
 
     _assert_on_equals_off_and_control_diverges(run, "blockwise")

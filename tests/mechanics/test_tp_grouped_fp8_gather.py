@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from nemo_lw_fp8.cpu.te import backend as te_backend
+from tests.support import owner_reduce_probe as probe
 from tests.support.harness import BootOptions, ParallelSpec, run_on_ranks
 from tests.support.parity import assert_diverges, assert_same_losses_and_masters
 from tests.support.te_helpers import stale_columnwise
@@ -123,10 +124,14 @@ def _expected_shapes(hidden: int) -> list[tuple[str, tuple[int, ...]]]:
 
 def _check_on_equals_off(recipe: str) -> None:
     def run(on: bool, mutation: str | None = None) -> list[dict]:
-        return run_on_ranks(grouped_etp2_run, recipe, on, mutation,
+        return run_on_ranks(probe.run_probed, grouped_etp2_run, recipe, on, mutation,
                             world_size=4, parallel=TP2_ETP2, boot=BOOT)  # fmt: skip
 
     on, off = run(True), run(False)
+    # Both synced their Muon gradients, the expert shards' over the expert data-parallel
+    # group, by the owner reduce (tests/support/owner_reduce_probe.py).
+    probe.assert_reduced_to_owners(on, "gather on")
+    probe.assert_reduced_to_owners(off, "gather off")
     shapes = sorted(_expected_shapes(HIDDEN[recipe]))
     for r in on + off:
         assert r["layer_wise"]

@@ -240,6 +240,66 @@ def train_probed(scenario: Any, run: Any = None, *args: Any) -> dict:
     return result
 
 
+def run_probed(run: Any, *args: Any, **kwargs: Any) -> dict:
+    """``run(*args, **kwargs)``, probed as :func:`train_probed` probes it: for a test's own
+    training function of any signature (not scenario first, keyword arguments) that builds one
+    model and optimizer through ``training.wrap_and_build_optimizer`` and steps that
+    optimizer. Pass it to ``run_on_ranks`` as the function, ``run`` as its first argument."""
+    return train_probed(None, lambda _, *rest: run(*rest, **kwargs), *args)
+
+
+def run_probed_per_build(run: Any, *args: Any, **kwargs: Any) -> dict:
+    """``run(*args, **kwargs)``, a test's function that builds several models and optimizers
+    one after the other through ``training.wrap_and_build_optimizer`` (a checkpoint round trip:
+    the run saved, the build it is loaded into), with one :meth:`GradSyncLog.verdict` per build,
+    in build order, in ``result["grad_syncs"]``: each build's probe opens when it is built and
+    closes when the next one is (so each log holds its own model's syncs only; a build must be
+    done stepping when the next starts), the last one after ``run`` returns. Read it with
+    :func:`assert_each_build_reduced_to_owners`."""
+    from tests.support import training
+
+    build = training.wrap_and_build_optimizer
+    builds: list[tuple[contextlib.ExitStack, GradSyncLog, list[int]]] = []
+
+    def probed(module, config, built_scenario):
+        model, optimizer = build(module, config, built_scenario)
+        if builds:
+            builds[-1][0].close()
+        stack = contextlib.ExitStack()
+        log, steps = stack.enter_context(issued_grad_syncs(model)), []
+        builds.append((stack, log, steps))
+        step = optimizer.step
+
+        def counted_step(*step_args, **step_kwargs):
+            steps.append(1)
+            return step(*step_args, **step_kwargs)
+
+        optimizer.step = counted_step
+        return model, optimizer
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(training, "wrap_and_build_optimizer", probed)
+        try:
+            result = run(*args, **kwargs)
+        finally:
+            if builds:
+                builds[-1][0].close()
+    if not builds:
+        raise RuntimeError("run_probed_per_build: the run built no optimizer through the probe")
+    result["grad_syncs"] = [log.verdict(syncs=len(steps)) for _, log, steps in builds]
+    return result
+
+
+def assert_each_build_reduced_to_owners(results: list[dict], label: str = "") -> None:
+    """:func:`assert_reduced_to_owners` for every build of a :func:`run_probed_per_build` run,
+    and every rank made as many builds."""
+    builds = {len(result["grad_syncs"]) for result in results}
+    assert len(builds) == 1, f"{label}: builds per rank {builds}"
+    for index in range(builds.pop()):
+        per_rank = [{"grad_sync": result["grad_syncs"][index]} for result in results]
+        assert_reduced_to_owners(per_rank, f"{label} build {index}")
+
+
 # --------------------------------------------------------------------------- gloo vs rank order
 
 
