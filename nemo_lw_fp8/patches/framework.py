@@ -45,6 +45,7 @@ from nemo_lw_fp8.patches.registry import (
     original,
     register,
     registry,
+    required_by,
     unpatched_own_attr,
     version_key,
 )
@@ -186,17 +187,12 @@ def apply(features: Iterable[str] | None = None, *, allow_untested: bool = False
 
 def _with_dependents(chosen: list[Patch]) -> list[Patch]:
     """``chosen`` plus every applied patch that requires one of them (it wraps their objects)."""
-    result = list(chosen)
-    changed = True
-    while changed:
-        changed = False
-        for patch in _REGISTRY.values():
-            if patch in result or not patch.applied:
-                continue
-            if any(_REGISTRY[name] in result for name in patch.requires if name in _REGISTRY):
-                result.append(patch)
-                changed = True
-    return result
+    names = {patch.name for patch in chosen}
+    return list(chosen) + [
+        patch
+        for patch in _REGISTRY.values()
+        if patch not in chosen and patch.applied and names.intersection(required_by(patch.name))
+    ]
 
 
 def revert(features: Iterable[str] | None = None) -> None:

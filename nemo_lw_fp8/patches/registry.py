@@ -149,6 +149,20 @@ def _resolve(features: Iterable[str] | None) -> list[Patch]:
     return chosen
 
 
+def required_by(name: str) -> list[str]:
+    """Every registered patch ``name`` requires, directly or through another, nearest first
+    (``apply()`` installs them before it; a refusal of any of them refuses it, and reverting
+    any of them reverts it)."""
+    found: list[str] = []
+    queue = list(_REGISTRY[name].requires)
+    while queue:
+        needed = queue.pop(0)
+        if needed in _REGISTRY and needed not in found:
+            found.append(needed)
+            queue.extend(_REGISTRY[needed].requires)
+    return found
+
+
 MISSING = _MISSING
 
 

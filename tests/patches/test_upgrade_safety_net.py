@@ -149,17 +149,14 @@ def with_dependents(refused: dict[str, str | None]) -> dict[str, str | None]:
     """``refused`` plus every patch that requires one of them (``apply()`` installs what a patch
     requires first, so the refusal stops it too, and its verdict says so)."""
     from nemo_lw_fp8 import patches
+    from nemo_lw_fp8.patches.registry import required_by
 
     patches.load_all()
     found = dict(refused)
-    grew = True
-    while grew:
-        grew = False
-        for name, patch in patches.registry().items():
-            for needed in patch.requires:
-                if needed in found and name not in found:
-                    found[name] = found[needed]
-                    grew = True
+    for name in patches.registry():
+        needed = [required for required in required_by(name) if required in refused]
+        if needed and name not in found:
+            found[name] = refused[needed[0]]
     return found
 
 
